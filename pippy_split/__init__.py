@@ -1,0 +1,1 @@
+"""pippy_split: pipeline parallelism for ordinary PyTorch models."""

@@ -1,0 +1,1 @@
+"""Schedules: the action IR, placement, order generators, lowering, checks, runtime."""
