@@ -1,0 +1,181 @@
+"""``Pipe``: the split model — stage modules, edges, summary — and ``pipeline()``.
+
+End of the split half of the flow (split → **Pipe** → stage → schedule → runtime).
+A Pipe runs all its stages in one process (``pipe(x) == model(x)``) and builds
+the ``PipelineStage`` of any stage for a rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import sympy
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import SplitError
+from .partition import plan_stages
+from .spec import MODEL_INPUT, Edge, SymbolSource
+from .stage_graph import StageInfo, build_stages
+from .trace import Traced, trace_model
+
+__all__ = ["Pipe", "pipeline"]
+
+
+class Pipe:
+    """A model cut into stages. Build it with :func:`pipeline`.
+
+    Attributes:
+        num_stages: number of stages.
+        edges: every value crossing a cut, from its true producer to each reader.
+        shared_parameters: ``{fqn: [(stage, [names in that stage]), ...]}`` for tensors
+            held by several stages (tied weights); their gradients must be summed.
+        symbols: dynamic-shape symbols and the input dims they are read from.
+    """
+
+    def __init__(self, traced: Traced, stages: list[StageInfo], edges: list[Edge], symbols: list[SymbolSource],
+                 output_leaves: list[tuple[str, Any]], shared_parameters: dict, model_name: str) -> None:
+        self._traced = traced
+        self.stages = stages
+        self.edges = edges
+        self.symbols = symbols
+        self._output_leaves = output_leaves
+        self.shared_parameters = shared_parameters
+        self.model_name = model_name
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def input_names(self) -> list[str]:
+        """The model's flattened input names, in the order stages refer to them."""
+        return list(self._traced.user_inputs)
+
+    def get_stage_module(self, stage_index: int) -> torch.fx.GraphModule:
+        """The ``nn.Module`` of one stage; its ``state_dict()`` keys are the model's own FQNs."""
+        self._check_index(stage_index)
+        return self.stages[stage_index].module
+
+    def _check_index(self, stage_index: int) -> None:
+        if not 0 <= stage_index < self.num_stages:
+            raise IndexError(f"stage index {stage_index} out of range: this pipe has {self.num_stages} stages")
+
+    # ---- running in one process -------------------------------------------------
+    def flatten_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        """The model's inputs as the flat list stages index into."""
+        return self._traced.flatten_inputs(tuple(args), dict(kwargs))
+
+    def bind_symbols(self, flat_inputs: Sequence[Any]) -> dict[sympy.Symbol, int]:
+        """Values of the dynamic-shape symbols for these inputs."""
+        return {s.symbol: int(flat_inputs[s.input_index].shape[s.dim]) for s in self.symbols}
+
+    def stage_inputs(self, stage_index: int, flat_inputs: Sequence[Any], values: dict[tuple[int, int], Any],
+                     bindings: dict) -> list[Any]:
+        """Gather one stage's positional inputs from model inputs and produced values."""
+        out = []
+        for src in self.stages[stage_index].inputs:
+            if src.kind == "input":
+                out.append(flat_inputs[src.index])
+            elif src.kind == "edge":
+                e = src.edge
+                out.append(flat_inputs[e.src_output] if e.src_stage == MODEL_INPUT else values[(e.src_stage, e.src_output)])
+            else:
+                out.append(int(src.expr.xreplace(bindings)))
+        return out
+
+    def unflatten_outputs(self, last_stage_outputs: Sequence[Any]) -> Any:
+        """Rebuild the model's output structure (tuples, dicts, ModelOutput) from the last stage's outputs."""
+        leaves = [last_stage_outputs[v] if kind == "stage" else v for kind, v in self._output_leaves]
+        return pytree.tree_unflatten(leaves, self._traced.ep.call_spec.out_spec)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run every stage in order in this process; returns what the model returns."""
+        flat = self.flatten_inputs(args, kwargs)
+        bindings = self.bind_symbols(flat)
+        values: dict[tuple[int, int], Any] = {}
+        outs: Sequence[Any] = ()
+        for stage in self.stages:
+            outs = stage.module(*self.stage_inputs(stage.index, flat, values, bindings))
+            for i, v in enumerate(outs):
+                values[(stage.index, i)] = v
+        return self.unflatten_outputs(outs)
+
+    # ---- building stages for ranks -------------------------------------------------
+    def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: Any = None):
+        """The :class:`pippy_split.PipelineStage` for one stage, its module moved to ``device``."""
+        from ..stage import PipelineStage
+
+        self._check_index(stage_index)
+        return PipelineStage.from_pipe(self, stage_index, device=device, group=group)
+
+    # ---- summaries ---------------------------------------------------------------
+    def __repr__(self) -> str:
+        from .summary import pipe_text
+
+        return pipe_text(self)
+
+    def __rich__(self):
+        from .summary import pipe_rich
+
+        return pipe_rich(self)
+
+    def _repr_html_(self) -> str:
+        from .summary import pipe_html
+
+        return pipe_html(self)
+
+
+def pipeline(
+    model: torch.nn.Module,
+    split_spec: Any = None,
+    example_args: tuple | Any = None,
+    example_kwargs: dict | None = None,
+    *,
+    dynamic_shapes: Any = None,
+    strict: bool = False,
+    mb_args: tuple | None = None,
+    mb_kwargs: dict | None = None,
+) -> Pipe:
+    """Trace ``model`` with ``torch.export`` and cut it into a :class:`Pipe`.
+
+    Args:
+        model: any ``nn.Module``; it is not modified.
+        split_spec: ``{fqn: SplitPoint.BEGINNING | END}``, a list of FQNs (split at the
+            beginning of each), an int N (balance N stages by FLOPs and parameter bytes),
+            or None (cut at ``pipe_split()`` calls in forward).
+        example_args / example_kwargs: one microbatch of inputs (``mb_args``/``mb_kwargs``
+            are accepted as aliases, as in torch.distributed.pipelining).
+        dynamic_shapes: passed to ``torch.export``; declared dynamic dims become sympy
+            symbols in edge shapes and may change from batch to batch.
+        strict: use export's strict (TorchDynamo) mode.
+
+    Returns:
+        The Pipe.
+
+    Example:
+        >>> pipe = pipeline(model, ["blocks.2"], (x,))
+        >>> pipe.num_stages, [str(e) for e in pipe.edges]
+        >>> torch.testing.assert_close(pipe(x), model(x))
+    """
+    if mb_args is not None:
+        if example_args is not None:
+            raise TypeError("pass example_args or mb_args, not both")
+        example_args = mb_args
+    if mb_kwargs is not None:
+        if example_kwargs is not None:
+            raise TypeError("pass example_kwargs or mb_kwargs, not both")
+        example_kwargs = mb_kwargs
+    if example_args is None:
+        example_args = ()
+    if not isinstance(example_args, tuple):
+        example_args = (example_args,)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"pipeline() needs an nn.Module, got {type(model).__name__}")
+    traced = trace_model(model, example_args, example_kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
+    plan = plan_stages(traced.graph, split_spec, model)
+    if split_spec is None and plan.num_stages == 1:
+        pass  # a single stage is a valid (if pointless) pipe
+    built = build_stages(traced, plan, model)
+    return Pipe(traced, built.stages, built.edges, built.symbols, built.output_leaves, built.shared_parameters,
+                type(model).__name__)

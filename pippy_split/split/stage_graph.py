@@ -1,0 +1,329 @@
+"""Build each stage's module and the edge list from a partition plan.
+
+Third step of split → Pipe. For every stage: a ``torch.fx.GraphModule`` whose
+parameters and buffers sit at the model's own FQNs, whose inputs are the model
+inputs it reads (model order) then the values it receives (producer order) then
+the symbolic sizes it needs, and whose outputs are the values later stages read.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+from torch.fx import GraphModule
+
+from .cost import node_flops
+from .errors import SplitError
+from .grad import infer_requires_grad
+from .markers import PIPE_SPLIT_OP
+from .partition import Plan, module_paths
+from .spec import MODEL_INPUT, Edge, SymbolSource, TensorSpec
+from .trace import Traced
+
+__all__ = ["StageSource", "StageInfo", "Built", "build_stages"]
+
+
+@dataclass(frozen=True)
+class StageSource:
+    """Where one stage input comes from: a model input, an edge, or a symbol expression."""
+
+    kind: str  # "input" | "edge" | "symbol"
+    name: str
+    index: int = -1  # flat model-input index for kind "input"
+    edge: Edge | None = None
+    expr: Any = None  # sympy expression for kind "symbol"
+
+
+@dataclass
+class StageInfo:
+    """One stage: its module and how its inputs and outputs connect."""
+
+    index: int
+    module: GraphModule
+    inputs: list[StageSource]
+    output_names: list[str]
+    output_specs: list[TensorSpec | None]
+    modules: list[str]  # top-level module FQNs it runs, in order
+    flops: int = 0
+    param_fqns: list[str] = field(default_factory=list)
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+
+@dataclass
+class Built:
+    stages: list[StageInfo]
+    edges: list[Edge]
+    symbols: list[SymbolSource]
+    output_leaves: list[tuple[str, Any]]  # ("stage", out_index) in last stage, or ("const", value)
+    shared_parameters: dict[str, list[tuple[int, list[str]]]]
+
+
+def _spec_of(node: torch.fx.Node, requires_grad: bool, known: set) -> TensorSpec:
+    val = node.meta.get("val")
+    dims = []
+    for d in val.shape:
+        if isinstance(d, torch.SymInt):
+            expr = sympy.sympify(d.node.expr)
+            if expr.is_number:
+                dims.append(int(expr))
+                continue
+            unknown = expr.free_symbols - known
+            if unknown:
+                raise SplitError(
+                    f"value {node.name!r} of shape {tuple(val.shape)} crosses a stage boundary but its size "
+                    f"depends on data ({sorted(map(str, unknown))}), not on input shapes; move the split point "
+                    "so that this value stays inside one stage"
+                )
+            dims.append(expr)
+        else:
+            dims.append(int(d))
+    return TensorSpec(tuple(dims), val.dtype, requires_grad)
+
+
+def _symbol_sources(traced: Traced, placeholders: dict[str, torch.fx.Node]) -> list[SymbolSource]:
+    out, seen = [], set()
+    for idx, name in enumerate(traced.user_inputs):
+        val = placeholders[name].meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for dim, d in enumerate(val.shape):
+            if isinstance(d, torch.SymInt):
+                expr = d.node.expr
+                if isinstance(expr, sympy.Symbol) and expr not in seen:
+                    seen.add(expr)
+                    out.append(SymbolSource(expr, idx, dim))
+    return out
+
+
+def _mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Input nodes an in-place op writes to."""
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, torch.fx.Node):
+                out.append(value)
+    return out
+
+
+def _install(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool, persistent: bool = True) -> None:
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        child = mod._modules.get(part)
+        if child is None:
+            child = torch.nn.Module()
+            mod.add_module(part, child)
+        mod = child
+    if buffer:
+        mod.register_buffer(leaf, value, persistent=persistent)
+    else:
+        mod.register_parameter(leaf, value)
+
+
+class _Builder:
+    def __init__(self, traced: Traced, plan: Plan, model: torch.nn.Module) -> None:
+        self.traced, self.plan, self.model = traced, plan, model
+        self.graph = traced.graph
+        self.placeholders = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
+        self.input_index = {name: i for i, name in enumerate(traced.user_inputs)}
+        seed = {name: p.requires_grad for name, p in self._param_tensors().items()}
+        seed.update(traced.requires_grad_inputs)
+        self.rg = infer_requires_grad(self.graph, seed)
+        self.symbols = _symbol_sources(traced, self.placeholders)
+        self.known_symbols = {s.symbol for s in self.symbols}
+        self.position = {n: i for i, n in enumerate(self.graph.nodes)}
+        self.n = plan.num_stages
+        self.last = self.n - 1
+        out_node = next(n for n in reversed(self.graph.nodes) if n.op == "output")
+        self.output_leaves = list(out_node.args[0])
+
+    def _param_tensors(self) -> dict[str, torch.Tensor]:
+        state = dict(self.model.named_parameters(remove_duplicate=False))
+        state.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        out = {}
+        for name, fqn in {**self.traced.params, **self.traced.buffers}.items():
+            out[name] = state[fqn]
+        return out
+
+    def stage_of(self, node: torch.fx.Node) -> int | None:
+        return self.plan.stage_of.get(node)
+
+    def build(self) -> Built:
+        stage_ops: list[list[torch.fx.Node]] = [[] for _ in range(self.n)]
+        for op in self.plan.ops:
+            if op.target is not PIPE_SPLIT_OP:
+                stage_ops[self.plan.stage_of[op]].append(op)
+        # Values each stage reads from outside itself, in first-use order.
+        reads: list[list[torch.fx.Node]] = []
+        for s, ops in enumerate(stage_ops):
+            seen: dict[torch.fx.Node, None] = {}
+            for op in ops:
+                for a in op.all_input_nodes:
+                    if a.op == "placeholder" or (a.op == "call_function" and self.stage_of(a) != s):
+                        seen.setdefault(a, None)
+            if s == self.last:
+                for leaf in self.output_leaves:
+                    if isinstance(leaf, torch.fx.Node) and self.stage_of(leaf) != s:
+                        seen.setdefault(leaf, None)
+            reads.append(list(seen))
+        # Producer side: which values leave each stage.
+        consumers: dict[torch.fx.Node, set[int]] = {}
+        for s, values in enumerate(reads):
+            for v in values:
+                if v.op == "call_function" and not isinstance(v.meta.get("val"), torch.SymInt):
+                    consumers.setdefault(v, set()).add(s)
+        outputs: list[list[torch.fx.Node]] = [[] for _ in range(self.n)]
+        for v in sorted(consumers, key=self.position.__getitem__):
+            outputs[self.stage_of(v)].append(v)
+        last_out: dict[torch.fx.Node, int] = {}
+        for leaf in self.output_leaves:
+            if isinstance(leaf, torch.fx.Node) and leaf not in last_out:
+                last_out[leaf] = len(last_out)
+        outputs[self.last] = list(last_out)
+        out_index = [{v: i for i, v in enumerate(outs)} for outs in outputs]
+
+        edges: list[Edge] = []
+        stages: list[StageInfo] = []
+        installed: dict[str, list[tuple[int, list[str]]]] = {}
+        for s in range(self.n):
+            info, stage_edges = self._build_stage(s, stage_ops[s], reads[s], outputs[s], out_index, installed)
+            stages.append(info)
+            edges.extend(stage_edges)
+        self._place_unused(stages, installed)
+        leaves = [("stage", last_out[x]) if isinstance(x, torch.fx.Node) else ("const", x) for x in self.output_leaves]
+        shared = {k: v for k, v in installed.items() if len(v) > 1}
+        return Built(stages, edges, self.symbols, leaves, shared)
+
+    def _aliases_for(self, canonical: str, users: list[torch.fx.Node]) -> list[str]:
+        names = self.traced.aliases.get(canonical, [canonical])
+        if len(names) == 1:
+            return names
+        user_paths = {p for u in users for p in module_paths(u)} | {""}
+        chosen = [n for n in names if (n.rsplit(".", 1)[0] if "." in n else "") in user_paths]
+        return chosen or [canonical]
+
+    def _build_stage(self, s, ops, reads, outs, out_index, installed):
+        g = torch.fx.Graph()
+        env: dict[torch.fx.Node, Any] = {}
+        sources: list[StageSource] = []
+        edges: list[Edge] = []
+        mutated = {a for op in ops for a in _mutated_args(op)}
+        stage_set = set(ops)
+        user_in = sorted((v for v in reads if v.name in self.input_index), key=lambda v: self.input_index[v.name])
+        received = [v for v in reads if v.op == "call_function" and not isinstance(v.meta.get("val"), torch.SymInt)]
+        symbolic = [v for v in reads if v.op == "call_function" and isinstance(v.meta.get("val"), torch.SymInt)]
+        attrs = [v for v in reads if v.op == "placeholder" and v.name not in self.input_index]
+        for v in user_in:
+            val = v.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                env[v] = val  # specialised Python value: baked in
+                continue
+            env[v] = g.placeholder(v.name)
+            sources.append(StageSource("input", v.name, index=self.input_index[v.name]))
+            if s > 0:
+                spec = _spec_of(v, self.rg[v], self.known_symbols)
+                edge = Edge(MODEL_INPUT, self.input_index[v.name], s, len(sources) - 1, spec, v.name)
+                edges.append(edge)
+                sources[-1] = StageSource("edge", v.name, index=self.input_index[v.name], edge=edge)
+        for v in received:
+            src = self.stage_of(v)
+            spec = _spec_of(v, self.rg[v], self.known_symbols)
+            env[v] = g.placeholder(v.name)
+            edge = Edge(src, out_index[src][v], s, len(sources), spec, v.name)
+            edges.append(edge)
+            sources.append(StageSource("edge", v.name, edge=edge))
+        for v in symbolic:
+            expr = sympy.sympify(v.meta["val"].node.expr)
+            if expr.is_number:
+                env[v] = int(expr)
+                continue
+            if expr.free_symbols - self.known_symbols:
+                raise SplitError(f"size {v.name!r} = {expr} crosses into stage {s} but depends on data; move the split")
+            env[v] = g.placeholder(f"sym_{v.name}")
+            sources.append(StageSource("symbol", v.name, expr=expr))
+        for v in list(env):
+            if v in mutated and isinstance(env[v], torch.fx.Node):
+                # Received values are autograd leaves: an in-place op on them would fail.
+                env[v] = g.call_function(torch.ops.aten.clone.default, (env[v],))
+        root = torch.nn.Module()
+        param_fqns = []
+        for v in attrs:
+            users = [u for u in v.users if u in stage_set]
+            if v.name in self.traced.constants:
+                attr = f"_const_{v.name}"
+                root.register_buffer(attr, self.traced.ep.constants[self.traced.constants[v.name]], persistent=False)
+                env[v] = g.get_attr(attr)
+                continue
+            canonical = self.traced.params.get(v.name) or self.traced.buffers[v.name]
+            names = self._aliases_for(canonical, users)
+            tensor = self.model.get_parameter(canonical) if v.name in self.traced.params else self.model.get_buffer(canonical)
+            for name in names:
+                is_buffer = v.name in self.traced.buffers
+                _install(root, name, tensor, buffer=is_buffer, persistent=name not in self.traced.non_persistent)
+                param_fqns.append(name)
+            installed.setdefault(canonical, []).append((s, names))
+            env[v] = g.get_attr(names[0])
+        modules: dict[str, None] = {}
+        flops = 0
+        for op in ops:
+            for a in op.all_input_nodes:
+                if a.op == "get_attr" and a not in env:
+                    root.add_module(a.target, self.traced.ep.graph_module.get_submodule(a.target))
+                    env[a] = g.get_attr(a.target)
+            env[op] = g.node_copy(op, lambda a: env[a])
+            paths = module_paths(op)
+            if paths:
+                modules.setdefault(paths[0], None)
+            if op.target is not operator.getitem:
+                flops += node_flops(op)
+        out_vals = [env[v] for v in outs]
+        g.output(tuple(out_vals))
+        module = GraphModule(root, g, class_name=f"Stage{s}")
+        for name, buf in list(root.named_buffers()):
+            if name in self.traced.non_persistent or name.startswith("_const_"):
+                mod_path, _, leaf = name.rpartition(".")
+                module.get_submodule(mod_path).register_buffer(leaf, buf, persistent=False)
+        out_specs = [
+            _spec_of(v, self.rg[v], self.known_symbols) if isinstance(v.meta.get("val"), torch.Tensor) else None
+            for v in outs
+        ]
+        info = StageInfo(s, module, sources, [v.name for v in outs], out_specs, list(modules), flops, param_fqns)
+        return info, edges
+
+    def _place_unused(self, stages: list[StageInfo], installed: dict) -> None:
+        """Parameters no op reads (and tied names never called) still belong somewhere:
+        stage 0 (or the first stage holding the tensor), so the stages' state dicts
+        together hold every key of the model's."""
+        have = {name for st in stages for name in st.param_fqns}
+        for ph, canonical in {**self.traced.params, **self.traced.buffers}.items():
+            for name in self.traced.aliases.get(canonical, [canonical]):
+                if name in have:
+                    continue
+                holders = [s for s, _ in installed.get(canonical, [])]
+                s = holders[0] if holders else 0
+                is_buffer = ph in self.traced.buffers
+                tensor = self.model.get_buffer(canonical) if is_buffer else self.model.get_parameter(canonical)
+                _install(stages[s].module, name, tensor, buffer=is_buffer, persistent=name not in self.traced.non_persistent)
+                stages[s].param_fqns.append(name)
+                have.add(name)
+
+
+def build_stages(traced: Traced, plan: Plan, model: torch.nn.Module) -> Built:
+    """Stage modules, edges, symbols and output mapping for ``plan``."""
+    return _Builder(traced, plan, model).build()

@@ -1,0 +1,95 @@
+"""Human-readable views of a Pipe: plain text, rich tables, HTML for notebooks."""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:
+    from .pipe import Pipe
+
+__all__ = ["pipe_text", "pipe_rich", "pipe_html", "imbalance_warning"]
+
+
+def _human(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}P"
+
+
+def _module_range(mods: list[str]) -> str:
+    mods = [m for m in mods if m]
+    if not mods:
+        return "(top-level ops)"
+    return mods[0] if len(mods) == 1 else f"{mods[0]} … {mods[-1]} ({len(mods)})"
+
+
+def imbalance_warning(pipe: "Pipe") -> str | None:
+    """A warning when the costliest stage costs over 1.5x the cheapest (by FLOPs)."""
+    flops = [s.flops for s in pipe.stages]
+    if len(flops) < 2 or min(flops) <= 0:
+        return None
+    ratio = max(flops) / min(flops)
+    if ratio > 1.5:
+        hi, lo = flops.index(max(flops)), flops.index(min(flops))
+        return f"imbalanced: stage {hi} costs {ratio:.1f}x stage {lo} (FLOPs); consider moving split points"
+    return None
+
+
+def _peers(pipe: "Pipe", s: int) -> tuple[str, str]:
+    recv = sorted({("in" if e.from_input else str(e.src_stage)) + ("*" if e.is_skip else "") for e in pipe.edges if e.dst_stage == s})
+    send = sorted({str(e.dst_stage) + ("*" if e.is_skip else "") for e in pipe.edges if e.src_stage == s})
+    return ", ".join(recv) or "-", ", ".join(send) or "-"
+
+
+def pipe_rich(pipe: "Pipe") -> Group:
+    """Stages table, edges table and warnings as a rich renderable."""
+    stages = Table(title=f"Pipe of {pipe.model_name}: {pipe.num_stages} stages", title_justify="left")
+    for col in ("stage", "modules", "params", "bytes", "FLOPs/mb", "receives from", "sends to"):
+        stages.add_column(col, justify="right" if col in ("params", "bytes", "FLOPs/mb") else "left")
+    for st in pipe.stages:
+        recv, send = _peers(pipe, st.index)
+        stages.add_row(str(st.index), _module_range(st.modules), _human(st.num_params), _human(st.param_bytes) + "B",
+                       _human(st.flops), recv, send)
+    edges = Table(title="Edges (* = skip over at least one stage)", title_justify="left")
+    for col in ("from", "to", "value", "shape", "dtype", "grad"):
+        edges.add_column(col)
+    for e in pipe.edges:
+        src = "input" if e.from_input else f"stage {e.src_stage}[{e.src_output}]"
+        style = "bold yellow" if e.is_skip else None
+        edges.add_row(src, f"stage {e.dst_stage}[{e.dst_input}]" + (" *" if e.is_skip else ""), e.name,
+                      "(" + ", ".join(str(d) for d in e.spec.shape) + ")", str(e.spec.dtype).replace("torch.", ""),
+                      "yes" if e.spec.carries_grad else "no", style=style)
+    parts = [stages, edges]
+    if pipe.shared_parameters:
+        shared = Table(title="Shared parameters (gradients summed across stages)", title_justify="left")
+        shared.add_column("parameter")
+        shared.add_column("held by")
+        for fqn, holders in pipe.shared_parameters.items():
+            shared.add_row(fqn, "; ".join(f"stage {s}: {', '.join(n)}" for s, n in holders))
+        parts.append(shared)
+    warning = imbalance_warning(pipe)
+    if warning:
+        parts.append(Text("warning: " + warning, style="bold red"))
+    return Group(*parts)
+
+
+def _render(pipe: "Pipe", **console_kw) -> Console:
+    console = Console(file=io.StringIO(), width=120, **console_kw)
+    console.print(pipe_rich(pipe))
+    return console
+
+
+def pipe_text(pipe: "Pipe") -> str:
+    return _render(pipe, color_system=None).file.getvalue().rstrip()
+
+
+def pipe_html(pipe: "Pipe") -> str:
+    console = _render(pipe, record=True)
+    return console.export_html(inline_styles=True)

@@ -1,0 +1,192 @@
+"""Trace a user's model into one exported graph (first step of split → Pipe).
+
+The model is wrapped, not patched: a thin root module calls it and replaces
+opaque objects in the output (an HF ``DynamicCache``, which export cannot
+flatten) by ``None``, then ``torch.export`` traces the root. Parameter and
+module names are reported without the wrapper's prefix, so every FQN below is
+the user's own (``blocks.2.attn.qkv.weight``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+from torch.utils import _pytree as pytree
+
+from .errors import TraceError
+
+__all__ = ["Traced", "trace_model", "ROOT_PREFIX"]
+
+ROOT_PREFIX = "mod."
+_PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, complex, type(None), torch.SymInt, torch.SymFloat)
+
+
+class _TraceRoot(torch.nn.Module):
+    """Calls the user's model and drops outputs export cannot flatten (caches)."""
+
+    def __init__(self, mod: torch.nn.Module) -> None:
+        super().__init__()
+        self.mod = mod
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.mod(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten(out)
+        leaves = [leaf if isinstance(leaf, _PLAIN_LEAVES) else None for leaf in leaves]
+        return pytree.tree_unflatten(leaves, spec)
+
+
+def _root_for(model: torch.nn.Module) -> torch.nn.Module:
+    """A _TraceRoot whose ``forward`` has the model's signature (so export names
+    inputs after the model's arguments and ``dynamic_shapes`` keys still match)."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return _TraceRoot(model)
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+    def forward(self, *args, **kwargs):  # noqa: ANN001
+        return _TraceRoot.forward(self, *args, **kwargs)
+
+    forward.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])
+    cls = type(f"TraceRoot_{type(model).__name__}", (_TraceRoot,), {"forward": forward})
+    return cls(model)
+
+
+def _strip(fqn: str) -> str:
+    return fqn[len(ROOT_PREFIX):] if fqn.startswith(ROOT_PREFIX) else fqn
+
+
+@dataclass
+class Traced:
+    """The exported graph plus the facts about its inputs the partitioner needs."""
+
+    ep: ExportedProgram
+    user_inputs: list[str]  # placeholder names of the model's inputs, flat order
+    params: dict[str, str]  # placeholder name -> canonical FQN
+    buffers: dict[str, str]  # placeholder name -> canonical FQN
+    constants: dict[str, str]  # placeholder name -> lifted constant name
+    non_persistent: set[str]  # buffer FQNs kept out of the state dict
+    aliases: dict[str, list[str]]  # canonical FQN -> every FQN of that tensor (tied weights)
+    signature: inspect.Signature | None
+    example_arg_names: list[str]  # names the example passed positionally
+    example_kwarg_names: list[str]
+    requires_grad_inputs: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.ep.graph
+
+    def normalize_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Rearrange a call's arguments into the (args, kwargs) shape of the example."""
+        if self.signature is None:
+            return tuple(args), dict(kwargs)
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"pipeline called with arguments that do not fit the model's forward: {e}") from None
+        arguments = bound.arguments
+        missing = [n for n in self.example_arg_names + self.example_kwarg_names if n not in arguments]
+        if missing:
+            raise TypeError(
+                f"missing model input(s) {missing}: the pipeline was traced with them, pass them on every call"
+            )
+        new_args = tuple(arguments[n] for n in self.example_arg_names)
+        new_kwargs = {n: arguments[n] for n in self.example_kwarg_names}
+        return new_args, new_kwargs
+
+    def flatten_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        args, kwargs = self.normalize_call(args, kwargs)
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self.ep.call_spec.in_spec:
+            raise TypeError(
+                f"inputs have a different structure than the example the pipeline was traced with:\n"
+                f"  expected {self.ep.call_spec.in_spec}\n  got      {spec}"
+            )
+        return flat
+
+
+def _example_names(sig: inspect.Signature | None, args: tuple, kwargs: dict) -> tuple[list[str], list[str]]:
+    if sig is None:
+        return [f"args[{i}]" for i in range(len(args))], list(kwargs)
+    positional = [
+        p.name
+        for p in sig.parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    return positional[: len(args)], list(kwargs)
+
+
+def trace_model(
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    dynamic_shapes: Any = None,
+    strict: bool = False,
+) -> Traced:
+    """Export ``model`` on the example inputs; raise :class:`TraceError` with export's reason."""
+    kwargs = dict(kwargs or {})
+    root = _root_for(model)
+    try:
+        ep = torch.export.export(root, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
+    except Exception as e:  # export raises many types; all mean "cannot trace"
+        reason = f"{type(e).__name__}: {e}"
+        raise TraceError(
+            f"torch.export could not trace {type(model).__name__}:\n  {reason.strip()[:2000]}\n"
+            "What to do: make the failing code traceable (see the reason above), try "
+            "strict=False/True, mark the stage boundaries with pippy_split.pipe_split() and trace "
+            "the parts that work, or build the stages by hand with pippy_split.PipelineStage."
+        ) from e
+
+    params, buffers, constants, non_persistent = {}, {}, {}, set()
+    user_inputs = []
+    for spec in ep.graph_signature.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            params[name] = _strip(spec.target)
+        elif spec.kind == InputKind.BUFFER:
+            buffers[name] = _strip(spec.target)
+            if spec.persistent is False:
+                non_persistent.add(_strip(spec.target))
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            constants[name] = spec.target
+        elif spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(name)
+        else:
+            raise TraceError(f"unsupported graph input kind {spec.kind} for {name!r}")
+
+    aliases: dict[str, list[str]] = {}
+    by_id: dict[int, list[str]] = {}
+    for fqn, t in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    ):
+        by_id.setdefault(id(t), []).append(fqn)
+    for names in by_id.values():
+        for fqn in names:
+            aliases[fqn] = names
+
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        sig = None
+    arg_names, kwarg_names = _example_names(sig, tuple(args), kwargs)
+    flat_examples = pytree.tree_leaves((tuple(args), kwargs))
+    rg = {name: isinstance(x, torch.Tensor) and x.requires_grad for name, x in zip(user_inputs, flat_examples)}
+    return Traced(
+        ep=ep,
+        user_inputs=user_inputs,
+        params=params,
+        buffers=buffers,
+        constants=constants,
+        non_persistent=non_persistent,
+        aliases=aliases,
+        signature=sig,
+        example_arg_names=arg_names,
+        example_kwarg_names=kwarg_names,
+        requires_grad_inputs=rg,
+    )
