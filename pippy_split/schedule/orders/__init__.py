@@ -1,0 +1,114 @@
+"""Order generators: one pure function per schedule family, and their registry.
+
+Each family module exposes ``compute_order(num_ranks, n_microbatches,
+stages_per_rank) -> Order``: compute actions only (F, B, I, W) per rank in
+execution order, no torch, no process group. Lowering adds the comms later.
+:data:`ORDERS` says, as data, what each family needs (placement, stages per
+rank, whether the backward is split) so that stage building, lowering and
+validation never guess.
+
+Example:
+    >>> spec = get_order_spec("zbvzerobubble")
+    >>> spec.placement, spec.stages_per_rank
+    ('v', 2)
+    >>> [str(a) for a in spec.compute_order(2, 4, 2)[0]][:3]
+    ['0F0', '0F1', '0F2']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from ..actions import Order
+from . import (
+    dualpipe_v,
+    gpipe,
+    interleaved_1f1b,
+    interleaved_zero_bubble,
+    looped_bfs,
+    one_f_one_b,
+    zbv_zero_bubble,
+)
+
+__all__ = ["OrderSpec", "ORDERS", "get_order_spec"]
+
+
+@dataclass(frozen=True)
+class OrderSpec:
+    """What one schedule family is and needs."""
+
+    name: str
+    """Registry name, e.g. ``"ZBVZeroBubble"``."""
+    compute_order: Callable[..., Order]
+    """``(num_ranks, n_microbatches, stages_per_rank) -> Order``."""
+    placement: Literal["loop", "v"]
+    """Stage-to-rank style the order assumes (see :mod:`..placement`)."""
+    stages_per_rank: int | None
+    """Fixed stages per rank, or ``None`` for any ``>= min_stages_per_rank``."""
+    min_stages_per_rank: int
+    """Fewest stages per rank the family accepts."""
+    split_backward: bool
+    """Whether the order uses I and W (else only B)."""
+    paper: str
+    """Where the schedule comes from."""
+
+    def __post_init__(self) -> None:
+        if self.placement not in ("loop", "v"):
+            raise ValueError(f"{self.name}: placement must be 'loop' or 'v', got {self.placement!r}")
+        if self.stages_per_rank is not None and self.stages_per_rank < self.min_stages_per_rank:
+            raise ValueError(f"{self.name}: stages_per_rank {self.stages_per_rank} < min {self.min_stages_per_rank}")
+
+    def default_stages_per_rank(self) -> int:
+        """The fixed count, else the minimum."""
+        return self.stages_per_rank if self.stages_per_rank is not None else self.min_stages_per_rank
+
+
+_SPECS = [
+    OrderSpec("GPipe", gpipe.compute_order, "loop", 1, 1, False, "Huang et al. 2019, GPipe"),
+    OrderSpec(
+        "1F1B", one_f_one_b.compute_order, "loop", 1, 1, False, "Narayanan et al. 2021, PipeDream-Flush (ICML)"
+    ),
+    OrderSpec(
+        "Interleaved1F1B",
+        interleaved_1f1b.compute_order,
+        "loop",
+        None,
+        2,
+        False,
+        "Narayanan et al. 2021, Megatron-LM interleaved schedule (SC)",
+    ),
+    OrderSpec(
+        "LoopedBFS", looped_bfs.compute_order, "loop", None, 1, False, "Lamy-Poirier 2023, Breadth-First Pipeline Parallelism"
+    ),
+    OrderSpec(
+        "InterleavedZeroBubble",
+        interleaved_zero_bubble.compute_order,
+        "loop",
+        None,
+        1,
+        True,
+        "Qi et al. 2024, Zero Bubble Pipeline Parallelism (ZB-H1)",
+    ),
+    OrderSpec(
+        "ZBVZeroBubble", zbv_zero_bubble.compute_order, "v", 2, 2, True, "Qi et al. 2024, Zero Bubble Pipeline Parallelism (ZB-V)"
+    ),
+    OrderSpec(
+        "DualPipeV", dualpipe_v.compute_order, "v", 2, 2, True, "DeepSeek-AI 2024, DeepSeek-V3 Technical Report (DualPipe, V variant)"
+    ),
+]
+
+ORDERS: dict[str, OrderSpec] = {spec.name: spec for spec in _SPECS}
+
+
+def get_order_spec(name: str) -> OrderSpec:
+    """Look up a family by name, case-insensitively.
+
+    Raises:
+        ValueError: for an unknown name, listing the valid ones.
+    """
+    by_lower = {key.lower(): spec for key, spec in ORDERS.items()}
+    spec = by_lower.get(name.lower())
+    if spec is None:
+        raise ValueError(f"unknown schedule {name!r}; valid names: {', '.join(ORDERS)}")
+    return spec

@@ -1,0 +1,45 @@
+"""1F1B (PipeDream-Flush): warm up with forwards, then alternate one forward
+and one backward, then drain the backwards.
+
+Paper: Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training"
+(PipeDream-2BW / PipeDream-Flush), ICML 2021; also Narayanan et al.,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", SC 2021, section 2.2.1.
+
+Placement: ``"loop"``, one stage per rank. Rank ``r`` runs ``p - 1 - r``
+warm-up forwards, so it holds at most ``p - r`` activations (GPipe holds
+``m``); the bubble is the same as GPipe's, ``(p - 1) / (m + p - 1)`` of the
+time with F=1, B=2.
+
+p=2, m=3, unit costs (F=1, B=2)::
+
+    rank 0  F0  F1  .   .   B0  B0  F2  B1  B1  .   B2  B2
+    rank 1  .   F0  B0  B0  F1  B1  B1  F2  B2  B2
+"""
+
+from __future__ import annotations
+
+from ..actions import Order
+from .common import B, F, Action, check_sizes
+
+__all__ = ["compute_order"]
+
+
+def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Order:
+    """1F1B order for ``num_ranks`` ranks and any ``n_microbatches >= 1``.
+
+    Example:
+        >>> [str(a) for a in compute_order(2, 3)[0]]
+        ['0F0', '0F1', '0B0', '0F2', '0B1', '0B2']
+    """
+    check_sizes("1F1B", num_ranks, n_microbatches, stages_per_rank, exact_stages=1)
+    return {r: _rank_order(r, num_ranks, n_microbatches) for r in range(num_ranks)}
+
+
+def _rank_order(rank: int, p: int, m: int) -> list[Action | None]:
+    warmup = min(p - 1 - rank, m)
+    ops: list[Action | None] = [Action(rank, F, mb) for mb in range(warmup)]
+    for i in range(m - warmup):  # steady state: the next forward, then the oldest backward
+        ops += [Action(rank, F, warmup + i), Action(rank, B, i)]
+    ops += [Action(rank, B, mb) for mb in range(m - warmup, m)]
+    return ops

@@ -1,0 +1,360 @@
+"""Pictures of schedules: order tables and simulated timelines, one row per rank.
+
+Sits at the end of the schedule layer, beside the simulator: ``Simulation``'s
+``__str__``, ``__rich__``, ``to_svg`` and ``_repr_html_`` call the functions
+here, and :class:`~pippy_split.schedule.validate.ScheduleError` prints its
+order with :func:`format_order`. Nothing here computes a schedule; it only
+draws one. A simulation is read duck-typed: ``timeline`` ``{rank: [(start,
+end, Action), ...]}``, ``makespan``, ``num_ranks`` and, when present,
+``bubble_fraction`` and ``peak_activations``.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
+from rich.text import Text
+
+from .actions import Action, ActionKind, Order
+
+__all__ = ["format_order", "render_text", "render_rich", "render_svg", "render_html", "KIND_COLORS"]
+
+KIND_COLORS: dict[str, str] = {
+    "F": "#4c8be8",  # forward: blue
+    "B": "#e8804c",  # full backward: orange
+    "I": "#e8c84c",  # input-grad backward: yellow
+    "W": "#5cb85c",  # weight-grad backward: green
+    "comm": "#b0b0b0",  # SEND/RECV: grey
+}
+"""Fill colour per action kind, shared by the SVG and the rich renderings."""
+
+_RICH_STYLES: dict[str, str] = {
+    "F": "bold white on #4c8be8",
+    "B": "bold black on #e8804c",
+    "I": "bold black on #e8c84c",
+    "W": "bold black on #5cb85c",
+    "comm": "black on #b0b0b0",
+}
+_IDLE = "."
+Segment = tuple[int, int, "Action | None"]  # (first column, end column, action or idle)
+
+
+def _kind_key(action: Action) -> str:
+    return action.kind.value if action.kind.is_compute else "comm"
+
+
+# -- order tables -------------------------------------------------------------
+
+
+def format_order(
+    order: Order,
+    mark: tuple[int, int] | Mapping[int, int] | None = None,
+    *,
+    max_steps: int | None = 24,
+) -> str:
+    """The order as a table, one row per rank; marked cells are shown as ``[0F3]``.
+
+    Args:
+        order: ``{rank: [Action | None, ...]}``; ``None`` (idle) prints as ``.``.
+        mark: a ``(rank, step)`` or ``{rank: step}`` to highlight.
+        max_steps: widest window of steps shown (around the marks, else from
+            step 0); ``None`` shows every step.
+
+    Example:
+        >>> print(format_order({0: [Action(0, ActionKind.F, 0), None]}, mark=(0, 1)))
+        step     0     1
+        rank 0  0F0   [.]
+    """
+    marks = _marks(mark)
+    n_steps = max((len(a) for a in order.values()), default=0)
+    lo, hi = _window(n_steps, marks, max_steps)
+    cells = {
+        r: [_cell(acts, i, marks.get(r) == i) for i in range(lo, hi)] for r, acts in order.items()
+    }
+    width = max([len(str(i)) for i in range(lo, hi)] + [len(c.strip("[]")) + 2 for row in cells.values() for c in row])
+    label_w = len(f"rank {max(order, default=0)}")
+    head = ["…"] if lo > 0 else []
+    tail = ["…"] if hi < n_steps else []
+    lines = [_row("step".ljust(label_w), head + [str(i) for i in range(lo, hi)] + tail, width)]
+    for r in sorted(order):
+        pad_l = [" "] if lo > 0 else []
+        pad_r = [" "] if hi < n_steps else []
+        lines.append(_row(f"rank {r}".ljust(label_w), pad_l + cells[r] + pad_r, width))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _marks(mark: tuple[int, int] | Mapping[int, int] | None) -> dict[int, int]:
+    if mark is None:
+        return {}
+    if isinstance(mark, Mapping):
+        return {r: s for r, s in mark.items() if s is not None}
+    rank, step = mark
+    return {} if rank is None or step is None else {rank: step}
+
+
+def _window(n_steps: int, marks: Mapping[int, int], max_steps: int | None) -> tuple[int, int]:
+    if max_steps is None or n_steps <= max_steps:
+        return 0, n_steps
+    if not marks:
+        return 0, max_steps
+    first, last = min(marks.values()), max(marks.values())
+    lo = max(0, min(first - 6, (first + last - max_steps) // 2))
+    return lo, min(n_steps, lo + max_steps)
+
+
+def _cell(actions: list[Action | None], step: int, marked: bool) -> str:
+    if step >= len(actions):
+        text = "" if not marked else "<end>"
+    else:
+        text = _IDLE if actions[step] is None else str(actions[step])
+    return f"[{text}]" if marked else text
+
+
+def _row(label: str, cells: list[str], width: int) -> str:
+    return label + " " + " ".join(c.center(width) for c in cells)
+
+
+# -- timelines: shared quantisation -------------------------------------------
+
+
+def _spans(sim: Any) -> dict[int, list[tuple[float, float, Action]]]:
+    """Timeline entries with a positive duration, per rank, every rank present."""
+    ranks = range(int(getattr(sim, "num_ranks", 0) or 0)) or sorted(sim.timeline)
+    out = {r: [] for r in ranks}
+    for r, entries in sim.timeline.items():
+        out.setdefault(r, []).extend(sorted((e for e in entries if e[1] > e[0]), key=lambda e: e[0]))
+    return out
+
+
+def _scale(sim: Any, width: int | None) -> float:
+    """Columns per unit of time: the shortest action gets room for its label."""
+    spans = [e for entries in _spans(sim).values() for e in entries]
+    if not spans or sim.makespan <= 0:
+        return 1.0
+    shortest = min(end - start for start, end, _ in spans)
+    label = max(len(str(a)) for _, _, a in spans) + 1
+    scale = label / shortest
+    if width is not None and sim.makespan * scale > width:
+        scale = max(width, 1) / sim.makespan
+    return scale
+
+
+def _segments(entries: list[tuple[float, float, Action]], scale: float, total: int) -> Iterator[Segment]:
+    """Cover columns ``[0, total)`` with action and idle segments."""
+    col = 0
+    for start, end, action in entries:
+        c0, c1 = max(round(start * scale), col), min(max(round(end * scale), round(start * scale) + 1), total)
+        if c1 <= c0:
+            continue
+        if c0 > col:
+            yield col, c0, None
+        yield c0, c1, action
+        col = c1
+    if col < total:
+        yield col, total, None
+
+
+def _label(action: Action | None, span: int) -> str:
+    if action is None:
+        return _IDLE * span
+    text = str(action)
+    if span > len(text):
+        return text.ljust(span)
+    short = action.kind.value if action.kind.is_compute else action.kind.value[0].lower()
+    return (short * span)[:span]
+
+
+def _summary(sim: Any) -> str:
+    parts = [f"{sim.num_ranks} ranks", f"makespan {sim.makespan:g}"]
+    if getattr(sim, "bubble_fraction", None) is not None:
+        parts.append(f"bubble {sim.bubble_fraction:.1%}")
+    return ", ".join(parts)
+
+
+def _peaks(sim: Any) -> str | None:
+    peaks = getattr(sim, "peak_activations", None)
+    if not peaks:
+        return None
+    return "peak activations: " + " ".join(f"r{r}={n}" for r, n in sorted(peaks.items()))
+
+
+def _ruler(makespan: float, scale: float, total: int, indent: int) -> str:
+    """A time axis: tick labels at round times, spaced so they do not collide."""
+    step = 1.0
+    while step * scale < 6:
+        step *= 2 if str(step)[0] in "15" else 2.5
+    line = [" "] * (total + 8)
+    t = 0.0
+    while t <= makespan + 1e-9:
+        col, text = round(t * scale), f"{t:g}"
+        if all(c == " " for c in line[max(0, col - 1) : col + len(text) + 1]):
+            line[col : col + len(text)] = text
+        t += step
+    return " " * indent + "".join(line).rstrip()
+
+
+# -- plain text ----------------------------------------------------------------
+
+
+def render_text(sim: Any, width: int | None = None) -> str:
+    """The timeline as plain text, one row per rank; ``.`` is idle time.
+
+    Args:
+        sim: a ``Simulation`` (see the module docstring for what is read).
+        width: squeeze the timeline into this many columns (labels shorten).
+
+    Example:
+        >>> print(render_text(sim))  # doctest: +SKIP
+        2 ranks, makespan 6, bubble 33.3%
+                0   1   2   3 ...
+        rank 0 |0F0 0F1 ........0B0 0B1 |
+    """
+    scale = _scale(sim, width)
+    total = max(1, round(sim.makespan * scale))
+    spans = _spans(sim)
+    label_w = len(f"rank {max(spans, default=0)}")
+    lines = [_summary(sim), _ruler(sim.makespan, scale, total, label_w + 2)]
+    for r, entries in spans.items():
+        row = "".join(_label(a, c1 - c0) for c0, c1, a in _segments(entries, scale, total))
+        lines.append(f"{f'rank {r}'.ljust(label_w)} |{row}|")
+    peaks = _peaks(sim)
+    if peaks:
+        lines.append(peaks)
+    return "\n".join(lines)
+
+
+# -- rich ------------------------------------------------------------------------
+
+
+class TimelineView:
+    """A rich renderable of a simulation that squeezes itself to the console width."""
+
+    def __init__(self, sim: Any) -> None:
+        self.sim = sim
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        natural = round(self.sim.makespan * _scale(self.sim, None)) + 12
+        return Measurement(min(20, natural), natural)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        sim = self.sim
+        spans = _spans(sim)
+        label_w = len(f"rank {max(spans, default=0)}")
+        scale = _scale(sim, max(1, options.max_width - label_w - 3))
+        total = max(1, round(sim.makespan * scale))
+        yield Text(_summary(sim), style="bold")
+        yield Text(_ruler(sim.makespan, scale, total, label_w + 2), style="dim")
+        for r, entries in spans.items():
+            row = Text(f"{f'rank {r}'.ljust(label_w)} |", no_wrap=True, overflow="crop")
+            for c0, c1, a in _segments(entries, scale, total):
+                style = "dim" if a is None else _RICH_STYLES[_kind_key(a)]
+                row.append(_label(a, c1 - c0), style=style)
+            row.append("|")
+            yield row
+        legend = Text("legend: ")
+        for key, style in _RICH_STYLES.items():
+            legend.append(f" {key} ", style=style)
+            legend.append(" ")
+        legend.append(" . idle", style="dim")
+        yield legend
+        peaks = _peaks(sim)
+        if peaks:
+            yield Text(peaks, style="dim")
+
+
+def render_rich(sim: Any) -> TimelineView:
+    """A rich renderable: one row per rank, coloured by kind (F, B, I, W, comm), idle dim.
+
+    Example:
+        >>> rich.print(render_rich(sim))  # doctest: +SKIP
+    """
+    return TimelineView(sim)
+
+
+# -- SVG / HTML --------------------------------------------------------------------
+
+_ROW_H, _GAP, _LEFT, _TOP, _CHAR_W = 22, 4, 64, 28, 6.6
+
+
+def render_svg(sim: Any, path: str | Path | None = None, *, px_per_unit: float | None = None) -> str:
+    """The timeline as an SVG: one row per rank, a box per action coloured by kind.
+
+    Args:
+        sim: a ``Simulation``.
+        path: also write the SVG there.
+        px_per_unit: horizontal pixels per unit of time (default: fit labels,
+            at most ~1600 px wide).
+
+    Returns:
+        The SVG document text.
+
+    Example:
+        >>> svg = render_svg(sim, "timeline.svg")  # doctest: +SKIP
+    """
+    spans = _spans(sim)
+    px = px_per_unit or _svg_scale(sim, spans)
+    plot_w = max(sim.makespan * px, 1.0)
+    width = _LEFT + plot_w + 12
+    height = _TOP + len(spans) * (_ROW_H + _GAP) + 48
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="monospace" font-size="11">',
+        f'<text x="4" y="16" font-weight="bold">{html.escape(_summary(sim))}</text>',
+    ]
+    for row, (r, entries) in enumerate(spans.items()):
+        y = _TOP + row * (_ROW_H + _GAP)
+        out.append(f'<text x="4" y="{y + 15}">rank {r}</text>')
+        out.append(
+            f'<rect x="{_LEFT}" y="{y}" width="{plot_w:.1f}" height="{_ROW_H}" fill="#f4f4f4" class="idle"/>'
+        )
+        out.extend(_svg_box(r, y, start, end, a, px) for start, end, a in entries)
+    out.append(_svg_legend(_TOP + len(spans) * (_ROW_H + _GAP) + 12))
+    out.append("</svg>")
+    svg = "\n".join(out)
+    if path is not None:
+        Path(path).write_text(svg)
+    return svg
+
+
+def _svg_scale(sim: Any, spans: dict[int, list[tuple[float, float, Action]]]) -> float:
+    entries = [e for rows in spans.values() for e in rows]
+    if not entries or sim.makespan <= 0:
+        return 40.0
+    shortest = min(end - start for start, end, _ in entries)
+    label = max(len(str(a)) for _, _, a in entries)
+    return min((label * _CHAR_W + 6) / shortest, 1600 / sim.makespan)
+
+
+def _svg_box(rank: int, y: float, start: float, end: float, action: Action, px: float) -> str:
+    x, w = _LEFT + start * px, (end - start) * px
+    key = _kind_key(action)
+    text = str(action)
+    tip = html.escape(f"rank {rank}: {text} [{start:g}, {end:g})")
+    box = (
+        f'<g class="action kind-{key}"><title>{tip}</title>'
+        f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{_ROW_H}" fill="{KIND_COLORS[key]}" '
+        f'stroke="white" stroke-width="1"/>'
+    )
+    if w >= len(text) * _CHAR_W + 2:
+        box += f'<text x="{x + w / 2:.1f}" y="{y + 15}" text-anchor="middle">{html.escape(text)}</text>'
+    return box + "</g>"
+
+
+def _svg_legend(y: float) -> str:
+    parts, x = [], float(_LEFT)
+    for key, color in [*KIND_COLORS.items(), ("idle", "#f4f4f4")]:
+        parts.append(f'<rect x="{x:.0f}" y="{y}" width="12" height="12" fill="{color}" stroke="#999"/>')
+        parts.append(f'<text x="{x + 16:.0f}" y="{y + 10}">{key}</text>')
+        x += 16 + len(key) * _CHAR_W + 14
+    return '<g class="legend">' + "".join(parts) + "</g>"
+
+
+def render_html(sim: Any) -> str:
+    """HTML for notebooks (``_repr_html_``): the SVG timeline plus peak activations."""
+    peaks = _peaks(sim)
+    note = f"<div><small>{html.escape(peaks)}</small></div>" if peaks else ""
+    return f'<div class="pippy-split-simulation">{render_svg(sim)}{note}</div>'

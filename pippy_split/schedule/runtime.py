@@ -1,0 +1,253 @@
+"""The one interpreter: runs this rank's lowered action list for one step.
+
+Last step of the flow (… → schedule → **runtime**). A table maps each action
+kind to a handler; no schedule has its own loop. Values between stages on the
+same rank are handed over in memory (a detached view: no copy, no message);
+values to other ranks go through the :class:`~pippy_split.stage.transport.P2P`
+transport with one tagged message per edge and microbatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..split.spec import MODEL_INPUT, TensorSpec
+from ..stage.errors import PipelineError
+from ..stage.stage import InputSlot, PipelineStage, Route
+from ..stage.transport import P2P, Pending
+from .actions import Action, ActionKind
+
+__all__ = ["StepContext", "Interpreter"]
+
+_MB_SLOTS, _OUT_SLOTS = 64, 256
+
+
+def _tag(mb: int, src: int, out: int, dst: int, n: int, kind: int) -> int:
+    """Unique per (microbatch window, edge, direction) between a pair of ranks."""
+    return (((((mb % _MB_SLOTS) * n + dst) * (n + 1) + src + 1) * _OUT_SLOTS + out % _OUT_SLOTS) * 3 + kind)
+
+
+@dataclass
+class StepContext:
+    """Everything one step needs besides the stages."""
+
+    n_microbatches: int
+    train: bool
+    flat_inputs: list[list[Any]] | None = None  # per mb, on the rank holding stage 0 (traced stages)
+    mb_args: list[tuple] | None = None  # per mb, manual stage 0
+    mb_kwargs: list[dict] | None = None
+    targets: list[Any] | None = None  # per mb, on the rank holding the last stage
+    bindings: dict = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
+
+
+class Interpreter:
+    """Executes lowered actions for this rank's stages."""
+
+    def __init__(self, stages: Mapping[int, PipelineStage], stage_rank: Mapping[int, int], rank: int,
+                 transport: P2P | None) -> None:
+        self.stages = dict(stages)
+        self.stage_rank = dict(stage_rank)
+        self.rank = rank
+        self.p2p = transport
+        self.num_stages = len(stage_rank)
+        self.handlers: dict[ActionKind, Callable[[Action, StepContext], None]] = {
+            ActionKind.F: self._forward,
+            ActionKind.B: self._backward,
+            ActionKind.I: self._backward_input,
+            ActionKind.W: self._backward_weight,
+            ActionKind.SEND_F: self._send_forward,
+            ActionKind.RECV_F: self._recv_forward,
+            ActionKind.SEND_B: self._send_backward,
+            ActionKind.RECV_B: self._recv_backward,
+        }
+        self._fwd_inbox: dict[tuple[int, int], dict[tuple[int, int], torch.Tensor]] = {}
+        self._bwd_inbox: dict[tuple[int, int], dict[int, list[torch.Tensor]]] = {}
+        self._outbox: dict[tuple[int, int], list[tuple[Route, torch.Tensor]]] = {}
+        self._grad_outbox: dict[tuple[int, int], list[tuple[InputSlot, torch.Tensor]]] = {}
+        self._sends: list[Pending] = []
+
+    def run(self, actions: list[Action], ctx: StepContext) -> None:
+        for action in actions:
+            self.handlers[action.kind](action, ctx)
+        self.finish()
+
+    def finish(self) -> None:
+        for pending in self._sends:
+            self.p2p.wait(pending)
+        self._sends.clear()
+
+    def reset(self) -> None:
+        """Forget everything in flight (after a failure)."""
+        self._fwd_inbox.clear()
+        self._bwd_inbox.clear()
+        self._outbox.clear()
+        self._grad_outbox.clear()
+        self._sends.clear()
+        for st in self.stages.values():
+            st.clear()
+
+    # ---- helpers -----------------------------------------------------------------
+    def _local(self, stage: int) -> bool:
+        return self.stage_rank[stage] == self.rank
+
+    @staticmethod
+    def _received(t: torch.Tensor, spec: TensorSpec | None) -> torch.Tensor:
+        t = t.detach()
+        if spec is not None and spec.carries_grad and (t.is_floating_point() or t.is_complex()):
+            t.requires_grad_(True)
+        return t
+
+    def _gather(self, stage: PipelineStage, mb: int, ctx: StepContext) -> list[Any]:
+        inbox = self._fwd_inbox.pop((stage.stage_index, mb), {})
+        args = []
+        for slot in stage.in_slots:
+            if slot.kind == "model":
+                args.append(ctx.flat_inputs[mb][slot.src_output])
+            elif slot.kind == "symbol":
+                args.append(int(slot.expr.xreplace(ctx.bindings)))
+            else:
+                key = (slot.src_stage, slot.src_output)
+                if key not in inbox:
+                    raise PipelineError(f"stage {stage.stage_index}, microbatch {mb}: input {slot.index} from "
+                                        f"{_who(slot.src_stage)} output {slot.src_output} has not arrived "
+                                        "(the schedule ran a forward before its input was received)")
+                args.append(inbox[key])
+        return args
+
+    def _check(self, t: Any, spec: TensorSpec | None, ctx: StepContext, what: str) -> None:
+        if spec is None or not isinstance(t, torch.Tensor):
+            return
+        expected = spec.concrete_shape(ctx.bindings)
+        if tuple(t.shape) != tuple(expected) or t.dtype != spec.dtype:
+            changed = [f"dim {i}: traced {spec.shape[i]}, got {g}" for i, (g, e) in enumerate(zip(t.shape, expected)) if g != e]
+            hint = (" — declare it dynamic with dynamic_shapes=... when calling pipeline()" if changed and not spec.is_dynamic
+                    else "")
+            raise PipelineError(f"{what}: expected shape {tuple(expected)} {spec.dtype}, got {tuple(t.shape)} {t.dtype}"
+                                f" ({'; '.join(changed) or 'dtype differs'}){hint}")
+
+    # ---- compute -----------------------------------------------------------------
+    def _forward(self, a: Action, ctx: StepContext) -> None:
+        stage = self.stages[a.stage]
+        if stage.in_slots is None:
+            raise PipelineError(f"stage {a.stage}: inputs unknown (hand-built stages need the first step's handshake)")
+        if stage.pipe is None and stage.is_first:
+            args, kwargs = list(ctx.mb_args[a.mb]), ctx.mb_kwargs[a.mb]
+        else:
+            args, kwargs = self._gather(stage, a.mb, ctx), None
+        target = ctx.targets[a.mb] if (stage.is_last and ctx.targets is not None) else None
+        outs = stage.forward(a.mb, args, kwargs, train=ctx.train, target=target)
+        if stage.lazy and not stage.routes:
+            _manual_routes(stage, outs)
+        if stage.is_last:
+            ctx.outputs[a.mb] = stage.model_output(tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs))
+        for route in stage.routes:
+            value = ctx.flat_inputs[a.mb][route.src_index] if route.from_input else outs[route.src_index]
+            what = f"stage {a.stage}, microbatch {a.mb}, forward to stage {route.dst_stage} (rank {self.stage_rank[route.dst_stage]})"
+            self._check(value, route.spec, ctx, what)
+            if ctx.train and route.spec is not None and not route.spec.carries_grad and not route.from_input \
+                    and isinstance(value, torch.Tensor) and value.requires_grad:
+                raise PipelineError(f"{what}: value {route.src_index} requires grad at run time but the traced "
+                                    "edge says it does not; its gradient would be lost")
+            if self._local(route.dst_stage):
+                box = self._fwd_inbox.setdefault((route.dst_stage, a.mb), {})
+                box[(MODEL_INPUT if route.from_input else a.stage, route.src_index)] = self._received(value, route.spec)
+            else:
+                self._outbox.setdefault((a.stage, a.mb), []).append((route, value))
+
+    def _output_grads(self, stage: PipelineStage, mb: int) -> dict[int, torch.Tensor]:
+        box = self._bwd_inbox.pop((stage.stage_index, mb), {})
+        return {i: (gs[0] if len(gs) == 1 else torch.stack(gs).sum(0)) for i, gs in box.items()}
+
+    def _deliver_grads(self, stage: PipelineStage, mb: int, grads: dict[int, torch.Tensor]) -> None:
+        for i, g in grads.items():
+            slot = stage.in_slots[i]
+            if slot.kind != "edge" or slot.src_stage == MODEL_INPUT:
+                continue
+            if self._local(slot.src_stage):
+                self._bwd_inbox.setdefault((slot.src_stage, mb), {}).setdefault(slot.src_output, []).append(g)
+            else:
+                self._grad_outbox.setdefault((stage.stage_index, mb), []).append((slot, g))
+
+    def _backward(self, a: Action, ctx: StepContext) -> None:
+        stage = self.stages[a.stage]
+        grads = stage.backward(a.mb, self._output_grads(stage, a.mb), ctx.n_microbatches)
+        self._deliver_grads(stage, a.mb, grads)
+
+    def _backward_input(self, a: Action, ctx: StepContext) -> None:
+        stage = self.stages[a.stage]
+        grads = stage.backward_input(a.mb, self._output_grads(stage, a.mb), ctx.n_microbatches)
+        self._deliver_grads(stage, a.mb, grads)
+
+    def _backward_weight(self, a: Action, ctx: StepContext) -> None:
+        self.stages[a.stage].backward_weight(a.mb)
+
+    # ---- communication -----------------------------------------------------------
+    def _send_forward(self, a: Action, ctx: StepContext) -> None:
+        for route, value in self._outbox.pop((a.stage, a.mb), []):
+            src = MODEL_INPUT if route.from_input else a.stage
+            peer = self.stage_rank[route.dst_stage]
+            tag = _tag(a.mb, src, route.src_index, route.dst_stage, self.num_stages, 0)
+            what = f"stage {a.stage} sending the forward of microbatch {a.mb} to stage {route.dst_stage} on rank {peer}"
+            self._sends.append(self.p2p.send(value, peer, tag, what))
+
+    def _recv_forward(self, a: Action, ctx: StepContext) -> None:
+        stage = self.stages[a.stage]
+        pendings = []
+        for slot in stage.in_slots:
+            if slot.kind != "edge" or self._local(slot.sender_stage):
+                continue
+            peer = self.stage_rank[slot.sender_stage]
+            tag = _tag(a.mb, slot.src_stage, slot.src_output, a.stage, self.num_stages, 0)
+            what = (f"stage {a.stage} waiting for the forward of microbatch {a.mb} from stage {slot.sender_stage} "
+                    f"on rank {peer}")
+            shape = slot.spec.concrete_shape(ctx.bindings)
+            pendings.append((slot, self.p2p.recv(shape, slot.spec.dtype, stage.device, peer, tag, what)))
+        box = self._fwd_inbox.setdefault((a.stage, a.mb), {})
+        for slot, pending in pendings:
+            self.p2p.wait(pending)
+            box[(slot.src_stage, slot.src_output)] = self._received(pending.result(), slot.spec)
+
+    def _send_backward(self, a: Action, ctx: StepContext) -> None:
+        for slot, grad in self._grad_outbox.pop((a.stage, a.mb), []):
+            peer = self.stage_rank[slot.src_stage]
+            tag = _tag(a.mb, slot.src_stage, slot.src_output, a.stage, self.num_stages, 1)
+            what = f"stage {a.stage} sending the gradient of microbatch {a.mb} to stage {slot.src_stage} on rank {peer}"
+            self._sends.append(self.p2p.send(grad, peer, tag, what))
+
+    def _recv_backward(self, a: Action, ctx: StepContext) -> None:
+        stage = self.stages[a.stage]
+        pendings = []
+        for route in stage.routes:
+            if route.from_input or self._local(route.dst_stage) or route.spec is None or not route.spec.carries_grad:
+                continue
+            peer = self.stage_rank[route.dst_stage]
+            tag = _tag(a.mb, a.stage, route.src_index, route.dst_stage, self.num_stages, 1)
+            what = (f"stage {a.stage} waiting for the gradient of microbatch {a.mb} from stage {route.dst_stage} "
+                    f"on rank {peer}")
+            shape = route.spec.concrete_shape(ctx.bindings)
+            pendings.append((route, self.p2p.recv(shape, route.spec.dtype, stage.device, peer, tag, what)))
+        box = self._bwd_inbox.setdefault((a.stage, a.mb), {})
+        for route, pending in pendings:
+            self.p2p.wait(pending)
+            box.setdefault(route.src_index, []).append(pending.result())
+
+
+def _who(stage: int) -> str:
+    return "the model input" if stage == MODEL_INPUT else f"stage {stage}"
+
+
+def _manual_routes(stage: PipelineStage, outs: tuple) -> None:
+    """Routes of a hand-built stage, from its declared outputs_to and the chain."""
+    for i, out in enumerate(outs):
+        spec = None
+        if isinstance(out, torch.Tensor):
+            spec = TensorSpec(tuple(out.shape), out.dtype, bool(out.requires_grad))
+        if i in stage.outputs_to:
+            for dst, dst_in in stage.outputs_to[i]:
+                stage.routes.append(Route(i, dst, dst_in, spec))
+        elif not stage.is_last:
+            stage.routes.append(Route(i, stage.stage_index + 1, -1, spec))

@@ -1,0 +1,292 @@
+"""Schedule classes: a stage (or this rank's stages) + an order → ``step()``.
+
+Thin wrappers: each class names an order family from :data:`.orders.ORDERS`;
+the order is lowered with the stages' edges and the family's placement, checked
+by ``validate``, and run by the one :class:`.runtime.Interpreter`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..microbatch import merge_chunks, split_args_kwargs
+from ..stage.errors import PipelineError
+from ..stage.stage import PipelineStage
+from ..stage.transport import P2P
+from .actions import Action, ActionKind, Order
+from .lower import lower
+from .orders import ORDERS, OrderSpec, get_order_spec
+from .placement import rank_to_stages, stage_to_rank
+from .runtime import Interpreter, StepContext
+from .validate import validate
+
+__all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "get_schedule_class",
+           "build_schedule"]
+
+
+def _group_info(group: Any) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class PipelineSchedule:
+    """Base of every schedule class; subclasses only set ``order_name``.
+
+    Args:
+        stage_or_stages: this rank's stage, or its stages (any order).
+        n_microbatches: microbatches per step.
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage.
+        scale_grads: divide each microbatch's loss by ``n_microbatches`` so gradients
+            equal those of a mean loss over the whole batch (turn off for sum losses).
+        timeout: seconds any blocking wait may take before a named error.
+        args_chunk_spec / kwargs_chunk_spec: how to split ``step()``'s inputs.
+        output_merge_spec: how to merge the last stage's outputs.
+    """
+
+    order_name = ""
+
+    def __init__(self, stage_or_stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable | None = None, *, scale_grads: bool = True, timeout: float = 300.0,
+                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None, output_merge_spec: Any = None) -> None:
+        stages = [stage_or_stages] if isinstance(stage_or_stages, PipelineStage) else list(stage_or_stages)
+        if not stages:
+            raise ValueError("a schedule needs at least one stage")
+        self.stages = sorted(stages, key=lambda s: s.stage_index)
+        self.n_microbatches = int(n_microbatches)
+        self.loss_fn = loss_fn
+        self.scale_grads = scale_grads
+        self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
+        self.output_merge_spec = output_merge_spec
+        self.spec: OrderSpec = get_order_spec(self.order_name)
+        self.group = self.stages[0].group
+        self.rank, self.world = _group_info(self.group)
+        self.num_stages = self.stages[0].num_stages
+        self._check_stages()
+        self.placement = stage_to_rank(self.num_stages, self.world, self.spec.placement)
+        for st in self.stages:
+            if self.placement[st.stage_index] != self.rank:
+                mine = rank_to_stages(self.num_stages, self.world, self.spec.placement)[self.rank]
+                raise ValueError(f"{type(self).__name__} uses {self.spec.placement!r} placement: stage "
+                                 f"{st.stage_index} belongs on rank {self.placement[st.stage_index]}, not rank "
+                                 f"{self.rank}; this rank should hold stages {mine}")
+            st.loss_fn = loss_fn
+            st.scale_grads = scale_grads
+            if self.spec.split_backward:
+                st.enable_split_backward()
+        self.links = self._links()
+        order = self.spec.compute_order(self.world, self.n_microbatches, len(self.stages))
+        lowered = lower(order, self.links, self.placement)
+        validate(lowered, self.num_stages, self.n_microbatches, links=self.links, placement=self.placement)
+        self.order: Order = order
+        self.actions: list[Action] = list(lowered[self.rank])
+        self._eval_actions = self._forward_only(self.n_microbatches)
+        self._runtime = Interpreter({s.stage_index: s for s in self.stages}, self.placement, self.rank,
+                                    P2P(self.group, timeout) if self.world > 1 else None)
+        self.loss: torch.Tensor | None = None
+
+    # ---- set-up checks ----------------------------------------------------------
+    def _check_stages(self) -> None:
+        name = type(self).__name__
+        per_rank = len(self.stages)
+        if len({s.stage_index for s in self.stages}) != per_rank:
+            raise ValueError(f"{name}: the same stage was given twice: {[s.stage_index for s in self.stages]}")
+        if self.spec.stages_per_rank is not None and per_rank != self.spec.stages_per_rank:
+            raise ValueError(f"{name} needs exactly {self.spec.stages_per_rank} stage(s) per rank, this rank was given "
+                             f"{per_rank} (stages {[s.stage_index for s in self.stages]})")
+        if per_rank < self.spec.min_stages_per_rank:
+            raise ValueError(f"{name} needs at least {self.spec.min_stages_per_rank} stages per rank, got {per_rank}")
+        if self.num_stages != per_rank * self.world:
+            raise ValueError(f"{name}: {self.num_stages} stages do not match {self.world} ranks x {per_rank} stages "
+                             f"per rank = {self.world * per_rank}")
+        if self.n_microbatches < 1:
+            raise ValueError(f"{name}: n_microbatches must be >= 1, got {self.n_microbatches}")
+
+    def _links(self) -> list[tuple[int, int, bool]]:
+        pipe = self.stages[0].pipe
+        if pipe is not None:
+            out: dict[tuple[int, int], bool] = {}
+            for e in pipe.edges:
+                key = (e.sender_stage, e.dst_stage)
+                out[key] = out.get(key, False) or (e.spec.carries_grad and not e.from_input)
+            return [(s, d, g) for (s, d), g in sorted(out.items())]
+        return [(s, s + 1, True) for s in range(self.num_stages - 1)]
+
+    def _forward_only(self, n: int) -> list[Action]:
+        order = {r: [Action(s, ActionKind.F, mb) for s in rank_to_stages(self.num_stages, self.world,
+                                                                         self.spec.placement)[r] for mb in range(n)]
+                 for r in range(self.world)}
+        # Stage-major forward order is a valid forward-only schedule for any placement.
+        for r in order:
+            order[r].sort(key=lambda a: (a.stage, a.mb))
+        return list(lower(order, self.links, self.placement)[self.rank])
+
+    # ---- running ---------------------------------------------------------------------
+    def _has(self, pred: Callable[[PipelineStage], bool]) -> PipelineStage | None:
+        return next((s for s in self.stages if pred(s)), None)
+
+    def _context(self, args: tuple, kwargs: dict, target: Any, train: bool, n: int) -> StepContext:
+        ctx = StepContext(n_microbatches=n, train=train)
+        first = self._has(lambda s: s.is_first)
+        last = self._has(lambda s: s.is_last)
+        needs_inputs = first is not None or any(
+            s.pipe is not None and any(sl.kind == "model" for sl in s.in_slots or []) for s in self.stages)
+        pipe = self.stages[0].pipe
+        if needs_inputs:
+            if not args and not kwargs:
+                raise PipelineError(f"rank {self.rank} holds stage {first.stage_index if first else '?'} which reads "
+                                    "the model inputs, but step() was called without inputs")
+            names = pipe._traced.example_arg_names if pipe is not None else None
+            mbs = split_args_kwargs(tuple(args), dict(kwargs), n, self.args_chunk_spec, self.kwargs_chunk_spec,
+                                    names=names)
+            if pipe is not None:
+                ctx.flat_inputs = [pipe.flatten_inputs(a, k) for a, k in mbs]
+            ctx.mb_args = [a for a, _ in mbs]
+            ctx.mb_kwargs = [k for _, k in mbs]
+        if last is not None and train:
+            if self.loss_fn is None:
+                raise PipelineError(f"rank {self.rank} holds the last stage ({last.stage_index}) but the schedule has "
+                                    "no loss_fn: pass loss_fn= to the schedule (or use eval() for forward only)")
+            if target is None:
+                raise PipelineError(f"rank {self.rank} holds the last stage ({last.stage_index}) and needs target= in "
+                                    "step()")
+            ctx.targets = [t[0][0] for t in split_args_kwargs((target,), {}, n, names=["target"])]
+        if pipe is not None and pipe.symbols:
+            ctx.bindings = self._share_symbols(pipe, ctx)
+        return ctx
+
+    def _share_symbols(self, pipe: Any, ctx: StepContext) -> dict:
+        values = torch.zeros(len(pipe.symbols), dtype=torch.int64)
+        if ctx.flat_inputs is not None:
+            first = pipe.bind_symbols(ctx.flat_inputs[0])
+            for mb, flat in enumerate(ctx.flat_inputs[1:], 1):
+                if pipe.bind_symbols(flat) != first:
+                    raise PipelineError(f"microbatch {mb} has different dynamic sizes than microbatch 0: "
+                                        f"{pipe.bind_symbols(flat)} vs {first}")
+            values = torch.tensor([first[s.symbol] for s in pipe.symbols], dtype=torch.int64)
+        if self.world > 1:
+            # One tiny message per step: the rank given the data tells everyone the sizes.
+            dist.broadcast(values, group=self.group, group_src=self.placement[0])
+        return {s.symbol: int(v) for s, v in zip(pipe.symbols, values.tolist())}
+
+    def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
+        """One training step over ``n_microbatches``; the same call on every rank.
+
+        Returns the merged model outputs where the last stage lives (None elsewhere);
+        ``losses`` (a list) receives the per-microbatch losses there; ``self.loss`` is
+        the step's mean loss on every rank.
+        """
+        ctx = self._context(args, kwargs, target, True, self.n_microbatches)
+        self._run(self.actions, ctx)
+        self._sync_shared_grads()
+        last = self._has(lambda s: s.is_last)
+        mb_losses = [last.loss_of(mb) for mb in range(self.n_microbatches)] if last else []
+        for st in self.stages:
+            st.clear()
+        if last is not None and losses is not None:
+            losses.extend(mb_losses)
+        self.loss = self._share_loss(mb_losses)
+        return self._merge(ctx) if last is not None else None
+
+    def eval(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward only, no gradients; works before the first ``step()``."""
+        ctx = self._context(args, kwargs, None, False, self.n_microbatches)
+        with torch.no_grad():
+            self._run(self._eval_actions, ctx)
+        return self._merge(ctx) if self._has(lambda s: s.is_last) else None
+
+    def _run(self, actions: list[Action], ctx: StepContext) -> None:
+        try:
+            self._runtime.run(actions, ctx)
+        except Exception:
+            self._runtime.reset()
+            raise
+
+    def _merge(self, ctx: StepContext) -> Any:
+        return merge_chunks([ctx.outputs[mb] for mb in range(ctx.n_microbatches)], self.output_merge_spec)
+
+    def _share_loss(self, mb_losses: list) -> torch.Tensor | None:
+        known = bool(mb_losses) and all(l is not None for l in mb_losses)
+        value = torch.stack(mb_losses).mean().detach() if known else torch.zeros(())
+        if self.world > 1:
+            value = value.to(torch.float32).clone()
+            dist.broadcast(value, group=self.group, group_src=self.placement[self.num_stages - 1])
+        return value
+
+    def _sync_shared_grads(self) -> None:
+        """Tied parameters held by several stages end the step with the summed gradient."""
+        pipe = self.stages[0].pipe
+        if pipe is None or not pipe.shared_parameters:
+            return
+        for fqn, holders in sorted(pipe.shared_parameters.items()):
+            local = {}
+            for s, names in holders:
+                st = self._has(lambda x, s=s: x.stage_index == s)
+                if st is not None:
+                    p = st.module.get_parameter(names[0])
+                    local[id(p)] = p
+            ref = pipe.stages[holders[0][0]].module.get_parameter(holders[0][1][0])
+            total = torch.zeros_like(ref, device=self.stages[0].device)
+            for p in local.values():
+                if p.grad is not None:
+                    total += p.grad
+            if self.world > 1:
+                dist.all_reduce(total, group=self.group)
+            for p in local.values():
+                p.grad = total.clone() if len(local) > 1 else total
+
+
+def _make(name: str, order_name: str, doc: str) -> type[PipelineSchedule]:
+    cls = type(name, (PipelineSchedule,), {"order_name": order_name, "__doc__": doc})
+
+    def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int | None = None) -> Order:
+        spec = get_order_spec(order_name)
+        return spec.compute_order(num_ranks, n_microbatches, stages_per_rank or spec.default_stages_per_rank())
+
+    cls.compute_order = staticmethod(compute_order)
+    cls.placement = ORDERS[order_name].placement
+    return cls
+
+
+ScheduleGPipe = _make("ScheduleGPipe", "GPipe", "GPipe: all forwards, then all backwards (loop placement).")
+Schedule1F1B = _make("Schedule1F1B", "1F1B", "1F1B (PipeDream-Flush), one stage per rank.")
+ScheduleInterleaved1F1B = _make("ScheduleInterleaved1F1B", "Interleaved1F1B", "Interleaved 1F1B, looped placement.")
+ScheduleLoopedBFS = _make("ScheduleLoopedBFS", "LoopedBFS", "Breadth-first looped schedule.")
+ScheduleInterleavedZeroBubble = _make("ScheduleInterleavedZeroBubble", "InterleavedZeroBubble",
+                                      "Zero-bubble (ZB-H1 style) on looped placement; splits backward into I and W.")
+ScheduleZBVZeroBubble = _make("ScheduleZBVZeroBubble", "ZBVZeroBubble", "ZB-V: V placement, 2 stages per rank.")
+ScheduleDualPipeV = _make("ScheduleDualPipeV", "DualPipeV", "DualPipeV: V placement, 2 stages per rank.")
+
+_CLASSES = {c.order_name.lower(): c for c in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
+                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)}
+
+
+def get_schedule_class(name: str) -> type[PipelineSchedule]:
+    """The schedule class for a name (case-insensitive): "GPipe", "1F1B", "ZBVZeroBubble", ..."""
+    key = name.lower().removeprefix("schedule")
+    if key not in _CLASSES:
+        raise ValueError(f"unknown schedule {name!r}; valid names: {[c.order_name for c in _CLASSES.values()]}")
+    return _CLASSES[key]
+
+
+def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_microbatches: int,
+                   loss_fn: Callable | None = None, group: Any = None, device: Any = None,
+                   **kwargs: Any) -> PipelineSchedule:
+    """Build this rank's stages of ``pipe`` with the schedule's placement and return the schedule.
+
+    Example:
+        >>> sched = build_schedule(pipe, "ZBVZeroBubble", 8, loss_fn=F.cross_entropy)
+        >>> sched.step(x, target=y); print(sched.loss)
+    """
+    cls = get_schedule_class(name_or_class) if isinstance(name_or_class, str) else name_or_class
+    rank, world = _group_info(group)
+    spec = get_order_spec(cls.order_name)
+    if pipe.num_stages % world:
+        raise ValueError(f"{pipe.num_stages} stages cannot be spread over {world} ranks")
+    mine = rank_to_stages(pipe.num_stages, world, spec.placement)[rank]
+    stages = [pipe.build_stage(s, device, group) for s in mine]
+    return cls(stages, n_microbatches, loss_fn, **kwargs)

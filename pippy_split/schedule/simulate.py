@@ -1,0 +1,276 @@
+"""Event simulation of a pipeline order: when each action runs, and what it costs.
+
+Sits after order generation (and optionally lowering) in the schedule layer:
+``orders.* -> simulate`` gives makespan, bubble fraction and peak activation
+count per rank without any tensors or process group. Rendering of the result
+(text, rich, SVG, HTML) lives in :mod:`pippy_split.schedule.render`.
+
+Model: every rank runs its list in order (``None`` steps are skipped, so idle
+time comes only from waiting); an action starts at ``max(rank free, inputs
+ready)``. Compute-only orders take their inputs from :mod:`.deps`; lowered
+orders (with SEND/RECV) make a compute action wait on the local RECV when its
+producer is on another rank, and a RECV wait on the matching SEND.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from .actions import Action, ActionKind, Order
+from .deps import DepIndex, Link, chain_links
+
+__all__ = ["Simulation", "simulate", "DEFAULT_COSTS"]
+
+F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
+SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
+
+DEFAULT_COSTS: dict[str, float] = {"F": 1.0, "I": 1.0, "W": 1.0}
+
+Key = tuple[int, ActionKind, int]  # (stage, kind, mb)
+_COMM = frozenset(k for k in ActionKind if k.is_comm)
+
+
+@dataclass
+class Simulation:
+    """The outcome of :func:`simulate`."""
+
+    makespan: float
+    """Time at which the last action on any rank ends."""
+    bubble_fraction: float
+    """Total idle time over all ranks divided by ``num_ranks * makespan``."""
+    peak_activations: dict[int, int]
+    """Per rank, the most ``(stage, mb)`` forward activations held at once
+    (held from F until B, or until W when the backward is split)."""
+    timeline: dict[int, list[tuple[float, float, Action]]]
+    """Per rank, ``(start, end, action)`` in execution order."""
+    num_ranks: int
+    costs: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_COSTS))
+    """Cost per action kind used (``B`` included)."""
+
+    def __str__(self) -> str:
+        from . import render
+
+        return render.render_text(self)
+
+    def __rich__(self):  # noqa: ANN204 - rich renderable, type depends on render
+        from . import render
+
+        return render.render_rich(self)
+
+    def to_svg(self, path: str | None = None) -> str:
+        """SVG timeline, one row per rank; also written to ``path`` when given."""
+        from . import render
+
+        return render.render_svg(self, path)
+
+    def _repr_html_(self) -> str:
+        from . import render
+
+        return render.render_html(self)
+
+
+def _cost_table(costs: Mapping[str, float] | None) -> dict[ActionKind, float]:
+    merged = dict(DEFAULT_COSTS)
+    if costs:
+        unknown = sorted(set(costs) - {"F", "B", "I", "W"})
+        if unknown:
+            raise ValueError(f"unknown cost keys {unknown}: expected some of F, I, W (and B to override I + W)")
+        merged.update({k: float(v) for k, v in costs.items()})
+    merged.setdefault("B", merged["I"] + merged["W"])
+    table = {kind: 0.0 for kind in ActionKind}  # comm actions cost nothing
+    table.update({F: merged["F"], B: merged["B"], I: merged["I"], W: merged["W"]})
+    return table
+
+
+def _stage_ranks(order: Order) -> dict[int, int]:
+    """Rank of each stage: the rank whose list holds its F (else any compute action)."""
+    ranks: dict[int, int] = {}
+    fallback: dict[int, int] = {}
+    for rank, actions in order.items():
+        for a in actions:
+            if a is None:
+                continue
+            if a.kind is F:
+                ranks.setdefault(a.stage, rank)
+            elif a.kind not in _COMM:
+                fallback.setdefault(a.stage, rank)
+    return {**fallback, **ranks}
+
+
+class _Requirements:
+    """What each action waits for: ``(stage, kind, extra latency)`` triples, the
+    same for every microbatch, so they are worked out once per (stage, kind, rank)."""
+
+    def __init__(self, index: DepIndex, stage_rank: dict[int, int], lowered: bool, latency: float) -> None:
+        self.index, self.stage_rank, self.lowered, self.latency = index, stage_rank, lowered, latency
+        self.cache: dict[tuple[int, ActionKind, int], tuple[tuple[int, ActionKind, float], ...]] = {}
+
+    def _remote(self, stage: int, rank: int) -> bool:
+        # A stage that never runs counts as remote, so waiting on it reports a deadlock.
+        return self.stage_rank.get(stage, -1) != rank
+
+    def of(self, stage: int, kind: ActionKind, rank: int) -> tuple[tuple[int, ActionKind, float], ...]:
+        key = (stage, kind, rank)
+        found = self.cache.get(key)
+        if found is None:
+            found = self.cache[key] = tuple(self._build(stage, kind, rank))
+        return found
+
+    def _build(self, s: int, kind: ActionKind, rank: int) -> list[tuple[int, ActionKind, float]]:
+        if kind.is_compute and not self.lowered:
+            return [(ds, dk, self.latency if self._remote(ds, rank) else 0.0) for ds, dk, _ in self.index.keys(s, kind, 0)]
+        if kind.is_compute:
+            # Lowered: a remote producer's value arrives through this stage's RECV.
+            out: list[tuple[int, ActionKind, float]] = []
+            for ds, dk, _ in self.index.keys(s, kind, 0):
+                if ds != s and self._remote(ds, rank):
+                    ds, dk = s, (RECV_F if kind is F else RECV_B)
+                if (ds, dk, 0.0) not in out:
+                    out.append((ds, dk, 0.0))
+            return out
+        if kind is SEND_F:
+            return [(s, F, 0.0)]
+        if kind is SEND_B:
+            return [(s, I, 0.0)]
+        if kind is RECV_F:
+            return [(src, SEND_F, self.latency) for src in self.index.preds[s] if self._remote(src, rank)]
+        return [(dst, SEND_B, self.latency) for dst in self.index.grad_succs[s] if self._remote(dst, rank)]  # RECV_B
+
+
+def _peak_activations(actions: Iterable[Action | None]) -> int:
+    held = peak = 0
+    for a in actions:
+        if a is None:
+            continue
+        if a.kind is F:
+            held += 1
+            peak = max(peak, held)
+        elif a.kind is B or a.kind is W:
+            held -= 1
+    return peak
+
+
+def _deadlock_error(order: Order, ptr: dict[int, int], blocked_on: dict[int, Key]) -> ValueError:
+    lines = []
+    for rank in sorted(blocked_on):
+        stage, kind, mb = blocked_on[rank]
+        action = order[rank][ptr[rank]]
+        lines.append(f"rank {rank} step {ptr[rank]} ({action}) waits for {stage}{kind.value}{mb}")
+    return ValueError(
+        "schedule deadlocks: no rank can progress; "
+        + "; ".join(lines[:8])
+        + (f"; ... and {len(lines) - 8} more ranks" if len(lines) > 8 else "")
+    )
+
+
+def simulate(
+    order: Order,
+    costs: Mapping[str, float] | None = None,
+    *,
+    links: Iterable[Link] | None = None,
+    comm_latency: float = 0.0,
+) -> Simulation:
+    """Simulate ``order`` and report makespan, bubble and activation memory.
+
+    Args:
+        order: ``{rank: [Action | None, ...]}``, compute-only or lowered.
+        costs: time per kind, keys among ``F``, ``I``, ``W`` (default 1 each) and
+            ``B`` (default ``I + W``). SEND/RECV cost 0.
+        links: ``(src, dst, carries_grad)`` stage links; default the linear chain
+            over ``max stage + 1`` stages.
+        comm_latency: added when a value crosses ranks.
+
+    Returns:
+        A :class:`Simulation`.
+
+    Raises:
+        ValueError: when no rank can progress (deadlock), naming each stuck
+            rank, its step and the action it waits for.
+
+    Example:
+        >>> from pippy_split.schedule.orders import get_order_spec
+        >>> sim = simulate(get_order_spec("1F1B").compute_order(4, 8))
+        >>> sim.makespan, round(sim.bubble_fraction, 3)
+        (33.0, 0.273)
+    """
+    cost = _cost_table(costs)
+    stages = [a.stage for acts in order.values() for a in acts if a is not None]
+    num_stages = max(stages) + 1 if stages else 0
+    index = DepIndex(chain_links(num_stages) if links is None else links, num_stages)
+    lowered = any(a is not None and a.kind in _COMM for acts in order.values() for a in acts)
+    reqs = _Requirements(index, _stage_ranks(order), lowered, float(comm_latency))
+
+    done: dict[Key, float] = {}
+    waiting: dict[Key, list[int]] = {}
+    ptr = {r: 0 for r in order}
+    free = {r: 0.0 for r in order}
+    timeline: dict[int, list[tuple[float, float, Action]]] = {r: [] for r in order}
+    blocked_on: dict[int, Key] = {}
+    queue = deque(order)
+
+    def finish(key: Key, end: float) -> None:
+        if key not in done:
+            done[key] = end
+            woken = waiting.pop(key, None)
+            if woken:
+                queue.extend(woken)
+
+    templates = reqs.cache  # (stage, kind, rank) -> requirements, filled on first use
+    while queue:
+        rank = queue.popleft()
+        actions = order[rank]
+        blocked_on.pop(rank, None)
+        pos, t_free, rows = ptr[rank], free[rank], timeline[rank]
+        while pos < len(actions):
+            a = actions[pos]
+            if a is None:
+                pos += 1
+                continue
+            stage, kind, mb = a.stage, a.kind, a.mb
+            needs = templates.get((stage, kind, rank)) or reqs.of(stage, kind, rank)
+            start = t_free
+            missing = None
+            for ds, dk, lat in needs:
+                end = done.get((ds, dk, mb))
+                if end is None:
+                    missing = (ds, dk, mb)
+                    break
+                if end + lat > start:
+                    start = end + lat
+            if missing is not None:
+                waiting.setdefault(missing, []).append(rank)
+                blocked_on[rank] = missing
+                break
+            t_free = start + cost[kind]
+            rows.append((start, t_free, a))
+            pos += 1
+            key = (stage, kind, mb)
+            if key not in done:
+                done[key] = t_free
+                woken = waiting.pop(key, None)
+                if woken:
+                    queue.extend(woken)
+            if kind is B:  # a full backward also delivers the input gradient
+                finish((stage, I, mb), t_free)
+        ptr[rank], free[rank] = pos, t_free
+
+    if blocked_on:
+        raise _deadlock_error(order, ptr, blocked_on)
+    return _summarize(order, timeline, cost)
+
+
+def _summarize(order: Order, timeline: dict[int, list[tuple[float, float, Action]]], cost: dict) -> Simulation:
+    num_ranks = len(order)
+    makespan = max((t[-1][1] for t in timeline.values() if t), default=0.0)
+    busy = sum(end - start for t in timeline.values() for start, end, _ in t)
+    bubble = 1.0 - busy / (num_ranks * makespan) if makespan > 0 else 0.0
+    return Simulation(
+        makespan=makespan,
+        bubble_fraction=bubble,
+        peak_activations={r: _peak_activations(order[r]) for r in order},
+        timeline=timeline,
+        num_ranks=num_ranks,
+        costs={k.value: v for k, v in cost.items() if k.is_compute},
+    )

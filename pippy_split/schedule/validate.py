@@ -1,0 +1,390 @@
+"""Checking an order before anything runs it: :func:`validate` and :class:`ScheduleError`.
+
+Sits after the order generators and :mod:`~pippy_split.schedule.lower` and
+before the runtime. It takes a compute-only order (F, B, I, W) or a lowered
+one (with SEND/RECV), checks it statically, then dry-runs every rank together:
+
+* a ``SEND`` never blocks (like ``isend`` with a tag);
+* a ``RECV`` blocks until every matching ``SEND`` of that microbatch and
+  direction has been issued by the peer stages' ranks;
+* a compute action needs its :func:`~pippy_split.schedule.deps.compute_deps`:
+  a same-rank producer must already have run; a producer on another rank is
+  waited for directly in a compute-only order, and through the ``RECV`` just
+  before the action in a lowered one.
+
+When no rank can advance the order would hang, and :class:`ScheduleError`
+says which ranks are stuck and on what, with the order table printed and the
+stuck steps marked. Every failure names the rank, step and action.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable, Mapping
+
+from .actions import Action, ActionKind, Order
+from .deps import Link, chain_links, deps_function
+from .lower import Peers, peer_table
+from .placement import stage_to_rank
+from .render import format_order
+
+__all__ = ["ScheduleError", "validate"]
+
+F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
+SEND_F, RECV_F = ActionKind.SEND_F, ActionKind.RECV_F
+SEND_B, RECV_B = ActionKind.SEND_B, ActionKind.RECV_B
+
+# Integer codes keep the hot loops off Enum.__hash__ (a Python-level call).
+_KINDS = (F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B)
+_CODE = {k.value: c for c, k in enumerate(_KINDS)}
+_F, _B, _I, _W, _SEND_F, _RECV_F, _SEND_B, _RECV_B = range(8)
+
+Pos = tuple[int, int]  # (rank, step)
+
+
+class ScheduleError(ValueError):
+    """An order that is incomplete, mis-ordered, or would deadlock.
+
+    Attributes:
+        rank: the rank at fault (``None`` when no rank holds the stage at all).
+        step: index in that rank's list (``None`` for an action that is missing).
+        action: the action at fault (or the missing one).
+        reason: the message without the location and the table.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        rank: int | None = None,
+        step: int | None = None,
+        action: Action | None = None,
+        order: Order | None = None,
+        marks: Mapping[int, int] | None = None,
+    ) -> None:
+        self.reason = reason
+        self.rank = rank
+        self.step = step
+        self.action = action
+        where = f"rank {'?' if rank is None else rank}, step {'-' if step is None else step}"
+        message = f"{where}, action {action}: {reason}"
+        if order is not None:
+            if marks is None and rank is not None and step is not None:
+                marks = {rank: step}
+            message += "\n" + format_order(order, mark=marks)
+        super().__init__(message)
+
+    def __reduce__(self):  # keep rank/step/action across processes (pickling)
+        return (_rebuild_error, (str(self), self.reason, self.rank, self.step, self.action))
+
+
+def _rebuild_error(message: str, reason: str, rank, step, action) -> ScheduleError:
+    err = ScheduleError.__new__(ScheduleError)
+    ValueError.__init__(err, message)
+    err.reason, err.rank, err.step, err.action = reason, rank, step, action
+    return err
+
+
+def validate(
+    order: Order,
+    num_stages: int,
+    n_microbatches: int,
+    *,
+    links: Iterable[Link] | None = None,
+    placement: Mapping[int, int] | str | None = None,
+) -> None:
+    """Raise :class:`ScheduleError` unless ``order`` is complete, well ordered and runs to the end.
+
+    Checks: stage and microbatch ids in range; each stage on one rank (the one
+    ``placement`` names, when given); every ``F`` and every backward (``B``, or
+    ``I`` and ``W``) of every stage and microbatch exactly once; backward after
+    forward and ``W`` after ``I``; in a lowered order every ``SEND`` has its
+    ``RECV`` and the other way round, a ``SEND`` follows the action producing
+    it, and remote inputs are received before the action using them; finally a
+    dry run of all ranks together proves that no rank waits forever.
+
+    Args:
+        order: ``{rank: [Action | None, ...]}``, compute-only or lowered.
+        num_stages: total pipeline stages.
+        n_microbatches: microbatches per step.
+        links: ``(src_stage, dst_stage, carries_grad)`` triples; default the chain.
+        placement: ``{stage: rank}`` or ``"loop"``/``"v"``; default inferred.
+
+    Example:
+        >>> order = {0: [Action(0, F, 0), Action(0, B, 0)]}
+        >>> validate(order, num_stages=1, n_microbatches=1)
+        >>> validate({0: [Action(0, B, 0), Action(0, F, 0)]}, 1, 1)
+        Traceback (most recent call last):
+        ...
+        pippy_split.schedule.validate.ScheduleError: rank 0, step 0, action 0B0: ...
+    """
+    if num_stages < 1 or n_microbatches < 1:
+        raise ValueError(f"need num_stages >= 1 and n_microbatches >= 1, got {num_stages}, {n_microbatches}")
+    fixed = None if placement is None else stage_to_rank(num_stages, max(len(order), 1), placement)
+    link_list = chain_links(num_stages) if links is None else list(links)
+    check = _Checker(order, num_stages, n_microbatches, link_list, fixed)
+    check.scan()
+    check.completeness()
+    if check.lowered:
+        check.comm()
+    check.dry_run()
+
+
+class _Checker:
+    """One validation: the static passes, then the dry run. Holds the shared indexes.
+
+    Every (kind, stage, mb) is an integer event key ``(code * S + stage) * M + mb``;
+    ``pos[key]`` is where the order runs it, ``(rank, step)``, or ``None``.
+    """
+
+    def __init__(
+        self,
+        order: Order,
+        num_stages: int,
+        n_microbatches: int,
+        links: list[Link],
+        placement: dict[int, int] | None,
+    ) -> None:
+        self.order = order
+        self.S, self.M = num_stages, n_microbatches
+        self.links = links
+        self.fixed = placement is not None
+        self.where: dict[int, int] = dict(placement) if placement is not None else {}
+        self.pos: list[Pos | None] = [None] * (len(_KINDS) * num_stages * n_microbatches)
+        self.comms: list[tuple[int, int, int, int, int]] = []  # (code, stage, mb, rank, step)
+        self.lowered = False
+        self.table: dict[int, Peers] = {}
+
+    # -- keys -----------------------------------------------------------------
+    def key(self, code: int, stage: int, mb: int) -> int:
+        return (code * self.S + stage) * self.M + mb
+
+    def unkey(self, key: int) -> Action:
+        rest, mb = divmod(key, self.M)
+        code, stage = divmod(rest, self.S)
+        return Action(stage, _KINDS[code], mb)
+
+    def fail(self, reason: str, at: Pos | None, action: Action, marks: Mapping[int, int] | None = None) -> None:
+        rank, step = at if at is not None else (self.where.get(action.stage), None)
+        raise ScheduleError(reason, rank=rank, step=step, action=action, order=self.order, marks=marks)
+
+    # -- pass 1: ids, placement, duplicates ------------------------------------
+    def scan(self) -> None:
+        S, M, where, pos, fixed = self.S, self.M, self.where, self.pos, self.fixed
+        comms, code_of = self.comms, _CODE
+        for rank in sorted(self.order):
+            for step, a in enumerate(self.order[rank]):
+                if a is None:
+                    continue
+                if a.__class__ is not Action and not isinstance(a, Action):
+                    raise ScheduleError(
+                        f"expected an Action or None, got {a!r}", rank=rank, step=step, order=self.order
+                    )
+                s, mb = a.stage, a.mb
+                if s >= S or mb >= M:
+                    self._out_of_range(a, (rank, step))
+                home = where[s] if fixed else where.setdefault(s, rank)
+                if home != rank:
+                    first = "is placed on" if fixed else "already has actions on"
+                    self.fail(f"stage {s} {first} rank {home}; a stage lives on one rank", (rank, step), a)
+                code = code_of[a.kind._value_]
+                k = (code * S + s) * M + mb
+                if pos[k] is not None:
+                    r0, i0 = pos[k]
+                    self.fail(f"duplicate {a} (already at rank {r0}, step {i0})", (rank, step), a)
+                pos[k] = (rank, step)
+                if code >= _SEND_F:
+                    comms.append((code, s, mb, rank, step))
+        self.lowered = bool(comms)
+        missing = sorted(set(range(S)) - set(where))
+        if missing:  # only possible without a fixed placement: a stage with no actions
+            self.fail(f"stage {missing[0]} has no actions on any rank", None, Action(missing[0], F, 0))
+        self.table = peer_table(S, self.links, where)
+
+    def _out_of_range(self, a: Action, at: Pos) -> None:
+        if a.stage >= self.S:
+            self.fail(f"stage {a.stage} is out of range [0, {self.S})", at, a)
+        self.fail(f"microbatch {a.mb} is out of range [0, {self.M})", at, a)
+
+    # -- pass 2: every F and backward once, in order ----------------------------
+    def completeness(self) -> None:
+        pos, SM = self.pos, self.S * self.M
+        for k in range(SM):
+            f, b, i, w = pos[k], pos[_B * SM + k], pos[_I * SM + k], pos[_W * SM + k]
+            if f is not None and (b is not None) != (i is not None) and (i is None) == (w is None):
+                # the common case: F, then B or I-then-W
+                bwd = b if b is not None else i
+                if f[1] < bwd[1] and (w is None or i[1] < w[1]):
+                    continue
+            s, mb = divmod(k, self.M)
+            self._incomplete(s, mb, f, b, i, w)
+
+    def _incomplete(self, s: int, mb: int, f: Pos | None, b: Pos | None, i: Pos | None, w: Pos | None) -> None:
+        """Report what is wrong with stage ``s`` microbatch ``mb`` (something is)."""
+        act = {kind: Action(s, kind, mb) for kind in (F, B, I, W)}
+        if b is not None and (i is not None or w is not None):
+            later, kind = max((b, B), (i, I) if i is not None else (w, W))
+            self.fail(f"stage {s} mb {mb} has both B and I/W: its backward runs twice", later, act[kind])
+        bwd, bkind = (b, B) if b is not None else (i, I)
+        if f is None:
+            present = [(p, kind) for p, kind in ((bwd, bkind), (w, W)) if p is not None]
+            if present:
+                at, kind = min(present)
+                self.fail(f"{act[kind]} has no forward {act[F]}", at, act[kind])
+            self.fail(f"forward of stage {s} mb {mb} is missing", None, act[F])
+        if bwd is None:
+            if w is not None:
+                self.fail(f"{act[W]} has no {act[I]}", w, act[W])
+            self.fail(f"backward of stage {s} mb {mb} is missing (no B, no I/W)", None, act[B])
+        if bwd[1] < f[1]:
+            self.fail(f"{act[bkind]} comes before its forward {act[F]} (step {f[1]})", bwd, act[bkind])
+        if w is None:
+            self.fail(f"{act[I]} has no {act[W]}", i, act[I])
+        self.fail(f"{act[W]} comes before its {act[I]} (step {i[1]})", w, act[W])
+
+    # -- pass 3 (lowered orders): SEND/RECV pairs and where they sit -------------
+    def comm(self) -> None:
+        S, M, pos, table = self.S, self.M, self.pos, self.table
+        peer_lists = {
+            _SEND_F: {s: p.send_f for s, p in table.items()},
+            _RECV_F: {s: p.recv_f for s, p in table.items()},
+            _SEND_B: {s: p.send_b for s, p in table.items()},
+            _RECV_B: {s: p.recv_b for s, p in table.items()},
+        }
+        match = {_SEND_F: _RECV_F, _RECV_F: _SEND_F, _SEND_B: _RECV_B, _RECV_B: _SEND_B}
+        for code, s, mb, rank, step in self.comms:
+            stages = peer_lists[code][s]
+            if not stages:
+                self._comm_fail(code, s, mb, (rank, step), "stage has no peer on another rank in this direction")
+            if code == _SEND_F or code == _SEND_B:
+                made = pos[(_F * S + s) * M + mb] if code == _SEND_F else (
+                    pos[(_B * S + s) * M + mb] or pos[(_I * S + s) * M + mb]
+                )
+                if made[1] > step:
+                    self._comm_fail(code, s, mb, (rank, step), "comes before the action that produces it")
+            mcode = match[code]
+            for peer in stages:
+                if pos[(mcode * S + peer) * M + mb] is None:
+                    other = Action(peer, _KINDS[mcode], mb)
+                    self._comm_fail(code, s, mb, (rank, step), f"has no matching {other} on rank {self.where[peer]}")
+        for s in range(S):
+            p = table[s]
+            if p.recv_f:
+                self._received_before(_F, _RECV_F, s, p.recv_f, "activations")
+            if p.recv_b:
+                self._received_before(_B, _RECV_B, s, p.recv_b, "output gradients")
+
+    def _comm_fail(self, code: int, s: int, mb: int, at: Pos, reason: str) -> None:
+        a = Action(s, _KINDS[code], mb)
+        self.fail(f"{a} {reason}", at, a)
+
+    def _received_before(self, code: int, recv_code: int, s: int, srcs: tuple[int, ...], what: str) -> None:
+        """Each backward/forward of ``s`` with remote inputs has its RECV earlier."""
+        S, M, pos = self.S, self.M, self.pos
+        for mb in range(M):
+            at = pos[(code * S + s) * M + mb]
+            if code == _B and at is None:
+                code_here, at = _I, pos[(_I * S + s) * M + mb]
+            else:
+                code_here = code
+            recv = pos[(recv_code * S + s) * M + mb]
+            if recv is None or recv[1] > at[1]:
+                src_txt = ", ".join(f"stage {src} (rank {self.where[src]})" for src in srcs)
+                action, recv_action = Action(s, _KINDS[code_here], mb), Action(s, _KINDS[recv_code], mb)
+                self.fail(f"{action} needs {what} from {src_txt} but no {recv_action} comes before it", at, action)
+
+    # -- pass 4: all ranks together ----------------------------------------------
+    def dry_run(self) -> None:
+        """Run every rank's list, each as far as it can, until all end or none can move."""
+        self.done = bytearray(len(self.pos))  # event key -> happened
+        self.waiters: dict[int, list[int]] = {}  # event key -> ranks blocked on it
+        self.ready = deque(sorted(self.order))
+        self.templates = self._dep_templates()
+        self.recv_from = {  # RECV code -> (matching SEND code, remote peer stages per stage)
+            _RECV_F: (_SEND_F, [self.table[s].recv_f for s in range(self.S)]),
+            _RECV_B: (_SEND_B, [self.table[s].recv_b for s in range(self.S)]),
+        }
+        ptr = {r: 0 for r in self.order}
+        blocked: dict[int, int] = {}  # rank -> the event key it waits for
+        while self.ready:
+            rank = self.ready.popleft()
+            ptr[rank], wait = self._advance(rank, ptr[rank])
+            if wait is None:
+                blocked.pop(rank, None)
+            else:
+                self.waiters.setdefault(wait, []).append(rank)
+                blocked[rank] = wait
+        if blocked:
+            self._deadlock(ptr, blocked)
+
+    def _advance(self, rank: int, i: int) -> tuple[int, int | None]:
+        """Run ``rank`` from step ``i`` until it ends or blocks: ``(step, awaited key or None)``."""
+        acts, S, M, done = self.order[rank], self.S, self.M, self.done
+        templates, lowered, code_of, fire = self.templates, self.lowered, _CODE, self._fire
+        for i in range(i, len(acts)):
+            a = acts[i]
+            if a is None:
+                continue
+            code = code_of[a.kind._value_]
+            s, mb = a.stage, a.mb
+            if code <= _W:
+                for dcode, ds, local in templates[s * 4 + code]:
+                    k = (dcode * S + ds) * M + mb
+                    if done[k]:
+                        continue
+                    if local:  # it can only come later on this very rank
+                        self._runs_later(a, (rank, i), k)
+                    if not lowered:  # in a lowered order the RECV before `a` covers it
+                        return i, k
+                fire((code * S + s) * M + mb)
+                if code == _B:  # a full backward meets a required I too
+                    fire((_I * S + s) * M + mb)
+            elif code == _SEND_F or code == _SEND_B:
+                fire((code * S + s) * M + mb)  # sends never block
+            else:
+                send, peer_stages = self.recv_from[code]
+                for peer in peer_stages[s]:
+                    k = (send * S + peer) * M + mb
+                    if not done[k]:
+                        return i, k
+        return len(acts), None
+
+    def _fire(self, key: int) -> None:
+        self.done[key] = 1
+        woken = self.waiters.pop(key, None)
+        if woken:
+            self.ready.extend(woken)
+
+    def _dep_templates(self) -> dict[int, list[tuple[int, int, bool]]]:
+        """``compute_deps`` per (stage, compute kind), for mb 0: deps keep the mb."""
+        deps, where = deps_function(self.links, self.S), self.where
+        templates = {}
+        for s in range(self.S):
+            for code in (_F, _B, _I, _W):
+                reqs = deps(Action(s, _KINDS[code], 0))
+                templates[s * 4 + code] = [(_CODE[d.kind.value], d.stage, where[d.stage] == where[s]) for d in reqs]
+        return templates
+
+    def _event(self, key: int) -> str:
+        """An awaited event in words: ``0SEND_F3 from rank 0`` or ``1I0 on rank 1``."""
+        a = self.unkey(key)
+        return f"{a} {'on' if a.kind.is_compute else 'from'} rank {self.where[a.stage]}"
+
+    def _runs_later(self, a: Action, at: Pos, k: int) -> None:
+        dep = self.unkey(k)
+        later = self.pos[k]
+        if later is None and dep.kind is I:  # a required I is met by B too
+            dep = Action(dep.stage, B, dep.mb)
+            later = self.pos[self.key(_B, dep.stage, dep.mb)]
+        step = "" if later is None else f" only at step {later[1]}"
+        self.fail(f"{a} needs {dep}, which rank {at[0]} runs{step}, after it", at, a)
+
+    def _deadlock(self, ptr: dict[int, int], blocked: dict[int, int]) -> None:
+        stuck = sorted(blocked)
+        lines = [
+            f"  rank {r} at step {ptr[r]} ({self.order[r][ptr[r]]}) waits for {self._event(blocked[r])}"
+            for r in stuck
+        ]
+        first = stuck[0]
+        reason = f"deadlock: no rank can advance; {len(stuck)} rank(s) stuck:\n" + "\n".join(lines)
+        self.fail(reason, (first, ptr[first]), self.order[first][ptr[first]], marks={r: ptr[r] for r in stuck})

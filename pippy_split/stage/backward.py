@@ -1,0 +1,85 @@
+"""The zero-bubble backward split: what W must differentiate, found on the stage graph.
+
+For every op that combines a parameter (possibly through views like ``t()``)
+with an activation, the op's output is *captured*: the input-grad pass (I)
+computes the gradient flowing into it on its way to the stage inputs, and the
+weight-grad pass (W) differentiates just that op with respect to its
+parameters. A parameter used by several such ops in one stage would be counted
+once per use through the activation path, so it is differentiated whole in I
+instead — exact, like ``loss.backward()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule
+
+__all__ = ["WeightGradPlan", "plan_weight_grads"]
+
+
+@dataclass
+class WeightGradPlan:
+    params: list[list[torch.nn.Parameter]]  # per capture index: the parameters W differentiates
+    whole_params: list[torch.nn.Parameter]  # parameters whose gradient I computes in full
+
+    @property
+    def num_captures(self) -> int:
+        return len(self.params)
+
+
+def _param_of(gm: GraphModule, node: torch.fx.Node) -> torch.nn.Parameter | None:
+    if node.op != "get_attr":
+        return None
+    try:
+        obj = gm.get_parameter(node.target)
+    except AttributeError:
+        return None
+    return obj if obj.requires_grad else None
+
+
+def plan_weight_grads(gm: GraphModule) -> tuple[GraphModule, WeightGradPlan]:
+    """A copy of ``gm`` that also returns the captured op outputs, and the plan for W."""
+    graph = gm.graph
+    param_only: dict[torch.fx.Node, set[int]] = {}  # node -> ids of params it derives from
+    params_by_id: dict[int, torch.nn.Parameter] = {}
+    for node in graph.nodes:
+        p = _param_of(gm, node)
+        if p is not None:
+            param_only[node] = {id(p)}
+            params_by_id[id(p)] = p
+        elif node.op == "call_function" and node.all_input_nodes and all(a in param_only for a in node.all_input_nodes):
+            param_only[node] = set().union(*(param_only[a] for a in node.all_input_nodes))
+    captures: list[tuple[torch.fx.Node, set[int]]] = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node in param_only:
+            continue
+        ids = set().union(*(param_only[a] for a in node.all_input_nodes if a in param_only)) if any(
+            a in param_only for a in node.all_input_nodes) else set()
+        if ids:
+            captures.append((node, ids))
+    uses: dict[int, int] = {}
+    for node, ids in captures:
+        for i in ids:
+            uses[i] = uses.get(i, 0) + 1
+    whole = {i for i, n in uses.items() if n > 1}
+    for node, ids in captures:
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            whole |= ids  # tuple-valued op: cannot capture one tensor, differentiate whole
+    kept = [(node, ids - whole) for node, ids in captures if ids - whole]
+
+    new_graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    out_node = None
+    for node in graph.nodes:
+        if node.op == "output":
+            out_node = node
+            continue
+        env[node] = new_graph.node_copy(node, lambda a: env[a])
+    outputs = tuple(env[a] if isinstance(a, torch.fx.Node) else a for a in out_node.args[0])
+    new_graph.output(outputs + tuple(env[node] for node, _ in kept))
+    zb = GraphModule(gm, new_graph, class_name=f"{type(gm).__name__}_ZB")
+    plan = WeightGradPlan([[params_by_id[i] for i in sorted(ids)] for _, ids in kept],
+                          [params_by_id[i] for i in sorted(whole)])
+    return zb, plan

@@ -1,0 +1,341 @@
+"""``PipelineStage``: one stage's module plus who it talks to, by stage index.
+
+Sits between the Pipe (which knows every edge) and the runtime (which runs a
+schedule's actions). A stage knows stage indices only; the schedule binds ranks
+later. It runs forward for a microbatch, keeps what backward needs, and runs
+backward whole (B) or split into input-grad (I) then weight-grad (W).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from ..split.spec import MODEL_INPUT, TensorSpec
+from .backward import WeightGradPlan, plan_weight_grads
+from .errors import PipelineError
+
+__all__ = ["PipelineStage", "InputSlot", "Route"]
+
+
+@dataclass
+class InputSlot:
+    """Positional input ``index`` of the stage module and where its value comes from.
+
+    kind: "model" (a model input this stage reads itself, from the step's args),
+    "edge" (sent by ``src_stage`` output ``src_output``; ``src_stage == -1`` is a model
+    input forwarded by stage 0's rank), or "symbol" (a size computed from the symbols).
+    """
+
+    index: int
+    kind: str
+    src_stage: int = MODEL_INPUT
+    src_output: int = 0
+    spec: TensorSpec | None = None
+    expr: Any = None
+
+    @property
+    def sender_stage(self) -> int:
+        return 0 if self.src_stage == MODEL_INPUT else self.src_stage
+
+
+@dataclass
+class Route:
+    """Value ``src_index`` (an output, or with ``from_input`` a model input) goes to
+    ``dst_stage``'s input ``dst_input`` (-1: the next free chain input)."""
+
+    src_index: int
+    dst_stage: int
+    dst_input: int
+    spec: TensorSpec | None = None
+    from_input: bool = False
+
+
+@dataclass
+class _Saved:
+    inputs: list[Any]
+    outputs: tuple
+    loss: torch.Tensor | None = None
+    grad_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    weight_work: list = field(default_factory=list)
+
+
+class PipelineStage:
+    """One pipeline stage on this rank.
+
+    Args:
+        module: the stage's ``nn.Module``.
+        stage_index: this stage's index in the pipeline.
+        num_stages: total number of stages.
+        device: where the module runs (default: where its parameters are).
+        group: the pipeline's process group (a ``torch.distributed`` group or a
+            DeviceMesh dimension's group); default the world.
+        inputs_from: ``{input_idx: (stage, output_idx)}`` for inputs that do not come
+            from the previous stage (skip connections). Others take the previous
+            stage's remaining outputs in order.
+        outputs_to: ``{output_idx: [(stage, input_idx), ...]}`` for outputs that go
+            elsewhere than the next stage.
+
+    Shapes of hand-built stages are inferred on the first step from the real first
+    microbatch (one small metadata message per sender, then cached).
+
+    Example:
+        >>> stage = PipelineStage(my_block, stage_index=1, num_stages=4, device="cpu",
+        ...                       outputs_to={1: [(3, 1)]})   # output 1 skips to stage 3
+    """
+
+    def __init__(self, module: torch.nn.Module, stage_index: int, num_stages: int,
+                 device: torch.device | str | None = None, group: Any = None,
+                 inputs_from: Mapping[int, tuple[int, int]] | None = None,
+                 outputs_to: Mapping[int, Sequence[tuple[int, int]]] | None = None) -> None:
+        if not 0 <= stage_index < num_stages:
+            raise ValueError(f"stage_index {stage_index} out of range for {num_stages} stages")
+        self.module = module
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.device = torch.device(device) if device is not None else _module_device(module)
+        self.group = group
+        self.pipe = None
+        self.lazy = True  # shapes unknown until the first step's handshake
+        self.inputs_from = dict(inputs_from or {})
+        self.outputs_to = {k: list(v) for k, v in (outputs_to or {}).items()}
+        for idx, (src, _) in self.inputs_from.items():
+            if not 0 <= src < stage_index:
+                raise ValueError(f"stage {stage_index}: input {idx} comes from stage {src}, which is not an earlier stage")
+        for idx, dsts in self.outputs_to.items():
+            for dst, _ in dsts:
+                if not stage_index < dst < num_stages:
+                    raise ValueError(f"stage {stage_index}: output {idx} goes to stage {dst}, which is not a later stage")
+        self.in_slots: list[InputSlot] | None = None if stage_index > 0 else []
+        self.routes: list[Route] = []  # filled after the first forward for lazy stages
+        self.loss_fn: Callable | None = None
+        self.scale_grads = True
+        self._saved: dict[int, _Saved] = {}
+        self._losses: dict[int, torch.Tensor] = {}  # per microbatch, unscaled, kept for the whole step
+        self._wplan: WeightGradPlan | None = None
+        self._zb_module: torch.nn.Module | None = None
+
+    # ---- construction from a Pipe ------------------------------------------------
+    @classmethod
+    def from_pipe(cls, pipe: Any, stage_index: int, device: Any = None, group: Any = None) -> "PipelineStage":
+        info = pipe.stages[stage_index]
+        module = info.module
+        if device is not None:
+            module = module.to(device)
+        stage = cls(module, stage_index, pipe.num_stages, device=device, group=group)
+        stage.pipe = pipe
+        stage.lazy = False
+        slots = []
+        for i, src in enumerate(info.inputs):
+            if src.kind == "input":
+                slots.append(InputSlot(i, "model", MODEL_INPUT, src.index))
+            elif src.kind == "edge":
+                e = src.edge
+                slots.append(InputSlot(i, "edge", e.src_stage, e.src_output, e.spec))
+            else:
+                slots.append(InputSlot(i, "symbol", expr=src.expr))
+        stage.in_slots = slots
+        for e in pipe.edges:
+            if e.src_stage == stage_index or (e.from_input and stage_index == 0):
+                stage.routes.append(Route(e.src_output, e.dst_stage, e.dst_input, e.spec, from_input=e.from_input))
+        return stage
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def links(self) -> list[tuple[int, int, bool]]:
+        """(sender stage, receiver stage, carries grad) for every value this stage sends."""
+        if self.pipe is not None:
+            out = {}
+            for r in self.routes:
+                out[(self.stage_index, r.dst_stage)] = out.get((self.stage_index, r.dst_stage), False) or (
+                    r.spec is not None and r.spec.carries_grad and not r.from_input)
+            return [(s, d, g) for (s, d), g in out.items()]
+        dsts = {d for v in self.outputs_to.values() for d, _ in v}
+        if not self.is_last:
+            dsts.add(self.stage_index + 1)
+        return [(self.stage_index, d, True) for d in sorted(dsts)]
+
+    @property
+    def held_microbatches(self) -> int:
+        """Microbatches whose activations this stage still holds (for memory checks)."""
+        return len(self._saved)
+
+    # ---- forward -------------------------------------------------------------------
+    def forward(self, mb: int, args: list[Any], kwargs: Mapping[str, Any] | None = None, *, train: bool = True,
+                target: Any = None) -> tuple:
+        """Run the module on one microbatch; keep what backward needs when ``train``."""
+        try:
+            with torch.set_grad_enabled(train):
+                module = self._zb_module if (train and self._zb_module is not None) else self.module
+                out = module(*args, **(kwargs or {}))
+        except Exception as e:
+            raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: forward raised {type(e).__name__}: {e}") from e
+        outputs = tuple(out) if isinstance(out, (tuple, list)) and self.pipe is not None else (
+            tuple(out) if isinstance(out, tuple) else (out,))
+        captures: tuple = ()
+        if train and self._zb_module is not None and self._wplan is not None:
+            n = len(outputs) - self._wplan.num_captures
+            outputs, captures = outputs[:n], outputs[n:]
+        if not train:
+            return outputs
+        saved = _Saved(list(args), outputs)
+        if self._wplan is not None:
+            saved.weight_work = list(captures)  # by capture index; I turns them into (index, grad)
+        if self.is_last and self.loss_fn is not None and target is not None:
+            saved.loss = self.compute_loss(mb, outputs, target)
+            self._losses[mb] = saved.loss.detach()
+        self._saved[mb] = saved
+        return outputs
+
+    def model_output(self, outputs: tuple) -> Any:
+        """The last stage's outputs in the structure the model returns."""
+        if self.pipe is not None:
+            return self.pipe.unflatten_outputs(outputs)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def compute_loss(self, mb: int, outputs: tuple, target: Any) -> torch.Tensor:
+        try:
+            loss = self.loss_fn(self.model_output(outputs), target)
+        except Exception as e:
+            raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: loss_fn raised {type(e).__name__}: {e}") from e
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: loss_fn must return a scalar tensor, got {shape}")
+        return loss.reshape(())
+
+    def loss_of(self, mb: int) -> torch.Tensor | None:
+        return self._losses.get(mb)
+
+    # ---- backward ------------------------------------------------------------------
+    def _roots(self, mb: int, saved: _Saved, output_grads: Mapping[int, torch.Tensor], n_microbatches: int):
+        if self.is_last:
+            if saved.loss is None:
+                raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: backward needs a loss; pass loss_fn "
+                                    "to the schedule and target= to step()")
+            scale = n_microbatches if self.scale_grads else 1
+            return [saved.loss / scale], [None]
+        tensors, grads = [], []
+        for i, g in output_grads.items():
+            out = saved.outputs[i]
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                tensors.append(out)
+                grads.append(g)
+        return tensors, grads
+
+    def _grad_inputs(self, saved: _Saved) -> list[tuple[int, torch.Tensor]]:
+        return [(i, a) for i, a in enumerate(saved.inputs)
+                if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf]
+
+    def backward(self, mb: int, output_grads: Mapping[int, torch.Tensor], n_microbatches: int) -> dict[int, torch.Tensor]:
+        """Full backward (B): returns ``{input_index: grad}`` and accumulates ``.grad`` on parameters."""
+        saved = self._pop(mb)
+        tensors, grads = self._roots(mb, saved, output_grads, n_microbatches)
+        if tensors:
+            try:
+                torch.autograd.backward(tensors, grads)
+            except Exception as e:
+                raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: backward raised {type(e).__name__}: {e}") from e
+        return self._collect_input_grads(saved)
+
+    def _collect_input_grads(self, saved: _Saved) -> dict[int, torch.Tensor]:
+        out = {}
+        for i, a in self._grad_inputs(saved):
+            out[i] = a.grad if a.grad is not None else torch.zeros_like(a)
+        return out
+
+    def backward_input(self, mb: int, output_grads: Mapping[int, torch.Tensor], n_microbatches: int) -> dict[int, torch.Tensor]:
+        """Input-gradient half (I) of a split backward; :meth:`backward_weight` finishes it."""
+        saved = self._saved.get(mb)
+        if saved is None:
+            raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: input-grad backward before forward")
+        tensors, grads = self._roots(mb, saved, output_grads, n_microbatches)
+        leaves = self._grad_inputs(saved)
+        plan = self._wplan
+        captures = [(k, c) for k, c in enumerate(saved.weight_work)
+                    if isinstance(c, torch.Tensor) and c.requires_grad] if plan else []
+        multi = plan.whole_params if plan else []
+        targets = [a for _, a in leaves] + [c for _, c in captures] + multi
+        results: Sequence[torch.Tensor | None] = []
+        if tensors and targets:
+            try:
+                results = torch.autograd.grad(tensors, targets, grads, retain_graph=True, allow_unused=True)
+            except Exception as e:
+                raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: input-grad backward raised "
+                                    f"{type(e).__name__}: {e}") from e
+        else:
+            results = [None] * len(targets)
+        in_grads = {}
+        for (i, a), g in zip(leaves, results[: len(leaves)]):
+            in_grads[i] = g if g is not None else torch.zeros_like(a)
+        if plan is not None:
+            cap_grads = results[len(leaves): len(leaves) + len(captures)]
+            saved.weight_work = [(k, c, g) for (k, c), g in zip(captures, cap_grads) if g is not None]
+            for p, g in zip(multi, results[len(leaves) + len(captures):]):
+                _accumulate(p, g)
+        else:
+            saved.weight_work = [(tensors, grads)]  # W recomputes through the stage for its parameters
+        saved.outputs = ()
+        return in_grads
+
+    def backward_weight(self, mb: int) -> None:
+        """Weight-gradient half (W): accumulates ``.grad`` exactly as ``loss.backward()`` would."""
+        saved = self._pop(mb)
+        try:
+            if self._wplan is not None:
+                for k, cap, g in saved.weight_work:
+                    torch.autograd.backward([cap], [g], inputs=self._wplan.params[k])
+            else:
+                params = [p for p in self.module.parameters() if p.requires_grad]
+                for tensors, grads in saved.weight_work:
+                    if tensors and params:
+                        torch.autograd.backward(tensors, grads, inputs=params)
+        except Exception as e:
+            raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: weight-grad backward raised "
+                                f"{type(e).__name__}: {e}") from e
+
+    def _pop(self, mb: int) -> _Saved:
+        saved = self._saved.pop(mb, None)
+        if saved is None:
+            raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: backward before forward (nothing saved)")
+        return saved
+
+    def enable_split_backward(self) -> None:
+        """Prepare the I/W split: capture, per parameter use, the op output whose
+        gradient W needs, so W runs only the weight part of each op."""
+        if self._zb_module is not None or self.pipe is None:
+            return
+        zb, plan = plan_weight_grads(self.module)
+        self._zb_module, self._wplan = zb, plan
+
+    def clear(self) -> None:
+        """Drop every saved microbatch (after a failed step)."""
+        self._saved.clear()
+        self._losses.clear()
+
+    def __repr__(self) -> str:
+        return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, device={self.device})"
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
+    if g is None:
+        return
+    if p.grad is None:
+        p.grad = g.detach().clone()
+    else:
+        p.grad.add_(g)
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    for b in module.buffers():
+        return b.device
+    return torch.device("cpu")

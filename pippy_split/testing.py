@@ -1,0 +1,430 @@
+"""The multi-rank test harness: run a function on N local ranks joined by gloo.
+
+Every distributed test (tests/dist/, the dist tier of the stage and schedule
+tests) goes through :func:`run_ranks`, so that a failing rank always surfaces
+its traceback, a hung rank is always killed, and no process outlives the call:
+
+    def _body(rank, world_size, scale):
+        t = torch.full((2,), float(rank + 1))
+        dist.all_reduce(t)
+        return t * scale
+
+    results = run_ranks(_body, 2, 10.0)   # [tensor([30., 30.]), tensor([30., 30.])]
+
+Ranks are fresh processes, never forks of the caller: by default they come from
+multiprocessing's "forkserver", a clean server process that imports torch once
+and then forks each rank in milliseconds (a "spawn" rank re-imports torch, which
+costs seconds per rank on a small CI machine). ``start_method="spawn"`` is there
+for platforms without forkserver. Ranks meet through a ``FileStore`` in a fresh
+temporary directory: unlike a TCP rendezvous on a port picked in advance, it
+cannot collide with another run starting at the same moment, which matters when
+many tests run back to back or in parallel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing import reduction
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankFailure", "RankTimeout", "run_ranks", "free_port"]
+
+# After the first rank fails, how long the others get to report their own
+# failures before they are killed (they are usually stuck in a collective
+# waiting for the failed rank, so waiting longer only slows the test down).
+_FAILURE_GRACE_S = 1.0
+# How long a rank gets to dump its Python stacks before it is killed.
+_STACK_DUMP_WAIT_S = 0.5
+# terminate() -> kill() escalation delay.
+_TERMINATE_WAIT_S = 1.0
+# What the forkserver imports once, so that forked ranks start with it loaded
+# (this module pulls in pippy_split, whose tracing stack takes ~0.5 s to import).
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "pippy_split.testing"]
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised (or died); the message holds every traceback.
+
+    Attributes:
+        failures: ``{rank: formatted traceback or exit description}``, in the
+            order the ranks failed: the first is usually the root cause, the
+            others often just lost their peer.
+        killed: ranks that were still running and were killed by the harness.
+    """
+
+    def __init__(self, message: str, failures: Mapping[int, str], killed: list[int]):
+        super().__init__(message)
+        self.failures = dict(failures)
+        self.killed = list(killed)
+
+
+class RankTimeout(RankFailure):
+    """Ranks were still running when the timeout expired and were killed.
+
+    Attributes:
+        hung: the ranks that did not finish in time.
+        stacks: ``{rank: Python stacks dumped just before the kill}`` where available.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        failures: Mapping[int, str],
+        killed: list[int],
+        stacks: Mapping[int, str],
+    ):
+        super().__init__(message, failures, killed)
+        self.hung = list(killed)
+        self.stacks = dict(stacks)
+
+
+def free_port() -> int:
+    """Return a TCP port on localhost that was free a moment ago.
+
+    Another process may take it before you bind it; ``run_ranks`` itself does not
+    need a port (it rendezvouses through a file), this is for tests that do.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    threads_per_rank: int = 1,
+    env: Mapping[str, str] | None = None,
+    start_method: str | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
+
+    Each rank is a fresh process with ``torch.set_num_threads(threads_per_rank)``,
+    the caller's environment (plus ``env``), its stdout/stderr, and a default
+    process group already initialised (and destroyed afterwards).
+
+    Args:
+        fn: a picklable top-level function ``fn(rank, world_size, *args)``.
+        world_size: number of ranks (>= 1).
+        *args: extra arguments for ``fn``; must be picklable (tensors are fine).
+        timeout: seconds for the whole run, start-up included; also the process
+            group's timeout, so no collective outlives the harness.
+        backend: ``torch.distributed`` backend.
+        threads_per_rank: intra-op threads per rank (keeps N ranks off each other's cores).
+        env: extra environment variables, set in each rank before the group
+            starts (after torch is imported: variables torch reads at import
+            time, such as OMP_NUM_THREADS, do not take effect).
+        start_method: "forkserver" (default where available) or "spawn".
+
+    Returns:
+        The return values of ``fn`` in rank order. Tensors inside tuples, lists
+        and dicts are detached so that they can be pickled back.
+
+    Raises:
+        RankFailure: a rank raised or died; the message has every failing rank's
+            traceback (rank number first) and lists the ranks that were killed.
+        RankTimeout: ranks were still running after ``timeout`` seconds; they
+            are killed and named, with the Python stacks they were stuck in.
+
+    Example (``_rank_times_ten`` must live at module top level to be picklable)::
+
+        def _rank_times_ten(rank, world_size):
+            return rank * 10
+
+        assert run_ranks(_rank_times_ten, 2) == [0, 10]
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = _context(start_method)
+    child_env = {**os.environ, **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="pippy_split_ranks_") as tmp:
+        procs: list[mp.process.BaseProcess] = []
+        conns: list[Connection] = []
+        try:
+            for rank in range(world_size):
+                recv, send = ctx.Pipe(duplex=False)
+                spec = _RankSpec(rank, world_size, tmp, backend, threads_per_rank, child_env, timeout)
+                # Not daemonic: a rank may start its own workers (e.g. a DataLoader).
+                p = ctx.Process(target=_rank_main, args=(spec, fn, args, send), name=f"rank{rank}")
+                p.start()
+                send.close()  # the child holds the write end; EOF then means "child gone"
+                procs.append(p)
+                conns.append(recv)
+            return _collect(procs, conns, tmp, time.monotonic() + timeout, timeout)
+        finally:
+            # Also reached on KeyboardInterrupt or an error inside the harness.
+            _kill(procs)
+            for c in conns:
+                c.close()
+
+
+# --------------------------------------------------------------------------- #
+# Parent side
+# --------------------------------------------------------------------------- #
+
+
+def _context(start_method: str | None) -> mp.context.BaseContext:
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    if start_method not in ("forkserver", "spawn"):
+        # "fork" would copy the caller's threads and torch state into the ranks.
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # Only read when the server starts. Test modules import pytest, so a rank
+        # that unpickles a test function would otherwise import it every time.
+        extra = ["pytest"] if "pytest" in sys.modules else []
+        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD + extra)
+    return ctx
+
+
+def _collect(procs: list, conns: list[Connection], tmp: str, deadline: float, timeout: float) -> list:
+    """Wait for every rank's report; raise on failure or timeout."""
+    world_size = len(procs)
+    results: dict[int, Any] = {}
+    failures: dict[int, tuple[float, str]] = {}  # rank -> (time of failure, text)
+    pending = {conns[r]: r for r in range(world_size)}
+    while pending:
+        now = time.monotonic()
+        if failures:
+            deadline = min(deadline, now + _FAILURE_GRACE_S)
+        ready = wait(list(pending), timeout=max(0.0, deadline - now))
+        if not ready:
+            break
+        for conn in ready:
+            rank = pending.pop(conn)
+            _receive(rank, conn, procs[rank], results, failures)
+    hung = sorted(pending.values())
+    if hung and not failures:
+        stacks = _dump_stacks(procs, hung, tmp)
+        _kill(procs)
+        raise RankTimeout(_timeout_message(hung, timeout, stacks), {}, hung, stacks)
+    if failures:
+        _kill(procs)
+        ordered = {r: text for r, (_, text) in sorted(failures.items(), key=lambda kv: kv[1][0])}
+        raise RankFailure(_failure_message(ordered, hung, world_size), ordered, hung)
+    for p in procs:
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+    return [results[r] for r in range(world_size)]
+
+
+def _receive(rank: int, conn: Connection, proc: Any, results: dict, failures: dict) -> None:
+    try:
+        status, payload, when = conn.recv()
+    except EOFError:
+        # The pipe closed without a report: the process died (signal, os._exit, OOM).
+        proc.join(timeout=_TERMINATE_WAIT_S)
+        died = f"exited with {_describe_exit(proc.exitcode)} without reporting a result"
+        failures[rank] = (time.time(), died)
+        return
+    if status == "ok":
+        try:
+            results[rank] = pickle.loads(payload)
+        except Exception:
+            failures[rank] = (when, "its result could not be unpickled:\n" + traceback.format_exc())
+    else:
+        failures[rank] = (when, payload)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "no exit code"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _failure_message(failures: dict[int, str], killed: list[int], world_size: int) -> str:
+    """``failures`` is in failure order; the first block is the likely root cause."""
+    ranks = ", ".join(str(r) for r in failures)
+    head = f"{len(failures)} of {world_size} ranks failed (in order: rank {ranks})"
+    if killed:
+        head += f"; ranks {killed} were still running and were killed"
+    blocks = [f"--- rank {r} ---\n{text.rstrip()}" for r, text in failures.items()]
+    return "\n\n".join([head, *blocks])
+
+
+def _timeout_message(hung: list[int], timeout: float, stacks: dict[int, str]) -> str:
+    head = f"ranks {hung} were still running after {timeout:g} s and were killed"
+    blocks = [f"--- rank {r}: stacks at the timeout ---\n{stacks[r].rstrip()}" for r in hung if stacks.get(r)]
+    return "\n\n".join([head, *blocks])
+
+
+def _dump_stacks(procs: list, hung: list[int], tmp: str) -> dict[int, str]:
+    """Ask hung ranks to write their Python stacks (faulthandler) and read them back."""
+    if not hasattr(signal, "SIGUSR1"):
+        return {}
+    for r in hung:
+        if procs[r].is_alive():
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(_STACK_DUMP_WAIT_S)
+    stacks = {}
+    for r in hung:
+        try:
+            with open(_stack_path(tmp, r)) as f:
+                stacks[r] = f.read()
+        except OSError:
+            pass
+    return stacks
+
+
+def _kill(procs: list) -> None:
+    """Terminate, then kill, every rank still alive, and reap them all."""
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    end = time.monotonic() + _TERMINATE_WAIT_S
+    for p in alive:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for p in procs:
+        if p.exitcode is not None:
+            p.join()  # reap, so no zombie is left behind
+
+
+def _stack_path(tmp: str, rank: int) -> str:
+    return os.path.join(tmp, f"rank{rank}.stacks")
+
+
+# --------------------------------------------------------------------------- #
+# Child side
+# --------------------------------------------------------------------------- #
+
+
+class _InheritedFd:
+    """A file descriptor of the caller, duplicated into the rank when it starts.
+
+    A forkserver rank would otherwise write to whatever stdout the server had
+    when it started (under pytest: the capture file of an earlier test).
+    """
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        # DupFd only works while multiprocessing is starting a process, which is
+        # exactly when the rank's arguments are pickled.
+        return (_rebuild_fd, (reduction.DupFd(self.fd),))
+
+
+def _rebuild_fd(dup: Any) -> int:
+    return dup.detach()
+
+
+@dataclass
+class _RankSpec:
+    """Everything a rank needs to join the group (pickled once per rank)."""
+
+    rank: int
+    world_size: int
+    tmp: str  # the run's temporary directory: FileStore and stack dumps
+    backend: str
+    threads: int
+    env: dict[str, str]  # the complete environment of the rank
+    timeout: float
+    harness_pid: int = field(default_factory=os.getpid)
+    # Ints again once unpickled in the rank (see _InheritedFd).
+    stdout: Any = field(default_factory=lambda: _InheritedFd(1))
+    stderr: Any = field(default_factory=lambda: _InheritedFd(2))
+
+
+def _rank_main(spec: _RankSpec, fn: Callable, args: tuple, conn: Connection) -> None:
+    """Entry point of one rank: set up, run ``fn``, report, tear down."""
+    _die_with_parent(spec.harness_pid)
+    _redirect_output(spec.stdout, spec.stderr)
+    # A forkserver rank inherits the server's environment; give it the caller's.
+    os.environ.clear()
+    os.environ.update(spec.env)
+    torch.set_num_threads(spec.threads)
+    stack_file = open(_stack_path(spec.tmp, spec.rank), "w")
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    try:
+        store = dist.FileStore(os.path.join(spec.tmp, "store"), spec.world_size)
+        dist.init_process_group(
+            spec.backend,
+            store=store,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=spec.timeout),
+        )
+        result = fn(spec.rank, spec.world_size, *args)
+        report = ("ok", _pickle_result(result), time.time())
+    except BaseException:
+        # The time lets the harness tell the first failure from its echoes.
+        report = ("error", traceback.format_exc(), time.time())
+    conn.send(report)
+    conn.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The report is sent: skip interpreter teardown, which takes ~0.5 s with torch.
+    os._exit(0)
+
+
+def _redirect_output(stdout: int, stderr: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for src, dst in ((stdout, 1), (stderr, 2)):
+        if src != dst:
+            os.dup2(src, dst)
+            os.close(src)
+
+
+def _pickle_result(result: Any) -> bytes:
+    # Plain pickle, not multiprocessing's: torch registers shared-memory reducers
+    # there, and those need this process alive until the parent has unpickled.
+    detached = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), result)
+    try:
+        return pickle.dumps(detached)
+    except Exception as e:
+        raise TypeError(f"the return value of the rank function cannot be pickled: {e}") from e
+
+
+def _die_with_parent(harness_pid: int) -> None:
+    """On Linux, have the kernel kill this rank if its parent process dies.
+
+    The parent is the harness (spawn) or the forkserver, which itself exits
+    when the harness does.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        return
+    try:
+        os.kill(harness_pid, 0)
+    except ProcessLookupError:  # the harness died before prctl took effect
+        os._exit(1)
