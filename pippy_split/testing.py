@@ -367,15 +367,9 @@ def _rank_main(spec: _RankSpec, fn: Callable, args: tuple, conn: Connection) -> 
     stack_file = open(_stack_path(spec.tmp, spec.rank), "w")
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    store = None
     try:
-        store = dist.FileStore(os.path.join(spec.tmp, "store"), spec.world_size)
-        dist.init_process_group(
-            spec.backend,
-            store=store,
-            rank=spec.rank,
-            world_size=spec.world_size,
-            timeout=timedelta(seconds=spec.timeout),
-        )
+        store = _init_group(spec)
         result = fn(spec.rank, spec.world_size, *args)
         report = ("ok", _pickle_result(result), time.time())
     except BaseException:
@@ -383,12 +377,40 @@ def _rank_main(spec: _RankSpec, fn: Callable, args: tuple, conn: Connection) -> 
         report = ("error", traceback.format_exc(), time.time())
     conn.send(report)
     conn.close()
+    if report[0] == "ok" and store is not None:
+        # Stay until every rank is done: a rank that leaves early closes its gloo
+        # connections under peers still receiving from it. A peer that failed
+        # never arrives, and the harness kills this rank.
+        _store_barrier(store, "done", spec)
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     # The report is sent: skip interpreter teardown, which takes ~0.5 s with torch.
     os._exit(0)
+
+
+def _init_group(spec: _RankSpec) -> dist.Store:
+    store = dist.FileStore(os.path.join(spec.tmp, "store"), spec.world_size)
+    store.set_timeout(timedelta(seconds=spec.timeout))
+    dist.init_process_group(
+        spec.backend,
+        store=store,
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.timeout),
+    )
+    # init_process_group can return on one rank while a peer is still connecting
+    # to it; if fn then returned at once and the rank exited, the peer's init
+    # would fail. Start fn only when every rank is fully connected.
+    _store_barrier(store, "started", spec)
+    return store
+
+
+def _store_barrier(store: dist.Store, name: str, spec: _RankSpec) -> None:
+    """Wait until every rank has reached ``name`` (through the store: any backend)."""
+    store.set(f"pippy_split/{name}/{spec.rank}", "1")
+    store.wait([f"pippy_split/{name}/{r}" for r in range(spec.world_size)])
 
 
 def _redirect_output(stdout: int, stderr: int) -> None:

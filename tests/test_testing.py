@@ -28,7 +28,9 @@ pytestmark = pytest.mark.dist
 
 
 def _write_pid(tmp: str, rank: int) -> None:
-    Path(tmp, f"pid{rank}").write_text(str(os.getpid()))
+    part = Path(tmp, f".part{rank}")
+    part.write_text(str(os.getpid()))
+    part.replace(Path(tmp, f"pid{rank}"))  # atomic: a reader never sees it half-written
 
 
 def _all_reduce(rank: int, world_size: int, tmp: str) -> tuple:

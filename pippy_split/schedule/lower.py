@@ -171,48 +171,46 @@ def lower(
         >>> [str(a) for a in lower(order)[1]]
         ['1RECV_F0', '1F0', '1B0', '1SEND_B0']
     """
-    num_stages = _num_stages(order, placement)
+    link_list = None if links is None else list(links)
+    num_stages = _num_stages(order, placement, link_list or [])
     where = resolve_placement(order, num_stages, placement)
     missing = sorted(set(range(num_stages)) - set(where))
     if missing:
         raise ValueError(f"no rank for stages {missing}: pass placement= or give them actions")
-    link_list = chain_links(num_stages) if links is None else list(links)
-    table = peer_table(num_stages, link_list, where)
-    # Per stage, which comm kinds wrap which compute kinds (precomputed: hot loop).
-    before = {s: (p.recv_f != (), p.recv_b != ()) for s, p in table.items()}
-    after = {s: (p.send_f != (), p.send_b != ()) for s, p in table.items()}
-    lowered: Order = {}
-    for rank in sorted(order):
-        out: list[Action | None] = []
-        append = out.append
-        for a in order[rank]:
-            if a is None:
-                continue
-            kind = a.kind
-            if kind is F:
-                if before[a.stage][0]:
-                    append(Action(a.stage, RECV_F, a.mb))
-                append(a)
-                if after[a.stage][0]:
-                    append(Action(a.stage, SEND_F, a.mb))
-            elif kind is B or kind is I:
-                if before[a.stage][1]:
-                    append(Action(a.stage, RECV_B, a.mb))
-                append(a)
-                if after[a.stage][1]:
-                    append(Action(a.stage, SEND_B, a.mb))
-            elif kind is W:  # nothing crosses ranks
-                append(a)
-            else:
-                raise ValueError(
-                    f"rank {rank} already has communication action {a}; lower() takes a compute-only order"
-                )
-        lowered[rank] = out
-    return lowered
+    table = peer_table(num_stages, chain_links(num_stages) if link_list is None else link_list, where)
+    return {rank: _lower_rank(rank, order[rank], table) for rank in sorted(order)}
 
 
-def _num_stages(order: Order, placement: Mapping[int, int] | str | None) -> int:
+def _lower_rank(rank: int, actions: list[Action | None], table: dict[int, Peers]) -> list[Action | None]:
+    """One rank's list with its RECVs and SENDs in place, idle slots dropped."""
+    out: list[Action | None] = []
+    append = out.append
+    for a in actions:
+        if a is None:
+            continue
+        kind, peers_of = a.kind, table[a.stage]
+        if kind is F:
+            if peers_of.recv_f:
+                append(Action(a.stage, RECV_F, a.mb))
+            append(a)
+            if peers_of.send_f:
+                append(Action(a.stage, SEND_F, a.mb))
+        elif kind is B or kind is I:
+            if peers_of.recv_b:
+                append(Action(a.stage, RECV_B, a.mb))
+            append(a)
+            if peers_of.send_b:
+                append(Action(a.stage, SEND_B, a.mb))
+        elif kind is W:  # nothing crosses ranks
+            append(a)
+        else:
+            raise ValueError(f"rank {rank} already has communication action {a}; lower() takes a compute-only order")
+    return out
+
+
+def _num_stages(order: Order, placement: Mapping[int, int] | str | None, links: list[Link]) -> int:
     stages = {a.stage for actions in order.values() for a in actions if a is not None}
+    stages |= {s for link in links for s in link[:2]}
     if placement is not None and not isinstance(placement, str):
         stages |= set(placement)
     return max(stages, default=-1) + 1

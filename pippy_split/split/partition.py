@@ -44,17 +44,59 @@ class Plan:
         return len(self.cuts) + 1
 
 
-def module_paths(node: torch.fx.Node) -> list[str]:
-    """User FQNs of the modules a node was traced inside, outermost first ('' excluded)."""
+# Export's placeholder stack for nodes it made outside any module (e.g. sym_size).
+_NO_STACK = "_empty_nn_module_stack"
+
+
+def _stack_paths(node: torch.fx.Node) -> list[str]:
     stack = node.meta.get("nn_module_stack") or {}
     out = []
     for path, _cls in stack.values():
         path = path.split("@")[0]
         if path.startswith(ROOT_PREFIX):
             out.append(path[len(ROOT_PREFIX):])
-        elif path not in ("", "mod"):
+        elif path not in ("", "mod") and not path.startswith(_NO_STACK):
             out.append(path)
     return out
+
+
+def _region_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The ops inside a higher-order op's subgraph (e.g. a ``torch.no_grad()`` region,
+    which export wraps in ``wrap_with_set_grad_enabled``); [] for an ordinary op."""
+    owner = node.graph.owning_module
+    if owner is None:
+        return []
+    out = []
+    for a in node.args:
+        if isinstance(a, torch.fx.Node) and a.op == "get_attr":
+            sub = getattr(owner, a.target, None)
+            if isinstance(sub, torch.fx.GraphModule):
+                out.extend(n for n in sub.graph.nodes if n.op == "call_function")
+    return out
+
+
+def module_paths(node: torch.fx.Node) -> list[str]:
+    """User FQNs of the modules a node was traced inside, outermost first ('' excluded).
+
+    A higher-order op carries no module stack of its own; it takes the stack of
+    the first op inside its region.
+    """
+    out = _stack_paths(node)
+    if not out:
+        for inner in _region_nodes(node):
+            out = _stack_paths(inner)
+            if out:
+                break
+    return out
+
+
+def _all_module_paths(node: torch.fx.Node) -> list[str]:
+    """Every module a node runs code of: its own stack, plus, for a higher-order op,
+    the stacks of all the ops inside its region."""
+    out = dict.fromkeys(_stack_paths(node))
+    for inner in _region_nodes(node):
+        out.update(dict.fromkeys(_stack_paths(inner)))
+    return list(out)
 
 
 def _normalize_spec(split_spec: Any) -> list[tuple[str, SplitPoint]]:
@@ -82,7 +124,7 @@ def _fqn_cuts(ops: list[torch.fx.Node], spec: list[tuple[str, SplitPoint]], mode
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for i, op in enumerate(ops):
-        for path in module_paths(op):
+        for path in _all_module_paths(op):
             first.setdefault(path, i)
             last[path] = i
     cuts = []

@@ -207,8 +207,15 @@ class _Builder:
             edges.extend(stage_edges)
         self._place_unused(stages, installed)
         leaves = [("stage", last_out[x]) if isinstance(x, torch.fx.Node) else ("const", x) for x in self.output_leaves]
-        shared = {k: v for k, v in installed.items() if len(v) > 1}
+        # Only parameters: a buffer has no gradient to sum.
+        params = {self._key(fqn) for fqn in self.traced.params.values()}
+        shared = {k: v for k, v in installed.items() if len(v) > 1 and k in params}
         return Built(stages, edges, self.symbols, leaves, shared)
+
+    def _key(self, fqn: str) -> str:
+        """One name per tensor: export may give each alias of a tied tensor its own
+        graph input, so tensors are keyed by their first FQN in the model."""
+        return self.traced.aliases.get(fqn, [fqn])[0]
 
     def _aliases_for(self, canonical: str, users: list[torch.fx.Node]) -> list[str]:
         names = self.traced.aliases.get(canonical, [canonical])
@@ -277,7 +284,11 @@ class _Builder:
                 is_buffer = v.name in self.traced.buffers
                 _install(root, name, tensor, buffer=is_buffer, persistent=name not in self.traced.non_persistent)
                 param_fqns.append(name)
-            installed.setdefault(canonical, []).append((s, names))
+            holders = installed.setdefault(self._key(canonical), [])
+            if holders and holders[-1][0] == s:  # the same tensor reached through another alias
+                holders[-1][1].extend(n for n in names if n not in holders[-1][1])
+            else:
+                holders.append((s, list(names)))
             env[v] = g.get_attr(names[0])
         modules: dict[str, None] = {}
         flops = 0
@@ -315,7 +326,7 @@ class _Builder:
             for name in self.traced.aliases.get(canonical, [canonical]):
                 if name in have:
                     continue
-                holders = [s for s, _ in installed.get(canonical, [])]
+                holders = [s for s, _ in installed.get(self._key(canonical), [])]
                 s = holders[0] if holders else 0
                 is_buffer = ph in self.traced.buffers
                 tensor = self.model.get_buffer(canonical) if is_buffer else self.model.get_parameter(canonical)

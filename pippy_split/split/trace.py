@@ -76,6 +76,9 @@ class Traced:
     example_arg_names: list[str]  # names the example passed positionally
     example_kwarg_names: list[str]
     requires_grad_inputs: dict[str, bool] = field(default_factory=dict)
+    # Per flat user input, what a call must match: a tensor's (dims, dtype), where a
+    # dim is None if dynamic, or a non-tensor's value (export baked it into the graph).
+    input_checks: list[Any] = field(default_factory=list)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -107,7 +110,41 @@ class Traced:
                 f"inputs have a different structure than the example the pipeline was traced with:\n"
                 f"  expected {self.ep.call_spec.in_spec}\n  got      {spec}"
             )
+        for name, x, check in zip(self.user_inputs, flat, self.input_checks):
+            _check_input(name, x, check)
         return flat
+
+
+def _input_check(val: Any, example: Any) -> Any:
+    """What later calls must match for one input (see ``Traced.input_checks``)."""
+    if isinstance(val, torch.Tensor):
+        dims = tuple(d if isinstance(d, int) else None for d in val.shape)
+        return ("tensor", dims, val.dtype)
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("any",)  # a dynamic scalar input: any value goes
+    return ("value", example)
+
+
+def _check_input(name: str, x: Any, check: Any) -> None:
+    """Raise when a call's input differs from the traced example in what the graph baked in."""
+    if check[0] == "any":
+        return
+    if check[0] == "value":
+        if isinstance(x, torch.Tensor) or x != check[1]:
+            raise ValueError(
+                f"input {name!r} is {x!r}, but the pipeline was traced with {check[1]!r} and torch.export "
+                "baked that value into the graph; trace again with the value you want"
+            )
+        return
+    _, dims, dtype = check
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"input {name!r} must be a tensor (as when traced), got {type(x).__name__}")
+    if x.dtype != dtype or x.dim() != len(dims) or any(d is not None and d != s for d, s in zip(dims, x.shape)):
+        want = "(" + ", ".join("*" if d is None else str(d) for d in dims) + ")"
+        raise ValueError(
+            f"input {name!r} has shape {tuple(x.shape)} {x.dtype}, but the pipeline was traced for shape {want} "
+            f"{dtype} (* = dynamic); pass dynamic_shapes= to pipeline() for dims that vary"
+        )
 
 
 def _example_names(sig: inspect.Signature | None, args: tuple, kwargs: dict) -> tuple[list[str], list[str]]:
@@ -177,6 +214,8 @@ def trace_model(
     arg_names, kwarg_names = _example_names(sig, tuple(args), kwargs)
     flat_examples = pytree.tree_leaves((tuple(args), kwargs))
     rg = {name: isinstance(x, torch.Tensor) and x.requires_grad for name, x in zip(user_inputs, flat_examples)}
+    placeholder_vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
+    checks = [_input_check(placeholder_vals.get(name), x) for name, x in zip(user_inputs, flat_examples)]
     return Traced(
         ep=ep,
         user_inputs=user_inputs,
@@ -189,4 +228,5 @@ def trace_model(
         example_arg_names=arg_names,
         example_kwarg_names=kwarg_names,
         requires_grad_inputs=rg,
+        input_checks=checks,
     )

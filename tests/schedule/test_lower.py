@@ -156,8 +156,10 @@ def test_peers_single_stage() -> None:
 
 
 def test_bad_links_and_double_lowering_raise() -> None:
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match=r"no rank for stages \[2, 3, 4, 5\]"):
         lower(bfs_order(2, 1, 1), links=[(0, 5, True)])
+    with pytest.raises(ValueError, match="outside"):
+        validate(bfs_order(2, 1, 1), 2, 1, links=[(0, 5, True)])
     with pytest.raises(ValueError, match="compute-only"):
         lower(lower(bfs_order(2, 1, 1)))
     with pytest.raises(ValueError, match="rank 0 and rank 1"):

@@ -8,10 +8,12 @@ stage lists for a placement (from :mod:`pippy_split.schedule.placement`).
 
 from __future__ import annotations
 
+from collections import deque
+
 from ..actions import Action, ActionKind
 from ..placement import rank_to_stages
 
-__all__ = ["check_sizes", "local_stages", "F", "B", "I", "W", "Action"]
+__all__ = ["check_sizes", "local_stages", "RankOps", "F", "B", "I", "W", "Action"]
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
@@ -40,3 +42,47 @@ def check_sizes(
 def local_stages(num_ranks: int, stages_per_rank: int, style: str) -> dict[int, list[int]]:
     """``{rank: [stages, ascending]}`` for ``num_ranks * stages_per_rank`` stages."""
     return rank_to_stages(num_ranks * stages_per_rank, num_ranks, style)
+
+
+class RankOps:
+    """Appends one rank's actions, numbering microbatches per stage and kind.
+
+    Hand-written patterns (DualPipeV, ZB-V, ZB-H1) say "next forward of chunk
+    1" rather than "F of mb 7"; this keeps the counting in one place. An ``I``
+    queues its ``W``; :meth:`weight` runs the oldest queued one.
+    """
+
+    def __init__(self, n_microbatches: int | None = None) -> None:
+        self.ops: list[Action | None] = []
+        self.m = n_microbatches  # actions for mb >= m are dropped (patterns sized for more)
+        self.next_f: dict[int, int] = {}
+        self.next_b: dict[int, int] = {}
+        self.deferred_w: deque[tuple[int, int]] = deque()
+
+    def _emit(self, stage: int, kind: ActionKind, mb: int) -> None:
+        if self.m is None or mb < self.m:
+            self.ops.append(Action(stage, kind, mb))
+
+    def forward(self, stage: int) -> None:
+        mb = self.next_f.get(stage, 0)
+        self.next_f[stage] = mb + 1
+        self._emit(stage, F, mb)
+
+    def backward(self, stage: int, split: bool = False) -> None:
+        """A full B, or (``split``) an I whose W is queued for :meth:`weight`."""
+        mb = self.next_b.get(stage, 0)
+        self.next_b[stage] = mb + 1
+        self._emit(stage, I if split else B, mb)
+        if split:
+            self.deferred_w.append((stage, mb))
+
+    def weight(self) -> None:
+        if self.deferred_w:
+            stage, mb = self.deferred_w.popleft()
+            self._emit(stage, W, mb)
+
+    def forwards_done(self, stage: int) -> int:
+        return self.next_f.get(stage, 0)
+
+    def backwards_done(self, stage: int) -> int:
+        return self.next_b.get(stage, 0)

@@ -29,11 +29,9 @@ chunk 1::
 
 from __future__ import annotations
 
-from collections import deque
-
 from ..actions import Order
 from ..placement import rank_to_stages
-from .common import B, F, I, W, Action, check_sizes
+from .common import Action, RankOps, check_sizes
 
 __all__ = ["compute_order"]
 
@@ -54,36 +52,8 @@ def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 2)
     return {r: _rank_order(r, num_ranks, n_microbatches, *stages[r]) for r in range(num_ranks)}
 
 
-class _RankOps:
-    """Appends actions for one rank, numbering microbatches per stage and kind."""
-
-    def __init__(self) -> None:
-        self.ops: list[Action | None] = []
-        self.next_f: dict[int, int] = {}
-        self.next_b: dict[int, int] = {}
-        self.deferred_w: deque[tuple[int, int]] = deque()
-
-    def forward(self, stage: int) -> None:
-        mb = self.next_f.get(stage, 0)
-        self.next_f[stage] = mb + 1
-        self.ops.append(Action(stage, F, mb))
-
-    def backward(self, stage: int, split: bool = False) -> None:
-        """A full B, or (``split``) an I whose W is deferred to :meth:`weight`."""
-        mb = self.next_b.get(stage, 0)
-        self.next_b[stage] = mb + 1
-        self.ops.append(Action(stage, I if split else B, mb))
-        if split:
-            self.deferred_w.append((stage, mb))
-
-    def weight(self) -> None:
-        if self.deferred_w:
-            stage, mb = self.deferred_w.popleft()
-            self.ops.append(Action(stage, W, mb))
-
-
 def _rank_order(r: int, p: int, m: int, s0: int, s1: int) -> list[Action | None]:
-    ops = _RankOps()
+    ops = RankOps()
     for _ in range(2 * (p - r - 1)):  # 1
         ops.forward(s0)
     for _ in range(r + 1):  # 2

@@ -3,14 +3,18 @@ split into input-gradient ``I`` and weight-gradient ``W``, the ``W``s moved
 into what would be bubbles.
 
 Paper: Qi, Wan, Huang, Lin, "Zero Bubble Pipeline Parallelism", ICLR 2024
-(arXiv:2401.10241), sections 3 (ZB-H1, automatic scheduling) and 4.
+(arXiv:2401.10241), section 3.1 (ZB-H1), applied to Megatron's interleaved
+order (:mod:`.interleaved_1f1b`) for ``v > 1`` stages per rank.
 
 Placement: ``"loop"``, any ``stages_per_rank = v >= 1`` (rank ``r`` holds
-stages ``r, r + p, ...``). Memory is ZB-H1's: every rank holds at most
-``v * p`` stage activations (``p`` full microbatches, 1F1B's peak on rank 0).
-The order comes from :mod:`.greedy`: forwards and input-backwards alternate
-(1F1B rhythm) under the memory cap, ``W`` fills the gaps; ``(stage, mb)`` are
-visited in Megatron's interleaved order, or freely, whichever is shorter. With F=I=W the bubble is about a third of 1F1B's.
+stages ``r, r + p, ...``). Rank ``r`` visits ``(stage, mb)`` in Megatron's
+virtual order, warms up with ``(v - 1) * g + (p - 1 - r)`` forwards (``g`` =
+first microbatch group; ZB-H1 needs one forward per hop less than 1F1B, as
+``I`` alone comes back sooner), then runs ``F I`` pairs. Its ``W``s trail
+its ``I``s by ``r`` places: late ranks postpone weight work into the bubbles
+at the end, early ranks do it at once. That keeps every rank at ``v * p``
+stage activations (``p`` full microbatches, 1F1B's peak on rank 0). With
+F=I=W the bubble is about a third of 1F1B's. Any ``n_microbatches >= 1``.
 
 p=2, v=1, m=3, unit costs (F=I=W=1)::
 
@@ -21,9 +25,7 @@ p=2, v=1, m=3, unit costs (F=I=W=1)::
 from __future__ import annotations
 
 from ..actions import Order
-from ..placement import stage_to_rank
-from .common import check_sizes
-from .greedy import best_greedy_order
+from .common import RankOps, check_sizes
 from .interleaved_1f1b import microbatch_groups, virtual_sequence
 
 __all__ = ["compute_order"]
@@ -37,23 +39,25 @@ def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 1)
         ['1F0', '1I0', '1F1', '1I1', '1W0', '1W1']
     """
     check_sizes("InterleavedZeroBubble", num_ranks, n_microbatches, stages_per_rank)
-    placement = stage_to_rank(num_ranks * stages_per_rank, num_ranks, "loop")
-    cap = stages_per_rank * num_ranks
-    # Visit (stage, mb) in Megatron's interleaved order; the greedy only decides
-    # how F, I and W interleave.
-    groups = microbatch_groups(n_microbatches, num_ranks)
-    sequences = {
-        r: (
-            virtual_sequence(r, num_ranks, groups, stages_per_rank, backward=False),
-            virtual_sequence(r, num_ranks, groups, stages_per_rank, backward=True),
-        )
-        for r in range(num_ranks)
-    }
-    # Most often best first: it is the only one run for large pipelines.
-    if stages_per_rank == 1:
-        variants = [(None, True), (None, False)]
-    elif n_microbatches % num_ranks == 0:
-        variants = [(sequences, False), (sequences, True), (None, True), (None, False)]
-    else:
-        variants = [(None, True), (sequences, True), (sequences, False), (None, False)]
-    return best_greedy_order(placement, num_ranks, n_microbatches, [cap] * num_ranks, variants)
+    return {r: _rank_order(r, num_ranks, n_microbatches, stages_per_rank) for r in range(num_ranks)}
+
+
+def _rank_order(rank: int, p: int, m: int, v: int) -> list:
+    groups = microbatch_groups(m, p)
+    # Each stage's microbatches come in increasing order in these sequences, so
+    # RankOps' per-stage counters give back the right mb.
+    fwd = [s for s, _ in virtual_sequence(rank, p, groups, v, backward=False)]
+    bwd = [s for s, _ in virtual_sequence(rank, p, groups, v, backward=True)]
+    warmup = min((v - 1) * len(groups[0]) + (p - 1 - rank), len(fwd))
+    ops = RankOps()
+    for stage in fwd[:warmup]:
+        ops.forward(stage)
+    for j, stage in enumerate(bwd):
+        if warmup + j < len(fwd):
+            ops.forward(fwd[warmup + j])
+        ops.backward(stage, split=True)
+        if j >= rank:  # W trails I by `rank` places
+            ops.weight()
+    while ops.deferred_w:
+        ops.weight()
+    return ops.ops
