@@ -48,8 +48,12 @@ class Interpreter:
     """Executes lowered actions for this rank's stages."""
 
     def __init__(self, stages: Mapping[int, PipelineStage], stage_rank: Mapping[int, int], rank: int,
-                 transport: P2P | None) -> None:
+                 transport: P2P | None, links: list[tuple[int, int, bool]] | None = None) -> None:
         self.stages = dict(stages)
+        self.senders: dict[int, list[int]] = {}
+        for src, dst, _ in links or []:
+            self.senders.setdefault(dst, []).append(src)
+        self._headers_sent: set[tuple[int, int]] = set()
         self.stage_rank = dict(stage_rank)
         self.rank = rank
         self.p2p = transport
@@ -133,7 +137,7 @@ class Interpreter:
     def _forward(self, a: Action, ctx: StepContext) -> None:
         stage = self.stages[a.stage]
         if stage.in_slots is None:
-            raise PipelineError(f"stage {a.stage}: inputs unknown (hand-built stages need the first step's handshake)")
+            self._handshake(stage, ctx)
         if stage.pipe is None and stage.is_first:
             args, kwargs = list(ctx.mb_args[a.mb]), ctx.mb_kwargs[a.mb]
         else:
@@ -187,6 +191,9 @@ class Interpreter:
 
     # ---- communication -----------------------------------------------------------
     def _send_forward(self, a: Action, ctx: StepContext) -> None:
+        stage = self.stages[a.stage]
+        if stage.lazy:
+            self._send_headers(stage)
         for route, value in self._outbox.pop((a.stage, a.mb), []):
             src = MODEL_INPUT if route.from_input else a.stage
             peer = self.stage_rank[route.dst_stage]
@@ -196,6 +203,8 @@ class Interpreter:
 
     def _recv_forward(self, a: Action, ctx: StepContext) -> None:
         stage = self.stages[a.stage]
+        if stage.in_slots is None:
+            self._handshake(stage, ctx)
         pendings = []
         for slot in stage.in_slots:
             if slot.kind != "edge" or self._local(slot.sender_stage):
@@ -210,6 +219,37 @@ class Interpreter:
         for slot, pending in pendings:
             self.p2p.wait(pending)
             box[(slot.src_stage, slot.src_output)] = self._received(pending.result(), slot.spec)
+
+    def _send_headers(self, stage: PipelineStage) -> None:
+        by_dst: dict[int, list[Route]] = {}
+        for r in stage.routes:
+            by_dst.setdefault(r.dst_stage, []).append(r)
+        for dst, routes in by_dst.items():
+            if self._local(dst) or (stage.stage_index, dst) in self._headers_sent:
+                continue
+            peer = self.stage_rank[dst]
+            tag = _tag(0, stage.stage_index, _OUT_SLOTS - 1, dst, self.num_stages, 2)
+            what = f"stage {stage.stage_index} sending shapes to stage {dst} on rank {peer}"
+            self._sends.append(self.p2p.send(_encode_routes(routes), peer, tag, what))
+            self._headers_sent.add((stage.stage_index, dst))
+
+    def _handshake(self, stage: PipelineStage, ctx: StepContext) -> None:
+        """First step of a hand-built stage: learn its inputs' shapes from its senders."""
+        described = []
+        for src in self.senders.get(stage.stage_index, []):
+            if self._local(src):
+                sender = self.stages[src]
+                described += [(src, r.src_index, r.dst_input, r.spec) for r in sender.routes
+                              if r.dst_stage == stage.stage_index]
+                continue
+            peer = self.stage_rank[src]
+            tag = _tag(0, src, _OUT_SLOTS - 1, stage.stage_index, self.num_stages, 2)
+            what = f"stage {stage.stage_index} waiting for the shapes of its inputs from stage {src} on rank {peer}"
+            pending = self.p2p.recv((1 + _HEADER_ROWS * _HEADER_COLS,), torch.int64, torch.device("cpu"), peer, tag,
+                                    what)
+            self.p2p.wait(pending)
+            described += _decode_routes(pending.result(), src)
+        stage.in_slots = _build_slots(stage, described)
 
     def _send_backward(self, a: Action, ctx: StepContext) -> None:
         for slot, grad in self._grad_outbox.pop((a.stage, a.mb), []):
@@ -234,6 +274,57 @@ class Interpreter:
         for route, pending in pendings:
             self.p2p.wait(pending)
             box.setdefault(route.src_index, []).append(pending.result())
+
+
+# ---- shape handshake of hand-built stages ----------------------------------------
+_HEADER_ROWS, _HEADER_COLS, _MAX_DIMS = 32, 16, 8
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+def _encode_routes(routes: list[Route]) -> torch.Tensor:
+    """Plain int64 metadata (no pickling): count, then per route
+    [src_output, dst_input, ndim, dtype code, requires_grad, dims...]."""
+    if len(routes) > _HEADER_ROWS:
+        raise PipelineError(f"a hand-built stage can send at most {_HEADER_ROWS} tensors to one stage")
+    header = torch.zeros(1 + _HEADER_ROWS * _HEADER_COLS, dtype=torch.int64)
+    header[0] = len(routes)
+    for k, r in enumerate(routes):
+        if r.spec is None:
+            raise PipelineError(f"output {r.src_index} sent to stage {r.dst_stage} is not a tensor")
+        if len(r.spec.shape) > _MAX_DIMS:
+            raise PipelineError(f"output {r.src_index} has more than {_MAX_DIMS} dims")
+        row = [r.src_index, r.dst_input, len(r.spec.shape), _DTYPES.index(r.spec.dtype), int(r.spec.requires_grad),
+               *r.spec.shape]
+        header[1 + k * _HEADER_COLS: 1 + k * _HEADER_COLS + len(row)] = torch.tensor(row)
+    return header
+
+
+def _decode_routes(header: torch.Tensor, src: int) -> list[tuple[int, int, int, TensorSpec]]:
+    out = []
+    for k in range(int(header[0])):
+        row = header[1 + k * _HEADER_COLS: 1 + (k + 1) * _HEADER_COLS].tolist()
+        ndim = row[2]
+        spec = TensorSpec(tuple(row[5:5 + ndim]), _DTYPES[row[3]], bool(row[4]))
+        out.append((src, row[0], row[1], spec))
+    return out
+
+
+def _build_slots(stage: PipelineStage, described: list[tuple[int, int, int, TensorSpec]]) -> list[InputSlot]:
+    """Slots of a hand-built stage: declared positions first, chain values fill the rest in order."""
+    fixed = {d: (src, out, spec) for src, out, d, spec in described if d >= 0}
+    chain = sorted(((out, src, spec) for src, out, d, spec in described if d < 0))
+    n = len(fixed) + len(chain)
+    slots, free = [], iter(i for i in range(n) if i not in fixed)
+    placed = dict(fixed)
+    for out, src, spec in chain:
+        placed[next(free)] = (src, out, spec)
+    for i in range(n):
+        if i not in placed:
+            raise PipelineError(f"stage {stage.stage_index}: nothing is sent to input {i}")
+        src, out, spec = placed[i]
+        slots.append(InputSlot(i, "edge", src, out, spec))
+    return slots
 
 
 def _who(stage: int) -> str:

@@ -86,7 +86,7 @@ class PipelineSchedule:
         self.actions: list[Action] = list(lowered[self.rank])
         self._eval_actions = self._forward_only(self.n_microbatches)
         self._runtime = Interpreter({s.stage_index: s for s in self.stages}, self.placement, self.rank,
-                                    P2P(self.group, timeout) if self.world > 1 else None)
+                                    P2P(self.group, timeout) if self.world > 1 else None, self.links)
         self.loss: torch.Tensor | None = None
 
     # ---- set-up checks ----------------------------------------------------------
@@ -114,7 +114,24 @@ class PipelineSchedule:
                 key = (e.sender_stage, e.dst_stage)
                 out[key] = out.get(key, False) or (e.spec.carries_grad and not e.from_input)
             return [(s, d, g) for (s, d), g in sorted(out.items())]
-        return [(s, s + 1, True) for s in range(self.num_stages - 1)]
+        return self._gather_manual_links()
+
+    def _gather_manual_links(self) -> list[tuple[int, int, bool]]:
+        """Hand-built stages declare their own skips: every rank shares its stages'
+        links once (a small int tensor), so all ranks lower the same order."""
+        mine = [link for st in self.stages for link in st.links()]
+        if self.world == 1:
+            return sorted(set(mine))
+        width = 256
+        if len(mine) > width:
+            raise ValueError(f"rank {self.rank}: more than {width} links from its stages")
+        buf = torch.full((width, 3), -1, dtype=torch.int64)
+        if mine:
+            buf[: len(mine)] = torch.tensor([[s, d, int(g)] for s, d, g in mine])
+        gathered = [torch.empty_like(buf) for _ in range(self.world)]
+        dist.all_gather(gathered, buf, group=self.group)
+        links = {(int(s), int(d), bool(g)) for t in gathered for s, d, g in t.tolist() if s >= 0}
+        return sorted(links)
 
     def _forward_only(self, n: int) -> list[Action]:
         order = {r: [Action(s, ActionKind.F, mb) for s in rank_to_stages(self.num_stages, self.world,

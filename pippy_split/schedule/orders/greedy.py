@@ -16,9 +16,13 @@ rank picks, among its ready actions,
 
 Each stage runs its forwards and its backwards in microbatch order. Because
 the result is read off a feasible execution, the order can never deadlock,
-whatever the real costs turn out to be. :func:`best_greedy_order` runs a few
-variants of the rules (fixed visiting order or free choice; strict 1F1B
-alternation or not) and keeps the shortest.
+whatever the real costs turn out to be. :func:`best_greedy_order` runs it
+with and without strict F/I alternation and keeps the shorter.
+
+Used where no hand-drawn pattern fits (ZB-V with fewer than ``2p - 1``
+microbatches). Orders tuned this tightly to unit costs are less forgiving of
+real, uneven costs than the paper's regular patterns, which is why those are
+preferred wherever they apply.
 """
 
 from __future__ import annotations
@@ -28,25 +32,20 @@ from collections import deque
 from ..actions import Action, ActionKind, Order
 from .common import F, I, W
 
-__all__ = ["greedy_split_order", "best_greedy_order", "Sequences", "ALL_VARIANTS_UP_TO"]
+__all__ = ["greedy_split_order", "best_greedy_order", "ALL_VARIANTS_UP_TO"]
 
 _INF = float("inf")
 
-# {rank: (forward [(stage, mb), ...], input-backward [(stage, mb), ...])}
-Sequences = dict[int, tuple[list[tuple[int, int]], list[tuple[int, int]]]]
 
 
 class _State:
     """Queues, completion times and memory of one greedy run (linear chain).
 
-    Work waits in queues of ``(stage, mb)``: one queue per local stage (free
-    choice) or one per rank (a fixed ``sequences`` order). A rank looks only at
-    the head of each of its queues.
+    Work waits in one queue of ``(stage, mb)`` per local stage; a rank looks
+    only at the head of each of its queues.
     """
 
-    def __init__(
-        self, stage_rank: dict[int, int], num_ranks: int, m: int, sequences: Sequences | None, alternate: bool
-    ) -> None:
+    def __init__(self, stage_rank: dict[int, int], num_ranks: int, m: int, alternate: bool) -> None:
         n = len(stage_rank)
         self.m, self.last, self.alternate = m, n - 1, alternate
         self.f_end = [[_INF] * m for _ in range(n)]
@@ -54,14 +53,10 @@ class _State:
         self.f_queues: list[list[list]] = []  # per rank: [[(stage, mb), ...], head index]
         self.i_queues: list[list[list]] = []
         for r in range(num_ranks):
-            if sequences is not None:
-                self.f_queues.append([[list(sequences[r][0]), 0]])
-                self.i_queues.append([[list(sequences[r][1]), 0]])
-            else:
-                # Later stages first, so that a tie on mb goes depth first.
-                stages = sorted((s for s, rr in stage_rank.items() if rr == r), reverse=True)
-                self.f_queues.append([[[(s, mb) for mb in range(m)], 0] for s in stages])
-                self.i_queues.append([[[(s, mb) for mb in range(m)], 0] for s in stages])
+            # Later stages first, so that a tie on mb goes depth first.
+            stages = sorted((s for s, rr in stage_rank.items() if rr == r), reverse=True)
+            self.f_queues.append([[[(s, mb) for mb in range(m)], 0] for s in stages])
+            self.i_queues.append([[[(s, mb) for mb in range(m)], 0] for s in stages])
         self.pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(num_ranks)]
         self.held = [0] * num_ranks
         self.last_was_f = [False] * num_ranks  # was the rank's last F-or-I an F?
@@ -115,7 +110,6 @@ def greedy_split_order(
     num_ranks: int,
     n_microbatches: int,
     max_held: list[int],
-    sequences: Sequences | None = None,
     alternate: bool = True,
 ) -> Order:
     """Build an F/I/W order by greedy unit-cost list scheduling.
@@ -126,48 +120,30 @@ def greedy_split_order(
         n_microbatches: microbatches per step.
         max_held: per rank, the most activations it may hold before it must
             run a ``W``; relaxed only if every rank would otherwise stall.
-        sequences: optional fixed visiting order per rank, ``{rank: (forward
-            [(stage, mb), ...], input-backward [(stage, mb), ...])}``; the greedy
-            then only decides how F, I and W interleave. Without it, each rank
-            takes the oldest ready microbatch of any of its stages.
+        alternate: keep the 1F1B rhythm when both an F and an I are ready
+            (else the I always goes first).
 
     Returns:
         ``{rank: [Action, ...]}`` with one F, I and W per ``(stage, mb)``.
     """
-    return _to_order(_run(_State(stage_rank, num_ranks, n_microbatches, sequences, alternate), max_held)[0])
+    return _to_order(_run(_State(stage_rank, num_ranks, n_microbatches, alternate), max_held)[0])
 
 
-# Above this many actions, run only the caller's first (usually best) variant,
-# so that large pipelines (p=64, m=256) still generate in a fraction of a second.
+# Above this many actions only the alternating variant runs, so that large
+# pipelines still generate in a fraction of a second.
 ALL_VARIANTS_UP_TO = 32_768
 
 
-def best_greedy_order(
-    stage_rank: dict[int, int],
-    num_ranks: int,
-    n_microbatches: int,
-    max_held: list[int],
-    variants: list[tuple[Sequences | None, bool]],
-) -> Order:
-    """Run :func:`greedy_split_order` once per ``(sequences, alternate)``
-    variant and keep the order with the shortest unit-cost makespan (then the
-    smallest peak memory).
-
-    Small changes of rule win on different shapes (a fixed visiting order
-    suits ``m`` a multiple of ``p``, free choice the rest), and each run is
-    cheap, so trying them is the simplest way to never lose to either. Past
-    :data:`ALL_VARIANTS_UP_TO` actions only ``variants[0]`` runs.
-    """
-    if 3 * len(stage_rank) * n_microbatches > ALL_VARIANTS_UP_TO:
-        variants = variants[:1]
+def best_greedy_order(stage_rank: dict[int, int], num_ranks: int, n_microbatches: int, max_held: list[int]) -> Order:
+    """:func:`greedy_split_order` with and without strict alternation; the one
+    with the shorter unit-cost makespan (then smaller peak memory) wins."""
+    variants = [True, False] if 3 * len(stage_rank) * n_microbatches <= ALL_VARIANTS_UP_TO else [True]
     best: tuple | None = None
-    for sequences, alternate in variants:
-        st = _State(stage_rank, num_ranks, n_microbatches, sequences, alternate)
-        steps, makespan, peak = _run(st, max_held)
+    for alternate in variants:
+        steps, makespan, peak = _run(_State(stage_rank, num_ranks, n_microbatches, alternate), max_held)
         if best is None or (makespan, peak) < best[:2]:
             best = (makespan, peak, steps)
-    if best is None:
-        raise ValueError("best_greedy_order needs at least one variant")
+    assert best is not None
     return _to_order(best[2])
 
 

@@ -26,7 +26,7 @@ p=2 (stages 0,3 on rank 0; 1,2 on rank 1), m=4, F=I=W=1; ``'`` marks chunk 1
 (stages 2 and 3)::
 
     rank 0  F0  F1  F2  F0' I0' W0' F1' I1' W1' F3  I0  W0  F2' I2' W2' I1  W1  F3' I3' W3' I2  W2  I3  W3
-    rank 1  .   F0  F1  F0' F2  F1' I0' W0' I0  W0  F3  I1' W1' I1  W1  F2' I2' W2' I2  W2  F3' I3' I3  W3' W3
+    rank 1  .   F0  F0' F1  F1' I0' W0' F2  I0  W0  F2' I1' W1' F3  I1  W1  F3' I2' W2' I2  I3' I3  W2  W3' W3
 """
 
 from __future__ import annotations
