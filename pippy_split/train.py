@@ -160,12 +160,16 @@ def worker(cfg: argparse.Namespace) -> None:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
+    print(f"T{os.environ['RANK']} worker start {time.time():.2f}", flush=True)
     dist.init_process_group(backend)
+    print(f"T init {time.time():.2f}", flush=True)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         _worker(cfg, rank, world, device, ps, simulate, TinyGPT, lm_loss, dist)
     finally:
+        print(f"T end {time.time():.2f}", flush=True)
         dist.destroy_process_group()
+        print(f"T destroyed {time.time():.2f}", flush=True)
 
 
 def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, lm_loss, dist) -> None:
@@ -192,12 +196,9 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, lm_loss, dist) -> N
             gpt_cfg = resume_state["meta"]["gpt_config"]
         torch.manual_seed(cfg.seed)
         model = TinyGPT(**gpt_cfg)
-        split_spec = parse_split(cfg.split) or ps.zoo.layer_split("blocks", gpt_cfg["n_layer"], num_stages) \
-            if hasattr(ps, "zoo") else None
-        if split_spec is None:
-            from .zoo import layer_split
+        from .zoo import layer_split
 
-            split_spec = parse_split(cfg.split) or layer_split("blocks", gpt_cfg["n_layer"], num_stages)
+        split_spec = parse_split(cfg.split) or layer_split("blocks", gpt_cfg["n_layer"], num_stages)
         loss_fn = lm_loss
         data_gen = torch.Generator().manual_seed(cfg.seed)  # same stream on every rank -> same batches
         x0, _ = corpus.batch(B, T, torch.Generator().manual_seed(cfg.seed + 1))
@@ -220,13 +221,16 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, lm_loss, dist) -> N
                              f"missing {missing}, unexpected {unexpected}")
         log(f"[green]resumed[/] from {os.path.join(cfg.checkpoint, CHECKPOINT_FILE)}")
 
+    print(f"T model {time.time():.2f}", flush=True)
     pipe = ps.pipeline(model, split_spec, ex_args, ex_kwargs)
+    print(f"T pipe {time.time():.2f}", flush=True)
     if pipe.num_stages % world:
         raise SystemExit(f"{pipe.num_stages} stages cannot be spread over {world} ranks")
     sched = ps.build_schedule(pipe, cfg.schedule, M, loss_fn=loss_fn, device=device)
     params = [p for st in sched.stages for p in st.module.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
     cls = ps.get_schedule_class(cfg.schedule)
+    print(f"T sched {time.time():.2f}", flush=True)
     bubble = simulate(cls.compute_order(world, M, pipe.num_stages // world)).bubble_fraction
     log(f"[bold]pippy-split train[/]: {type(model).__name__}, {pipe.num_stages} stages on {world} ranks "
         f"({'nccl' if device.type == 'cuda' else 'gloo'}), schedule {cfg.schedule}, {M} microbatches, "
@@ -344,9 +348,9 @@ def _free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = build_parser().parse_args(argv)
-    if cfg.schedule not in __import__("pippy_split.schedule.orders", fromlist=["ORDERS"]).ORDERS:
-        from .schedule.orders import ORDERS
+    from .schedule.orders import ORDERS
 
+    if cfg.schedule not in ORDERS:
         print(f"unknown schedule {cfg.schedule!r}; choose from {', '.join(ORDERS)}", file=sys.stderr)
         return 2
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -120,7 +120,8 @@ class _Requirements:
 
     def _build(self, s: int, kind: ActionKind, rank: int) -> list[tuple[int, ActionKind, float]]:
         if kind.is_compute and not self.lowered:
-            return [(ds, dk, self.latency if self._remote(ds, rank) else 0.0) for ds, dk, _ in self.index.keys(s, kind, 0)]
+            deps = self.index.keys(s, kind, 0)
+            return [(ds, dk, self.latency if self._remote(ds, rank) else 0.0) for ds, dk, _ in deps]
         if kind.is_compute:
             # Lowered: a remote producer's value arrives through this stage's RECV.
             out: list[tuple[int, ActionKind, float]] = []

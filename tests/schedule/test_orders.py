@@ -65,7 +65,7 @@ def check_order(spec: OrderSpec, p: int, v: int, m: int) -> None:
             if a is None:
                 continue
             assert a.kind.is_compute, f"{spec.name}: rank {rank} step {step} holds comm action {a}"
-            assert where[a.stage] == rank, f"{spec.name}: stage {a.stage} on rank {rank}, placement says {where[a.stage]}"
+            assert where[a.stage] == rank, f"{spec.name}: stage {a.stage} on rank {rank}, not {where[a.stage]}"
             assert 0 <= a.mb < m, f"{spec.name}: {a} has mb out of range"
             seen[(a.stage, a.kind, a.mb)] += 1
             position[(a.stage, a.kind, a.mb)] = (rank, step)
@@ -286,3 +286,14 @@ def test_simulation_renders_through_render_module() -> None:
     assert "rank" in str(sim).lower() or "0" in str(sim)
     assert sim.to_svg().lstrip().startswith("<")
     assert sim._repr_html_()
+
+
+@pytest.mark.parametrize("name", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_zero_bubble_orders_stay_ahead_with_uneven_costs(name: str) -> None:
+    # Orders are static; they must keep their edge when I and W are not 1 each.
+    spec = get_order_spec(name)
+    for costs, latency in (({"F": 1, "I": 1.5, "W": 0.5}, 0.25), ({"F": 1, "I": 2, "W": 1}, 0.5)):
+        zb = simulate(spec.compute_order(4, 16, spec.default_stages_per_rank()), costs, comm_latency=latency)
+        one = simulate(get_order_spec("1F1B").compute_order(4, 16), costs, comm_latency=latency)
+        # Per rank, a zero-bubble order does the same work in v half-size stages.
+        assert zb.bubble_fraction < one.bubble_fraction, (name, costs)

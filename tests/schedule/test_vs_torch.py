@@ -4,8 +4,9 @@ Tier: pure (no process group). The peer is imported here only (the library
 never imports it). Its schedule classes compute ``pipeline_order`` in their
 constructors from a few stage attributes, so light stand-in stage objects are
 enough: no process group and no real modules are built. Each peer order is
-converted to our :class:`Action` IR and both are simulated with unit costs
-(F = I = W = 1, B = 2); ours must finish no later.
+converted to our :class:`Action` IR and both are simulated, with unit costs
+(F = I = W = 1, B = 2) and with uneven costs plus a hop latency; ours must
+finish no later.
 
 Run: python -m pytest tests/schedule/test_vs_torch.py -q -p no:cacheprovider
 """
@@ -26,6 +27,12 @@ schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
 COMPUTE = {"F", "B", "I", "W"}
 CASES = [(name, p, m) for name in ORDERS for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
+# Unit costs, and uneven ones with a hop latency: a static order tuned only to
+# unit costs can lose badly once real costs differ.
+COSTS = {
+    "unit": ({"F": 1, "I": 1, "W": 1}, 0.0),
+    "uneven": ({"F": 1, "I": 1.5, "W": 0.5}, 0.25),
+}
 
 
 def _stand_in_stage(stage: int, num_stages: int, num_ranks: int) -> SimpleNamespace:
@@ -88,8 +95,10 @@ def _complete(order: Order, num_stages: int, m: int) -> str | None:
     return None
 
 
+@pytest.mark.parametrize("costs", list(COSTS))
 @pytest.mark.parametrize("name,p,m", CASES)
-def test_ours_finish_no_later_than_the_peer(name: str, p: int, m: int) -> None:
+def test_ours_finish_no_later_than_the_peer(name: str, p: int, m: int, costs: str) -> None:
+    cost, latency = COSTS[costs]
     spec = ORDERS[name]
     # Fixed counts as they are; the multi-stage families of either count at 2 per rank.
     v = spec.stages_per_rank if spec.stages_per_rank is not None else max(spec.min_stages_per_rank, 2)
@@ -101,10 +110,10 @@ def test_ours_finish_no_later_than_the_peer(name: str, p: int, m: int) -> None:
     if broken:
         pytest.skip(f"peer {name} order for p={p} m={m} is not a complete schedule: {broken}")
     try:
-        their_sim = simulate(theirs)
+        their_sim = simulate(theirs, cost, comm_latency=latency)
     except ValueError as err:
         pytest.skip(f"peer {name} order for p={p} m={m} cannot run: {err}")
-    ours = simulate(spec.compute_order(p, m, v))
+    ours = simulate(spec.compute_order(p, m, v), cost, comm_latency=latency)
     assert ours.makespan <= their_sim.makespan, (
-        f"{name} p={p} m={m} v={v}: ours {ours.makespan} > peer {their_sim.makespan}"
+        f"{name} p={p} m={m} v={v} {costs}: ours {ours.makespan} > peer {their_sim.makespan}"
     )

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable, Literal
 
 from ..actions import Order
@@ -64,38 +65,30 @@ class OrderSpec:
         return self.stages_per_rank if self.stages_per_rank is not None else self.min_stages_per_rank
 
 
+def _spec(
+    name: str, module: ModuleType, placement: str, stages: int | None, min_stages: int, split: bool, paper: str
+) -> OrderSpec:
+    return OrderSpec(
+        name=name,
+        compute_order=module.compute_order,
+        placement=placement,  # type: ignore[arg-type]
+        stages_per_rank=stages,
+        min_stages_per_rank=min_stages,
+        split_backward=split,
+        paper=paper,
+    )
+
+
+_ZB_PAPER = "Qi et al. 2024, Zero Bubble Pipeline Parallelism (ICLR)"
 _SPECS = [
-    OrderSpec("GPipe", gpipe.compute_order, "loop", 1, 1, False, "Huang et al. 2019, GPipe"),
-    OrderSpec(
-        "1F1B", one_f_one_b.compute_order, "loop", 1, 1, False, "Narayanan et al. 2021, PipeDream-Flush (ICML)"
-    ),
-    OrderSpec(
-        "Interleaved1F1B",
-        interleaved_1f1b.compute_order,
-        "loop",
-        None,
-        2,
-        False,
-        "Narayanan et al. 2021, Megatron-LM interleaved schedule (SC)",
-    ),
-    OrderSpec(
-        "LoopedBFS", looped_bfs.compute_order, "loop", None, 1, False, "Lamy-Poirier 2023, Breadth-First Pipeline Parallelism"
-    ),
-    OrderSpec(
-        "InterleavedZeroBubble",
-        interleaved_zero_bubble.compute_order,
-        "loop",
-        None,
-        1,
-        True,
-        "Qi et al. 2024, Zero Bubble Pipeline Parallelism (ZB-H1)",
-    ),
-    OrderSpec(
-        "ZBVZeroBubble", zbv_zero_bubble.compute_order, "v", 2, 2, True, "Qi et al. 2024, Zero Bubble Pipeline Parallelism (ZB-V)"
-    ),
-    OrderSpec(
-        "DualPipeV", dualpipe_v.compute_order, "v", 2, 2, True, "DeepSeek-AI 2024, DeepSeek-V3 Technical Report (DualPipe, V variant)"
-    ),
+    # name, module, placement, stages per rank (None = any), min stages, split backward, paper
+    _spec("GPipe", gpipe, "loop", 1, 1, False, "Huang et al. 2019, GPipe (NeurIPS)"),
+    _spec("1F1B", one_f_one_b, "loop", 1, 1, False, "Narayanan et al. 2021, PipeDream-Flush (ICML)"),
+    _spec("Interleaved1F1B", interleaved_1f1b, "loop", None, 2, False, "Narayanan et al. 2021, Megatron-LM (SC)"),
+    _spec("LoopedBFS", looped_bfs, "loop", None, 1, False, "Lamy-Poirier 2023, Breadth-First Pipeline Parallelism"),
+    _spec("InterleavedZeroBubble", interleaved_zero_bubble, "loop", None, 1, True, _ZB_PAPER + ", ZB-H1"),
+    _spec("ZBVZeroBubble", zbv_zero_bubble, "v", 2, 2, True, _ZB_PAPER + ", ZB-V"),
+    _spec("DualPipeV", dualpipe_v, "v", 2, 2, True, "DeepSeek-AI 2024, DeepSeek-V3 Technical Report (DualPipe)"),
 ]
 
 ORDERS: dict[str, OrderSpec] = {spec.name: spec for spec in _SPECS}

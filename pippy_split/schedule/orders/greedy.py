@@ -37,7 +37,6 @@ __all__ = ["greedy_split_order", "best_greedy_order", "ALL_VARIANTS_UP_TO"]
 _INF = float("inf")
 
 
-
 class _State:
     """Queues, completion times and memory of one greedy run (linear chain).
 
