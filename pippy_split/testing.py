@@ -121,7 +121,10 @@ def run_ranks(
 
     Each rank is a fresh process with ``torch.set_num_threads(threads_per_rank)``,
     the caller's environment (plus ``env``), its stdout/stderr, and a default
-    process group already initialised (and destroyed afterwards).
+    process group already initialised (and destroyed afterwards). ``fn`` starts
+    once every rank has joined the group, and a rank that returns waits for the
+    others before it leaves, so a fast rank never cuts a slow one's connections.
+    The forkserver, once started, lives as long as the calling process.
 
     Args:
         fn: a picklable top-level function ``fn(rank, world_size, *args)``.
@@ -234,7 +237,10 @@ def _receive(rank: int, conn: Connection, proc: Any, results: dict, failures: di
     except EOFError:
         # The pipe closed without a report: the process died (signal, os._exit, OOM).
         proc.join(timeout=_TERMINATE_WAIT_S)
-        died = f"exited with {_describe_exit(proc.exitcode)} without reporting a result"
+        died = (
+            f"exited with {_describe_exit(proc.exitcode)} without reporting a result "
+            "(its stderr, above, may say why)"
+        )
         failures[rank] = (time.time(), died)
         return
     if status == "ok":

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["build_parser", "main", "worker", "load_factory", "DEFAULT_CHECKPOINT"]
+__all__ = ["build_parser", "main", "run", "worker", "load_factory", "DEFAULT_CHECKPOINT"]
 
 DEFAULT_CHECKPOINT = os.path.join("checkpoints", "tiny_gpt")
 CHECKPOINT_FILE = "model.pt"
@@ -46,7 +46,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--schedule", default="ZBVZeroBubble", help="schedule name (default ZBVZeroBubble)")
     p.add_argument("--ranks", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=450)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=32)
@@ -160,16 +160,12 @@ def worker(cfg: argparse.Namespace) -> None:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-    print(f"T{os.environ['RANK']} worker start {time.time():.2f}", flush=True)
     dist.init_process_group(backend)
-    print(f"T init {time.time():.2f}", flush=True)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         _worker(cfg, rank, world, device, ps, simulate, TinyGPT, lm_loss, dist)
     finally:
-        print(f"T end {time.time():.2f}", flush=True)
         dist.destroy_process_group()
-        print(f"T destroyed {time.time():.2f}", flush=True)
 
 
 def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, lm_loss, dist) -> None:
@@ -221,16 +217,13 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, lm_loss, dist) -> N
                              f"missing {missing}, unexpected {unexpected}")
         log(f"[green]resumed[/] from {os.path.join(cfg.checkpoint, CHECKPOINT_FILE)}")
 
-    print(f"T model {time.time():.2f}", flush=True)
     pipe = ps.pipeline(model, split_spec, ex_args, ex_kwargs)
-    print(f"T pipe {time.time():.2f}", flush=True)
     if pipe.num_stages % world:
         raise SystemExit(f"{pipe.num_stages} stages cannot be spread over {world} ranks")
     sched = ps.build_schedule(pipe, cfg.schedule, M, loss_fn=loss_fn, device=device)
     params = [p for st in sched.stages for p in st.module.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
     cls = ps.get_schedule_class(cfg.schedule)
-    print(f"T sched {time.time():.2f}", flush=True)
     bubble = simulate(cls.compute_order(world, M, pipe.num_stages // world)).bubble_fraction
     log(f"[bold]pippy-split train[/]: {type(model).__name__}, {pipe.num_stages} stages on {world} ranks "
         f"({'nccl' if device.type == 'cuda' else 'gloo'}), schedule {cfg.schedule}, {M} microbatches, "
@@ -347,7 +340,12 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = build_parser().parse_args(argv)
+    """Entry point of ``python -m pippy_split.train``; returns the exit status."""
+    return run(build_parser().parse_args(argv))
+
+
+def run(cfg: argparse.Namespace) -> int:
+    """Train with parsed options: run the worker under torchrun, else launch ``cfg.ranks`` local ranks."""
     from .schedule.orders import ORDERS
 
     if cfg.schedule not in ORDERS:
