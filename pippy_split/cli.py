@@ -1,0 +1,192 @@
+"""The `pippy-split` command: `train`, `inspect`, `simulate`.
+
+Where this sits: on top of the flow split → Pipe → stage → schedule → runtime.
+`simulate` only needs the schedule layer's orders and simulator; `inspect`
+traces and splits a model into a Pipe and prints it; `train` hands over to
+:mod:`pippy_split.train`, which runs the whole flow on local ranks.
+
+    pippy-split simulate --schedule ZBVZeroBubble --ranks 4 --microbatches 8 --compare
+    pippy-split inspect zoo:tiny_unet --json
+    pippy-split train --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["main", "build_parser", "parse_costs", "simulate_cmd", "inspect_cmd", "pipe_to_json"]
+
+
+def parse_costs(text: str | None) -> dict[str, float] | None:
+    """``"F=1,I=1,W=1"`` -> ``{"F": 1.0, "I": 1.0, "W": 1.0}`` (keys among F, B, I, W)."""
+    if not text:
+        return None
+    costs: dict[str, float] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        key = key.strip().upper()
+        if not sep or key not in ("F", "B", "I", "W"):
+            raise ValueError(f"bad cost {part!r}: expected KIND=NUMBER with KIND among F, B, I, W")
+        costs[key] = float(value)
+    return costs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import train
+
+    p = argparse.ArgumentParser(prog="pippy-split", description="Pipeline parallelism for ordinary PyTorch models.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("simulate", help="simulate a schedule: timeline, bubble, activation memory")
+    s.add_argument("--schedule", default="ZBVZeroBubble", help="schedule name")
+    s.add_argument("--ranks", type=int, default=4)
+    s.add_argument("--microbatches", type=int, default=8)
+    s.add_argument("--stages-per-rank", type=int, default=None, help="default: the schedule's own")
+    s.add_argument("--costs", default=None, help="cost per action kind, e.g. F=1,I=1,W=1 (B defaults to I+W)")
+    s.add_argument("--svg", default=None, help="also write the timeline as SVG here")
+    s.add_argument("--compare", action="store_true", help="table of all schedules for the same ranks/microbatches")
+
+    i = sub.add_parser("inspect", help="split a model and show stages, edges and shared parameters")
+    i.add_argument("target", help="module:factory (returns a ZooEntry or (model, args[, kwargs])) or zoo:NAME")
+    g = i.add_mutually_exclusive_group()
+    g.add_argument("--split", default=None, help="comma-separated FQNs to split at (beginning of each)")
+    g.add_argument("--stages", type=int, default=None, help="balance this many stages automatically")
+    i.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    t = sub.add_parser("train", help="train a model pipelined over local ranks (default: a tiny GPT learning sums)")
+    train.build_parser(t)
+    return p
+
+
+# --------------------------------------------------------------------------- simulate
+
+
+def _simulate_one(name: str, ranks: int, microbatches: int, spr: int | None, costs: dict | None):
+    from .schedule import get_schedule_class, simulate
+
+    cls = get_schedule_class(name)
+    return simulate(cls.compute_order(ranks, microbatches, spr), costs)
+
+
+def simulate_cmd(args: argparse.Namespace, console: Any) -> int:
+    from rich.table import Table
+
+    from .schedule.orders import ORDERS
+
+    costs = parse_costs(args.costs)
+    if args.schedule not in ORDERS:
+        console.print(f"[red]unknown schedule {args.schedule!r}[/]; choose from {', '.join(ORDERS)}")
+        return 2
+    try:
+        sim = _simulate_one(args.schedule, args.ranks, args.microbatches, args.stages_per_rank, costs)
+    except (ValueError, TypeError) as e:
+        console.print(f"[red]{args.schedule} rejects ranks={args.ranks}, microbatches={args.microbatches}"
+                      f"{'' if args.stages_per_rank is None else f', stages-per-rank={args.stages_per_rank}'}:[/] {e}")
+        return 2
+    console.print(f"[bold]{args.schedule}[/]: {args.ranks} ranks, {args.microbatches} microbatches")
+    console.print(sim)
+    console.print(f"makespan {sim.makespan:g}   bubble fraction {sim.bubble_fraction:.1%}")
+    console.print("peak activations per rank: "
+                  + ", ".join(f"rank {r}: {n}" for r, n in sorted(sim.peak_activations.items())))
+    if args.svg:
+        sim.to_svg(args.svg)
+        console.print(f"SVG timeline written to {args.svg}")
+    if args.compare:
+        table = Table(title=f"All schedules, {args.ranks} ranks, {args.microbatches} microbatches")
+        for col in ("schedule", "placement", "stages/rank", "split bwd", "makespan", "bubble", "peak act (max)",
+                    "peak act per rank"):
+            table.add_column(col, justify="left" if col in ("schedule", "placement", "peak act per rank") else "right")
+        for name, spec in ORDERS.items():
+            spr = args.stages_per_rank
+            if spr is not None and spec.stages_per_rank is not None and spr != spec.stages_per_rank:
+                spr = None  # a fixed-V schedule ignores the requested V; use its own
+            if spr is not None and spr < spec.min_stages_per_rank:
+                spr = None
+            shown_spr = spr or spec.default_stages_per_rank()
+            try:
+                s = _simulate_one(name, args.ranks, args.microbatches, spr, costs)
+            except (ValueError, TypeError) as e:
+                table.add_row(name, spec.placement, str(shown_spr), "yes" if spec.split_backward else "no",
+                              "-", "-", "-", f"[yellow]skipped: {e}[/]")
+                continue
+            peaks = [s.peak_activations[r] for r in sorted(s.peak_activations)]
+            table.add_row(name, spec.placement, str(shown_spr), "yes" if spec.split_backward else "no",
+                          f"{s.makespan:g}", f"{s.bubble_fraction:.1%}", str(max(peaks) if peaks else 0),
+                          " ".join(map(str, peaks)))
+        console.print(table)
+    return 0
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def _shape_json(shape: tuple) -> list:
+    return [d if isinstance(d, int) else str(d) for d in shape]
+
+
+def pipe_to_json(pipe: Any) -> dict:
+    """Stages, edges and shared parameters of a Pipe as JSON-ready data."""
+    stages = [{"index": s.index, "modules": list(s.modules), "num_params": s.num_params,
+               "param_bytes": s.param_bytes, "flops": int(s.flops), "params": list(s.param_fqns)}
+              for s in pipe.stages]
+    edges = [{"src": "input" if e.from_input else e.src_stage, "src_output": e.src_output, "dst": e.dst_stage,
+              "dst_input": e.dst_input, "name": e.name, "shape": _shape_json(e.spec.shape),
+              "dtype": str(e.spec.dtype).replace("torch.", ""), "grad": bool(e.spec.carries_grad),
+              "skip": bool(e.is_skip)} for e in pipe.edges]
+    shared = {fqn: [{"stage": st, "names": list(names)} for st, names in uses]
+              for fqn, uses in pipe.shared_parameters.items()}
+    return {"model": pipe.model_name, "num_stages": pipe.num_stages, "stages": stages, "edges": edges,
+            "shared_parameters": shared}
+
+
+def inspect_cmd(args: argparse.Namespace, console: Any) -> int:
+    import pippy_split as ps
+
+    from .train import load_factory, parse_split, unpack_entry
+
+    try:
+        factory = load_factory(args.target)
+        model, margs, mkwargs, spec, _, _ = unpack_entry(factory())
+    except (ImportError, AttributeError, KeyError, ValueError, TypeError) as e:
+        console.print(f"[red]cannot load {args.target!r}:[/] {e}")
+        return 2
+    if args.split:
+        spec = parse_split(args.split)
+    elif args.stages:
+        spec = args.stages
+    pipe = ps.pipeline(model, spec, margs, mkwargs)
+    if args.json:
+        print(json.dumps(pipe_to_json(pipe), indent=2))
+    else:
+        console.print(pipe)
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    args = build_parser().parse_args(argv)
+    console = Console()
+    if args.command == "simulate":
+        try:
+            return simulate_cmd(args, console)
+        except ValueError as e:  # bad --costs
+            console.print(f"[red]{e}[/]")
+            return 2
+    if args.command == "inspect":
+        return inspect_cmd(args, console)
+    from . import train
+
+    return train.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
