@@ -20,7 +20,7 @@ __all__ = ["addition_corpus", "CharCorpus", "parse_sum"]
 ADDITION_CHARS = "\n+0123456789="
 
 
-def addition_corpus(n_lines: int = 20000, max_value: int = 999, seed: int = 0) -> str:
+def addition_corpus(n_lines: int = 20000, max_value: int = 99, seed: int = 0) -> str:
     """``n_lines`` lines ``a+b=c`` with ``0 <= a, b <= max_value``, deterministic in ``seed``.
 
     Example:

@@ -46,7 +46,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--schedule", default="ZBVZeroBubble", help="schedule name (default ZBVZeroBubble)")
     p.add_argument("--ranks", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=450)
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=32)
@@ -312,7 +312,7 @@ def _sample(cfg, model, corpus, log) -> None:
         lines = [ln for ln in corpus.text.splitlines() if ln.strip()] or [corpus.text]
         prompts = [ln[: max(1, len(ln) // 2)] for ln in rng.sample(lines, min(cfg.samples, len(lines)))]
     else:
-        prompts = [f"{rng.randint(0, 999)}+{rng.randint(0, 999)}=" for _ in range(cfg.samples)]
+        prompts = [f"{rng.randint(0, 99)}+{rng.randint(0, 99)}=" for _ in range(cfg.samples)]
     correct = judged = 0
     log("[bold]samples[/] (greedy):")
     for p in prompts:

@@ -75,7 +75,15 @@ class Interpreter:
         self._sends: list[Pending] = []
 
     def run(self, actions: list[Action], ctx: StepContext) -> None:
-        for action in actions:
+        last_backward = {}
+        for i, action in enumerate(actions):
+            if action.kind in (ActionKind.B, ActionKind.W):
+                last_backward[action.stage] = i
+        for st in self.stages.values():
+            st.set_grad_sync(False)
+        for i, action in enumerate(actions):
+            if last_backward.get(action.stage) == i:
+                self.stages[action.stage].set_grad_sync(True)  # data-parallel sync once, on the last backward
             self.handlers[action.kind](action, ctx)
         self.finish()
 

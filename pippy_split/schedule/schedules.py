@@ -198,8 +198,12 @@ class PipelineSchedule:
         the step's mean loss on every rank.
         """
         ctx = self._context(args, kwargs, target, True, self.n_microbatches)
+        for st in self.stages:
+            st.peak_held_microbatches = 0
         self._run(self.actions, ctx)
         self._sync_shared_grads()
+        for st in self.stages:
+            st.sync_data_parallel()
         last = self._has(lambda s: s.is_last)
         mb_losses = [last.loss_of(mb) for mb in range(self.n_microbatches)] if last else []
         for st in self.stages:

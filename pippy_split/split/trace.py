@@ -75,6 +75,7 @@ class Traced:
     signature: inspect.Signature | None
     example_arg_names: list[str]  # names the example passed positionally
     example_kwarg_names: list[str]
+    example_n_varargs: int = 0  # values the example passed to the model's *args
     requires_grad_inputs: dict[str, bool] = field(default_factory=dict)
     # Per flat user input, what a call must match: a tensor's (dims, dtype), where a
     # dim is None if dynamic, or a non-tensor's value (export baked it into the graph).
@@ -85,20 +86,39 @@ class Traced:
         return self.ep.graph
 
     def normalize_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Rearrange a call's arguments into the (args, kwargs) shape of the example."""
+        """Rearrange a call's arguments into the (args, kwargs) shape of the example.
+
+        Inputs the example did not pass were baked into the graph as their defaults,
+        so passing them now is an error rather than silently ignored.
+        """
         if self.signature is None:
             return tuple(args), dict(kwargs)
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as e:
             raise TypeError(f"pipeline called with arguments that do not fit the model's forward: {e}") from None
-        arguments = bound.arguments
-        missing = [n for n in self.example_arg_names + self.example_kwarg_names if n not in arguments]
+        arguments = dict(bound.arguments)
+        kinds = {p.name: p.kind for p in self.signature.parameters.values()}
+        var_pos = next((n for n, k in kinds.items() if k is inspect.Parameter.VAR_POSITIONAL), None)
+        var_kw = next((n for n, k in kinds.items() if k is inspect.Parameter.VAR_KEYWORD), None)
+        extra_args = tuple(arguments.pop(var_pos, ())) if var_pos else ()
+        arguments.update(arguments.pop(var_kw, {}) if var_kw else {})  # **kwargs by their own names
+        expected = self.example_arg_names + self.example_kwarg_names
+        missing = [n for n in expected if n not in arguments]
         if missing:
             raise TypeError(
                 f"missing model input(s) {missing}: the pipeline was traced with them, pass them on every call"
             )
-        new_args = tuple(arguments[n] for n in self.example_arg_names)
+        unexpected = [n for n in arguments if n not in expected]
+        if len(extra_args) != self.example_n_varargs:
+            unexpected.append(f"*{var_pos} ({len(extra_args)} values, traced with {self.example_n_varargs})")
+        if unexpected:
+            raise TypeError(
+                f"model input(s) {unexpected} differ from the example the pipeline was traced with, which "
+                f"passed {expected}" + (f" and {self.example_n_varargs} *{var_pos}" if var_pos else "")
+                + "; inputs not traced were baked in as their defaults, so trace with the inputs you will pass"
+            )
+        new_args = tuple(arguments[n] for n in self.example_arg_names) + extra_args
         new_kwargs = {n: arguments[n] for n in self.example_kwarg_names}
         return new_args, new_kwargs
 
@@ -212,6 +232,7 @@ def trace_model(
     except (TypeError, ValueError):
         sig = None
     arg_names, kwarg_names = _example_names(sig, tuple(args), kwargs)
+    n_varargs = len(args) - len(arg_names)
     flat_examples = pytree.tree_leaves((tuple(args), kwargs))
     rg = {name: isinstance(x, torch.Tensor) and x.requires_grad for name, x in zip(user_inputs, flat_examples)}
     placeholder_vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
@@ -227,6 +248,7 @@ def trace_model(
         signature=sig,
         example_arg_names=arg_names,
         example_kwarg_names=kwarg_names,
+        example_n_varargs=n_varargs,
         requires_grad_inputs=rg,
         input_checks=checks,
     )

@@ -114,6 +114,7 @@ class PipelineStage:
         self.scale_grads = True
         self._saved: dict[int, _Saved] = {}
         self._losses: dict[int, torch.Tensor] = {}  # per microbatch, unscaled, kept for the whole step
+        self.peak_held_microbatches = 0  # most microbatches held at once during the last step
         self._wplan: WeightGradPlan | None = None
         self._zb_module: torch.nn.Module | None = None
 
@@ -193,6 +194,7 @@ class PipelineStage:
             saved.loss = self.compute_loss(mb, outputs, target)
             self._losses[mb] = saved.loss.detach()
         self._saved[mb] = saved
+        self.peak_held_microbatches = max(self.peak_held_microbatches, len(self._saved))
         return outputs
 
     def model_output(self, outputs: tuple) -> Any:
@@ -312,8 +314,42 @@ class PipelineStage:
         gradient W needs, so W runs only the weight part of each op."""
         if self._zb_module is not None or self.pipe is None:
             return
+        if not isinstance(self.module, torch.fx.GraphModule):
+            raise PipelineError(f"stage {self.stage_index}: the I/W split needs the traced stage module; a wrapped "
+                                f"module ({type(self.module).__name__}) works with GPipe, 1F1B, Interleaved1F1B and "
+                                "LoopedBFS")
         zb, plan = plan_weight_grads(self.module)
         self._zb_module, self._wplan = zb, plan
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        """Let an FSDP2 (``fully_shard``) module reduce gradients only on the step's last backward.
+
+        DDP decides at *forward* time whether the next backward syncs, which cannot
+        follow a pipeline's interleaving of forwards and backwards; a DDP module is
+        never synced by its hooks and :meth:`sync_data_parallel` averages once per step.
+        """
+        if hasattr(self.module, "require_backward_grad_sync"):
+            self.module.require_backward_grad_sync = False  # DDP: see sync_data_parallel
+        if hasattr(self.module, "set_requires_gradient_sync"):
+            self.module.set_requires_gradient_sync(enabled)
+
+    def sync_data_parallel(self) -> None:
+        """Average gradients of a DDP-wrapped stage over its data-parallel group (one all-reduce)."""
+        group = getattr(self.module, "process_group", None)
+        if not hasattr(self.module, "require_backward_grad_sync") or group is None:
+            return
+        import torch.distributed as dist
+
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat /= dist.get_world_size(group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def clear(self) -> None:
         """Drop every saved microbatch (after a failed step)."""

@@ -1,0 +1,88 @@
+"""The `pippy-split` commands, run for real in subprocesses at small sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pippy_split.cli import parse_costs
+from pippy_split.data import CharCorpus, addition_corpus, parse_sum
+
+
+def _cli(*args: str, cwd=None, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS="160")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, "-m", "pippy_split.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
+
+
+def _ok(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    return r.stdout
+
+
+def test_data_is_deterministic_and_correct():
+    text = addition_corpus(50, seed=3)
+    assert text == addition_corpus(50, seed=3)
+    assert all(parse_sum(line) for line in text.splitlines())
+    assert parse_sum("1+2=4") is False and parse_sum("garbage") is None
+    corpus = CharCorpus(text)
+    x, y = corpus.batch(4, 8, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (4, 8)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert corpus.decode(corpus.encode("12+3=15\n")) == "12+3=15\n"
+
+
+def test_parse_costs():
+    assert parse_costs("F=1,I=2,W=0.5") == {"F": 1.0, "I": 2.0, "W": 0.5}
+    assert parse_costs(None) is None
+    with pytest.raises(ValueError):
+        parse_costs("X=1")
+
+
+@pytest.mark.timeout(300)
+def test_simulate_compare_and_svg(tmp_path):
+    svg = tmp_path / "zbv.svg"
+    out = _ok(_cli("simulate", "--schedule", "ZBVZeroBubble", "--ranks", "2", "--microbatches", "4",
+                   "--costs", "F=1,I=1,W=1", "--svg", str(svg), "--compare"))
+    assert "bubble fraction" in out and "peak activations per rank" in out
+    assert svg.exists() and svg.read_text().lstrip().startswith(("<svg", "<?xml"))
+    for name in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"):
+        assert name in out
+
+
+@pytest.mark.timeout(300)
+def test_simulate_rejects_bad_sizes():
+    r = _cli("simulate", "--schedule", "NoSuchSchedule", "--ranks", "2", "--microbatches", "4")
+    assert r.returncode == 2 and "unknown schedule" in r.stdout
+
+
+@pytest.mark.timeout(300)
+def test_inspect_zoo_rich_and_json():
+    out = _ok(_cli("inspect", "zoo:fan_out_skip"))
+    assert out.strip()
+    data = json.loads(_ok(_cli("inspect", "zoo:fan_out_skip", "--json")))
+    assert data["num_stages"] == 3 and len(data["stages"]) == 3
+    assert all({"modules", "num_params", "flops"} <= set(s) for s in data["stages"])
+    assert data["edges"] and all({"src", "dst", "shape", "dtype", "grad", "skip"} <= set(e) for e in data["edges"])
+    assert any(e["skip"] for e in data["edges"])  # the fan-out skip jumps a stage
+    assert isinstance(data["shared_parameters"], dict)
+
+
+@pytest.mark.timeout(300)
+def test_train_small_run_writes_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    out = _ok(_cli("train", "--steps", "3", "--ranks", "2", "--checkpoint", str(ckpt), "--samples", "2",
+                   cwd=tmp_path))
+    assert "first loss" in out and "last loss" in out
+    assert "correct sums" in out
+    saved = torch.load(ckpt / "model.pt", weights_only=False)
+    assert "tok_emb.weight" in saved["state_dict"] and "head.weight" in saved["state_dict"]
+    assert saved["meta"]["steps"] == 3 and saved["meta"]["num_stages"] == 4
+    assert not [p for p in os.listdir(ckpt) if p.endswith(".tmp")]
