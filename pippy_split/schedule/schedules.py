@@ -46,13 +46,18 @@ class PipelineSchedule:
         timeout: seconds any blocking wait may take before a named error.
         args_chunk_spec / kwargs_chunk_spec: how to split ``step()``'s inputs.
         output_merge_spec: how to merge the last stage's outputs.
+        on_nonfinite: what a NaN/inf loss does: "warn" (default; names stage and
+            microbatch), "raise" (a PipelineError), or "ignore".
     """
 
     order_name = ""
 
     def __init__(self, stage_or_stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
                  loss_fn: Callable | None = None, *, scale_grads: bool = True, timeout: float = 300.0,
-                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None, output_merge_spec: Any = None) -> None:
+                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None, output_merge_spec: Any = None,
+                 on_nonfinite: str = "warn") -> None:
+        if on_nonfinite not in ("warn", "raise", "ignore"):
+            raise ValueError(f"on_nonfinite must be 'warn', 'raise' or 'ignore', got {on_nonfinite!r}")
         stages = [stage_or_stages] if isinstance(stage_or_stages, PipelineStage) else list(stage_or_stages)
         if not stages:
             raise ValueError("a schedule needs at least one stage")
@@ -76,6 +81,7 @@ class PipelineSchedule:
                                  f"{self.rank}; this rank should hold stages {mine}")
             st.loss_fn = loss_fn
             st.scale_grads = scale_grads
+            st.on_nonfinite = on_nonfinite
             if self.spec.split_backward:
                 st.enable_split_backward()
         self.links = self._links()

@@ -8,7 +8,8 @@ backward whole (B) or split into input-grad (I) then weight-grad (W).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -112,6 +113,7 @@ class PipelineStage:
         self.routes: list[Route] = []  # filled after the first forward for lazy stages
         self.loss_fn: Callable | None = None
         self.scale_grads = True
+        self.on_nonfinite = "warn"  # "warn" | "raise" | "ignore": a NaN/inf loss
         self._saved: dict[int, _Saved] = {}
         self._losses: dict[int, torch.Tensor] = {}  # per microbatch, unscaled, kept for the whole step
         self.peak_held_microbatches = 0  # most microbatches held at once during the last step
@@ -211,7 +213,13 @@ class PipelineStage:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: loss_fn must return a scalar tensor, got {shape}")
-        return loss.reshape(())
+        loss = loss.reshape(())
+        if self.on_nonfinite != "ignore" and not bool(torch.isfinite(loss.detach())):
+            msg = f"stage {self.stage_index}, microbatch {mb}: the loss is {loss.item()}"
+            if self.on_nonfinite == "raise":
+                raise PipelineError(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        return loss
 
     def loss_of(self, mb: int) -> torch.Tensor | None:
         return self._losses.get(mb)
