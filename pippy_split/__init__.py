@@ -7,7 +7,7 @@ split → Pipe → stage → schedule → runtime.
 from .microbatch import Replicate, TensorChunkSpec, merge_chunks, split_args_kwargs
 from .schedule import (Action, PipelineSchedule, Schedule1F1B, ScheduleDualPipeV, ScheduleError, ScheduleGPipe,
                        ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
-                       ScheduleZBVZeroBubble, build_schedule, get_schedule_class, simulate, stage_to_rank, validate)
+                       ScheduleFromOrder, ScheduleZBVZeroBubble, build_schedule, get_schedule_class, simulate, stage_to_rank, validate)
 from .split import (MODEL_INPUT, Edge, Pipe, SplitError, SplitPoint, SymbolSource, TensorSpec, TraceError,
                     pipe_split, pipeline)
 from .stage import PipelineError, PipelineStage, PipelineTimeout
@@ -16,5 +16,5 @@ __all__ = ["MODEL_INPUT", "Edge", "Pipe", "SplitError", "SplitPoint", "SymbolSou
            "pipe_split", "pipeline", "PipelineError", "PipelineStage", "PipelineTimeout", "Replicate",
            "TensorChunkSpec", "merge_chunks", "split_args_kwargs", "Action", "PipelineSchedule", "Schedule1F1B",
            "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
-           "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "ScheduleError", "build_schedule", "get_schedule_class",
+           "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "ScheduleFromOrder", "ScheduleError", "build_schedule", "get_schedule_class",
            "simulate", "stage_to_rank", "validate"]

@@ -149,6 +149,7 @@ def save(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
         raise CheckpointError(f"cannot write checkpoint {path}: {err}", path)
 
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
     from torch.distributed.checkpoint import save as dcp_save
 
     try:
@@ -159,9 +160,9 @@ def save(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
     except BaseException as e:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        if not isinstance(e, Exception):
+        if not isinstance(e, (Exception, CheckpointException)):  # KeyboardInterrupt, SystemExit
             raise
-        raise CheckpointError(f"cannot write checkpoint {path}: {_describe_write_error(e)}; "
+        raise CheckpointError(f"cannot write checkpoint {path}: {_describe_dcp_error(e)}; "
                               f"the previous checkpoint (if any) is unchanged", path) from e
 
     # DCP's save returns once the coordinator has written .metadata, i.e. after every
@@ -237,7 +238,7 @@ def load(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
     mismatched = sorted({k for _, mm in reports for k in mm})
     if mismatched:
         raise CheckpointError(f"checkpoint {path} does not match the model: {len(mismatched)} tensors "
-                              f"differ in shape (checkpoint vs model): {mismatched[:_SHOW]}", path)
+                              f"differ in shape (checkpoint vs model): {_show(mismatched)}", path)
     if missing or unexpected:
         message = _key_report(path, missing, unexpected)
         if strict:
@@ -245,6 +246,7 @@ def load(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
         warnings.warn(message + " (strict=False: loaded the keys that match)", stacklevel=2)
 
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint import load as dcp_load
 
     flat = plan.destination()
@@ -253,8 +255,8 @@ def load(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
             dcp_load(flat, storage_reader=FileSystemReader(found),
                          planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
                      no_dist=not comm.on)
-    except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint {found}: {type(e).__name__}: {e}", path) from e
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"cannot read checkpoint {found}: {_describe_dcp_error(e)}", path) from e
     plan.apply_optimizer_state(flat)
     return flat.get(_EXTRA)
 
@@ -467,16 +469,17 @@ class _LoadPlan:
             opt.load_state_dict(sd)  # moves state to each parameter's device and dtype
 
 
-def _key_report(path: str, missing: list[str], unexpected: list[str]) -> str:
-    def show(keys: list[str]) -> str:
-        more = f" ... and {len(keys) - _SHOW} more" if len(keys) > _SHOW else ""
-        return ", ".join(keys[:_SHOW]) + more
+def _show(keys: list[str]) -> str:
+    more = f" ... and {len(keys) - _SHOW} more" if len(keys) > _SHOW else ""
+    return ", ".join(keys[:_SHOW]) + more
 
+
+def _key_report(path: str, missing: list[str], unexpected: list[str]) -> str:
     parts = [f"checkpoint {path} does not match the model"]
     if missing:
-        parts.append(f"{len(missing)} missing keys (needed, not in the checkpoint): {show(missing)}")
+        parts.append(f"{len(missing)} missing keys (needed, not in the checkpoint): {_show(missing)}")
     if unexpected:
-        parts.append(f"{len(unexpected)} unexpected keys (in the checkpoint, in no given module): {show(unexpected)}")
+        parts.append(f"{len(unexpected)} unexpected keys (in the checkpoint, in no given module): {_show(unexpected)}")
     return "; ".join(parts)
 
 
@@ -535,12 +538,25 @@ def _prepare(path: str) -> str:
     if not _is_replaceable(path):
         kind = "a file" if not os.path.isdir(path) else "a directory that is not a checkpoint and is not empty"
         raise CheckpointError(f"it exists and is {kind}; refusing to replace it")
+    _check_ancestors(parent)
     os.makedirs(parent, exist_ok=True)
     for stale in _siblings(path, ".tmp-"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = tempfile.mkdtemp(prefix=base + ".tmp-", dir=parent)
     os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a checkpoint is usually shared
     return tmp
+
+
+def _check_ancestors(parent: str) -> None:
+    """Name the file in the way when some ancestor of the directory is not a directory."""
+    p = parent
+    while p and not os.path.exists(p):
+        up = os.path.dirname(p)
+        if up == p:
+            return
+        p = up
+    if p and not os.path.isdir(p):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), p)
 
 
 def _commit(tmp: str, path: str) -> None:
@@ -601,13 +617,13 @@ def _reason(path: str, e: BaseException) -> str:
     return str(e)
 
 
-def _describe_write_error(e: BaseException) -> str:
+def _describe_dcp_error(e: BaseException) -> str:
     """DCP wraps rank failures in a CheckpointException; name the ranks and their errors."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, Mapping) and failures:
         parts = []
         for rank, err in sorted(failures.items()):
-            inner = getattr(err, "exc", err)  # _WrappedException
+            inner = err[0] if isinstance(err, tuple) else err  # (exception, traceback summary)
             parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
         return "; ".join(parts)
     return f"{type(e).__name__}: {e}"

@@ -7,6 +7,7 @@ by ``validate``, and run by the one :class:`.runtime.Interpreter`.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -16,15 +17,16 @@ from ..microbatch import merge_chunks, split_args_kwargs
 from ..stage.errors import PipelineError
 from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
-from .actions import Action, ActionKind, Order
-from .lower import lower
+from .actions import Action, ActionKind, Order, order_from_csv
+from .lower import infer_placement, lower
 from .orders import ORDERS, OrderSpec, get_order_spec
 from .placement import rank_to_stages, stage_to_rank
 from .runtime import Interpreter, StepContext
-from .validate import validate
+from .validate import ScheduleError, validate
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
-           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "get_schedule_class",
+           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleFromOrder",
+           "get_schedule_class",
            "build_schedule"]
 
 
@@ -67,25 +69,28 @@ class PipelineSchedule:
         self.scale_grads = scale_grads
         self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
         self.output_merge_spec = output_merge_spec
-        self.spec: OrderSpec = get_order_spec(self.order_name)
         self.group = self.stages[0].group
         self.rank, self.world = _group_info(self.group)
         self.num_stages = self.stages[0].num_stages
-        self._check_stages()
-        self.placement = stage_to_rank(self.num_stages, self.world, self.spec.placement)
+        if len({s.stage_index for s in self.stages}) != len(self.stages):
+            raise ValueError(f"{type(self).__name__}: the same stage was given twice: "
+                             f"{[s.stage_index for s in self.stages]}")
+        if self.n_microbatches < 1:
+            raise ValueError(f"{type(self).__name__}: n_microbatches must be >= 1, got {self.n_microbatches}")
+        self.links = self._links()
+        order, self.placement = self._plan()
         for st in self.stages:
-            if self.placement[st.stage_index] != self.rank:
-                mine = rank_to_stages(self.num_stages, self.world, self.spec.placement)[self.rank]
-                raise ValueError(f"{type(self).__name__} uses {self.spec.placement!r} placement: stage "
-                                 f"{st.stage_index} belongs on rank {self.placement[st.stage_index]}, not rank "
-                                 f"{self.rank}; this rank should hold stages {mine}")
+            if self.placement.get(st.stage_index) != self.rank:
+                mine = sorted(s for s, r in self.placement.items() if r == self.rank)
+                raise ValueError(f"{type(self).__name__}: stage {st.stage_index} belongs on rank "
+                                 f"{self.placement.get(st.stage_index)}, not rank {self.rank}; this rank should hold "
+                                 f"stages {mine}")
             st.loss_fn = loss_fn
             st.scale_grads = scale_grads
             st.on_nonfinite = on_nonfinite
-            if self.spec.split_backward:
+        if any(a is not None and a.kind in (ActionKind.I, ActionKind.W) for acts in order.values() for a in acts):
+            for st in self.stages:
                 st.enable_split_backward()
-        self.links = self._links()
-        order = self.spec.compute_order(self.world, self.n_microbatches, len(self.stages))
         lowered = lower(order, self.links, self.placement)
         validate(lowered, self.num_stages, self.n_microbatches, links=self.links, placement=self.placement)
         self.order: Order = order
@@ -96,11 +101,16 @@ class PipelineSchedule:
         self.loss: torch.Tensor | None = None
 
     # ---- set-up checks ----------------------------------------------------------
+    def _plan(self) -> tuple[Order, dict[int, int]]:
+        """The compute order and the placement it needs (the family's generator)."""
+        self.spec = get_order_spec(self.order_name)
+        self._check_stages()
+        placement = stage_to_rank(self.num_stages, self.world, self.spec.placement)
+        return self.spec.compute_order(self.world, self.n_microbatches, len(self.stages)), placement
+
     def _check_stages(self) -> None:
         name = type(self).__name__
         per_rank = len(self.stages)
-        if len({s.stage_index for s in self.stages}) != per_rank:
-            raise ValueError(f"{name}: the same stage was given twice: {[s.stage_index for s in self.stages]}")
         if self.spec.stages_per_rank is not None and per_rank != self.spec.stages_per_rank:
             raise ValueError(f"{name} needs exactly {self.spec.stages_per_rank} stage(s) per rank, this rank was given "
                              f"{per_rank} (stages {[s.stage_index for s in self.stages]})")
@@ -109,8 +119,6 @@ class PipelineSchedule:
         if self.num_stages != per_rank * self.world:
             raise ValueError(f"{name}: {self.num_stages} stages do not match {self.world} ranks x {per_rank} stages "
                              f"per rank = {self.world * per_rank}")
-        if self.n_microbatches < 1:
-            raise ValueError(f"{name}: n_microbatches must be >= 1, got {self.n_microbatches}")
 
     def _links(self) -> list[tuple[int, int, bool]]:
         pipe = self.stages[0].pipe
@@ -140,9 +148,8 @@ class PipelineSchedule:
         return sorted(links)
 
     def _forward_only(self, n: int) -> list[Action]:
-        order = {r: [Action(s, ActionKind.F, mb) for s in rank_to_stages(self.num_stages, self.world,
-                                                                         self.spec.placement)[r] for mb in range(n)]
-                 for r in range(self.world)}
+        order = {r: [Action(s, ActionKind.F, mb) for s in sorted(self.placement) if self.placement[s] == r
+                     for mb in range(n)] for r in range(self.world)}
         # Stage-major forward order is a valid forward-only schedule for any placement.
         for r in order:
             order[r].sort(key=lambda a: (a.stage, a.mb))
@@ -265,6 +272,31 @@ class PipelineSchedule:
                 dist.all_reduce(total, group=self.group)
             for p in local.values():
                 p.grad = total.clone() if len(local) > 1 else total
+
+
+class ScheduleFromOrder(PipelineSchedule):
+    """Run a hand-written order (an ``{rank: [Action | None]}`` dict or a CSV path/text).
+
+    The placement is read off the order. The order is validated (every F and backward
+    once, dependencies, a dry run with the comms) on every rank before anything runs,
+    so a bad order is a :class:`ScheduleError` at construction, never a hang.
+
+    Example:
+        >>> order = order_from_csv("0F0,0F1,0B0,0B1\n,1F0,1B0,1F1,1B1")
+        >>> sched = ScheduleFromOrder(stage, 2, loss_fn, order=order)
+    """
+
+    def __init__(self, stage_or_stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable | None = None, *, order: Order | str | Path, **kwargs: Any) -> None:
+        self._given_order = order_from_csv(order) if isinstance(order, (str, Path)) else order
+        super().__init__(stage_or_stages, n_microbatches, loss_fn, **kwargs)
+
+    def _plan(self) -> tuple[Order, dict[int, int]]:
+        order = {int(r): list(acts) for r, acts in self._given_order.items()}
+        if sorted(order) != list(range(self.world)):
+            raise ScheduleError(f"the order has rows for ranks {sorted(order)} but the group has {self.world} ranks")
+        validate(order, self.num_stages, self.n_microbatches, links=self.links)
+        return order, infer_placement(order)
 
 
 def _make(name: str, order_name: str, doc: str) -> type[PipelineSchedule]:
