@@ -22,6 +22,7 @@ import json
 import platform
 import statistics
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -105,7 +106,9 @@ def measure(n_blocks: int) -> dict:
         return time.perf_counter() - t0
 
     def peer(model):
-        pipe = peer_pipeline(model, mb_args=(x,), split_spec={f: SplitPoint.BEGINNING for f in split_fqns})
+        with warnings.catch_warnings():  # the peer's own deprecation noise (pytree LeafSpec)
+            warnings.simplefilter("ignore", FutureWarning)
+            pipe = peer_pipeline(model, mb_args=(x,), split_spec={f: SplitPoint.BEGINNING for f in split_fqns})
         assert pipe.num_stages == NUM_STAGES
         return pipe
 
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         table.add_row(str(r["blocks"]), f"{r['export_s']:.3f}", f"{r['ours_s']:.3f}", f"{r['peer_s']:.3f}",
                       f"{r['ours_over_peer']:.2f}", f"{r['ours_minus_export_pct']:.1f}%",
                       f"{r['ours_after_export_s']:.3f} ({r['after_export_pct']:.1f}%)")
-    Console().print(table)
+    Console(width=160).print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "threads": torch.get_num_threads(), "d": D, "num_stages": NUM_STAGES}

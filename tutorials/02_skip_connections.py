@@ -42,7 +42,8 @@ print(pipe)
 # %% [markdown]
 # Edges marked `*` skip at least one stage. The stem's output (`silu`) *fans out*:
 # stage 0 sends it to stage 1 and, directly, to stage 3. `down1`'s output goes
-# from stage 0 to stages 1 and 2.
+# from stage 0 to stages 1 and 2. (The summary also warns that the cut is
+# unbalanced; `ps.pipeline(model, 4, ...)` would balance it by FLOPs.)
 
 # %%
 for e in pipe.edges:

@@ -42,6 +42,7 @@ class Pipe:
         self._output_leaves = output_leaves
         self.shared_parameters = shared_parameters
         self.model_name = model_name
+        self._model: torch.nn.Module | None = None  # the traced model (not modified); set by pipeline()
 
     @property
     def num_stages(self) -> int:
@@ -102,11 +103,26 @@ class Pipe:
         return self.unflatten_outputs(outs)
 
     # ---- building stages for ranks -------------------------------------------------
-    def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: Any = None):
-        """The :class:`pippy_split.PipelineStage` for one stage, its module moved to ``device``."""
+    def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: Any = None, *,
+                    state_dict: Any = None, seed: int = 0):
+        """The :class:`pippy_split.PipelineStage` for one stage, its module moved to ``device``.
+
+        For a model built on the ``meta`` device, only this stage's tensors are
+        allocated, filled from ``state_dict`` (original FQNs) or by the owning
+        modules' ``reset_parameters()`` (seeded per module, identical on every rank).
+        """
         from ..stage import PipelineStage
+        from .materialize import materialize_stage
 
         self._check_index(stage_index)
+        module = self.stages[stage_index].module
+        if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+            target = torch.device(device) if device is not None else torch.device("cpu")
+            canonical = {name: names[0] for name, names in self._traced.aliases.items()}
+            materialize_stage(module, self._model, target, state_dict=state_dict, seed=seed, canonical=canonical)
+        elif state_dict is not None:
+            keys = module.state_dict().keys()
+            module.load_state_dict({k: state_dict[k] for k in keys if k in state_dict}, strict=False)
         return PipelineStage.from_pipe(self, stage_index, device=device, group=group)
 
     # ---- summaries ---------------------------------------------------------------
@@ -177,5 +193,7 @@ def pipeline(
     if split_spec is None and plan.num_stages == 1:
         pass  # a single stage is a valid (if pointless) pipe
     built = build_stages(traced, plan, model)
-    return Pipe(traced, built.stages, built.edges, built.symbols, built.output_leaves, built.shared_parameters,
+    pipe = Pipe(traced, built.stages, built.edges, built.symbols, built.output_leaves, built.shared_parameters,
                 type(model).__name__)
+    pipe._model = model
+    return pipe
