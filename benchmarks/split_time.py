@@ -9,8 +9,9 @@ several runs each:
     peer    ``torch.distributed.pipelining.pipeline`` with a SplitPoint.BEGINNING spec
 
 and prints a table with ours/peer and (ours - export) as a percentage of export.
-Because that difference of two medians is at the mercy of other load on the
-machine, it also times our post-export work (partition + stage modules) directly.
+Because that difference of two wall-clock medians is at the mercy of other load
+on the machine, it also gives the same difference in CPU time of this process, and
+times our post-export work (partition + stage modules) directly.
 Results go to ``benchmarks/results/split_time.json``. The peer is imported here
 only; the library never imports it.
 """
@@ -18,6 +19,7 @@ only; the library never imports it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -75,16 +77,18 @@ def _fresh(n_blocks: int) -> nn.Module:
     return Stack(n_blocks)
 
 
-def _time(fn: Callable[[nn.Module], object], n_blocks: int) -> float:
+def _time(fn: Callable[[nn.Module], object], n_blocks: int) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one call on a fresh model."""
     model = _fresh(n_blocks)
-    t0 = time.perf_counter()
+    gc.collect()  # garbage left by the previous run is not this run's cost
+    t0, c0 = time.perf_counter(), time.process_time()
     fn(model)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def measure(n_blocks: int) -> dict:
     """Median times of export / ours / peer, interleaved run by run so that load from
-    other processes hits all three alike; 5 runs when one round is quick (< 3 s), else 3."""
+    other processes hits all three alike; 5 runs when one round is quick (< 6 s), else 3."""
     x = torch.randn(8, D)  # (B, d), one microbatch
     split_fqns = [f"blocks.{s * n_blocks // NUM_STAGES}" for s in range(1, NUM_STAGES)]
 
@@ -116,15 +120,17 @@ def measure(n_blocks: int) -> dict:
     t0 = time.perf_counter()
     for fn in fns.values():  # warm-up round
         fn(_fresh(n_blocks))
-    runs = 5 if time.perf_counter() - t0 < 3.0 else 3
-    times: dict[str, list[float]] = {k: [] for k in fns}
+    runs = 5 if time.perf_counter() - t0 < 6.0 else 3
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in fns}
     split_only = []
     for _ in range(runs):
         for name, fn in fns.items():
             times[name].append(_time(fn, n_blocks))
         split_only.append(ours_after_export(_fresh(n_blocks)))
     row: dict = {"blocks": n_blocks, "runs": runs}
-    row.update({k: statistics.median(v) for k, v in times.items()})
+    row.update({k: statistics.median(w for w, _ in v) for k, v in times.items()})
+    row.update({k.replace("_s", "_cpu_s"): statistics.median(c for _, c in v) for k, v in times.items()})
+    row["ours_minus_export_cpu_pct"] = 100.0 * (row["ours_cpu_s"] - row["export_cpu_s"]) / row["export_cpu_s"]
     row["ours_after_export_s"] = statistics.median(split_only)
     row["ours_over_peer"] = row["ours_s"] / row["peer_s"]
     row["ours_minus_export_pct"] = 100.0 * (row["ours_s"] - row["export_s"]) / row["export_s"]
@@ -141,12 +147,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = [measure(n) for n in args.blocks]
     table = Table(title=f"split time, d={D}, {NUM_STAGES} stages (median seconds)")
     cols = ("blocks", "export s", "ours s", "peer s", "ours/peer", "ours-export, % of export",
-            "split after export s (% of export)")
+            "same, CPU time", "split after export s (% of export)")
     for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(str(r["blocks"]), f"{r['export_s']:.3f}", f"{r['ours_s']:.3f}", f"{r['peer_s']:.3f}",
                       f"{r['ours_over_peer']:.2f}", f"{r['ours_minus_export_pct']:.1f}%",
+                      f"{r['ours_minus_export_cpu_pct']:.1f}%",
                       f"{r['ours_after_export_s']:.3f} ({r['after_export_pct']:.1f}%)")
     Console(width=160).print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)

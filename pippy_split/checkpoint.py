@@ -29,8 +29,10 @@ per writing rank) holding flat keys
 
 The ``model.`` and ``optim.`` keys are those of ``torch.distributed.checkpoint``'s
 own ``{"model": ..., "optim": ...}`` convention with flattened optimizer state,
-so an unsplit model can also read the weights with plain DCP:
-``dcp.load({"model": model.state_dict()}, checkpoint_id=path)``.
+so an unsplit model can also read the weights with plain DCP,
+``dcp.load({"model": model.state_dict()}, checkpoint_id=path)``, and the optimizer
+with ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict(...,
+options=StateDictOptions(flatten_optimizer_state_dict=True))``.
 
 Safety: a save writes into a fresh sibling ``<path>.tmp-XXXX`` and only when every
 rank has finished swaps it with ``<path>`` (an atomic exchange of the two
@@ -129,9 +131,14 @@ def save(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
     path = os.path.abspath(os.fspath(path))
     holders = _holders(modules_or_schedule)
     comm = _Comm(no_dist)
-    flat, order = _collect_model(holders, comm.rank)
-    if optimizer is not None:
-        _collect_optimizer(_optimizers(optimizer), holders, flat, order, comm.rank)
+    flat, order, err = {}, {}, None
+    try:
+        flat, order = _collect_model(holders, comm.rank)
+        if optimizer is not None:
+            _collect_optimizer(_optimizers(optimizer), holders, flat, order, comm.rank)
+    except CheckpointError as e:
+        err = str(e)
+    _raise_any(comm.all_gather(err), f"cannot save checkpoint {path}: ", path)
     if comm.world > 1:
         _drop_keys_owned_elsewhere(flat, order, comm)
     if comm.rank == 0:
@@ -149,12 +156,12 @@ def save(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
         raise CheckpointError(f"cannot write checkpoint {path}: {err}", path)
 
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
     from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     try:
         with _quiet_dcp():
-                dcp_save(flat, storage_writer=FileSystemWriter(tmp),
+            dcp_save(flat, storage_writer=FileSystemWriter(tmp),
                      planner=DefaultSavePlanner(flatten_state_dict=False, dedup_save_to_lowest_rank=True),
                      no_dist=not comm.on)
     except BaseException as e:
@@ -218,20 +225,17 @@ def load(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
     comm = _Comm(no_dist)
     optimizers = _optimizers(optimizer) if optimizer is not None else []
 
-    found, err = (None, None)
+    found, plan, err = None, None, None
     try:
         found = _find(path)
-        meta = _read_metadata(found)
+        plan = _LoadPlan(_read_metadata(found), holders, optimizers)
     except CheckpointError as e:
         err = str(e)
-    errs = comm.all_gather(err)
-    if any(e is not None for e in errs):
-        raise CheckpointError(next(e for e in errs if e is not None), path)
+    _raise_any(comm.all_gather(err), "", path)
     if found != path:
         warnings.warn(f"no checkpoint at {path}; loading the previous one from {found} "
                       f"(a save to {path} was interrupted between its two renames)", stacklevel=2)
 
-    plan = _LoadPlan(meta, holders, optimizers)
     unexpected = plan.unexpected_against(comm.all_gather(sorted(plan.model_keys)))
     reports = comm.all_gather((plan.missing, plan.mismatched))
     missing = sorted({k for m, _ in reports for k in m})
@@ -246,14 +250,14 @@ def load(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
         warnings.warn(message + " (strict=False: loaded the keys that match)", stacklevel=2)
 
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException
 
     flat = plan.destination()
     try:
         with _quiet_dcp():
             dcp_load(flat, storage_reader=FileSystemReader(found),
-                         planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                     planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
                      no_dist=not comm.on)
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"cannot read checkpoint {found}: {_describe_dcp_error(e)}", path) from e
@@ -283,11 +287,11 @@ def _holders(obj: Any) -> list[tuple[int | None, nn.Module]]:
     from .stage import PipelineStage
 
     if isinstance(obj, nn.Module):
-        return [(None, obj)]
+        return [(None, _unwrap(obj))]
     if isinstance(obj, Pipe):
         return [(i, obj.get_stage_module(i)) for i in range(obj.num_stages)]
     if isinstance(obj, PipelineStage):
-        return [(obj.stage_index, obj.module)]
+        return [(obj.stage_index, _unwrap(obj.module))]
     stages = getattr(obj, "stages", None)
     if stages is not None and not isinstance(obj, (list, tuple)):  # a schedule
         return _sorted([h for st in stages for h in _holders(st)])
@@ -298,6 +302,19 @@ def _holders(obj: Any) -> list[tuple[int | None, nn.Module]]:
         return _sorted([h for item in obj for h in _holders(item)])
     raise TypeError("expected a schedule, a Pipe, a PipelineStage, an nn.Module or a list of them; "
                     f"got {type(obj).__name__}")
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The module whose names are the model's: without a DDP or ``torch.compile`` wrapper."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        elif isinstance(getattr(module, "_orig_mod", None), nn.Module):  # torch.compile
+            module = module._orig_mod
+        else:
+            return module
 
 
 def _sorted(holders: list) -> list:
@@ -367,17 +384,28 @@ def _collect_optimizer(optimizers: list, holders: list, flat: dict, order: dict,
 def _drop_keys_owned_elsewhere(flat: dict, order: dict, comm: "_Comm") -> None:
     """Keep only the keys this rank owns: the lowest (stage, rank) holding a key writes it.
 
-    DCP would dedupe identical keys itself, but it picks the rank with the least
-    data planned so far, so a tied weight's copy could come from either stage.
+    A key is held by several ranks when a module is used by stages on two ranks,
+    or by data-parallel replicas. DCP would dedupe such keys itself, but by the
+    size of each rank's plan, so which copy is written would depend on the layout.
     """
+    order = {k: o for k, o in order.items() if not _is_sharded(flat[k])}  # DCP writes each shard
     best: dict[str, tuple[int, int]] = {}
     for theirs in comm.all_gather(order):
         for k, o in theirs.items():
             if k not in best or o < best[k]:
                 best[k] = o
-    for k in list(flat):
+    for k in list(order):
         if best[k] != order[k]:
             del flat[k]
+
+
+def _is_sharded(value: Any) -> bool:
+    """A DTensor (FSDP2, tensor parallel): each rank holds a shard of one key."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(value, DTensor)
 
 
 # --------------------------------------------------------------------------- #
@@ -396,20 +424,26 @@ class _LoadPlan:
             for k, v in module.state_dict().items():
                 self.model.setdefault(k, v)
         self.model_keys = set(self.model)
+        on_meta = [k for k, v in self.model.items() if isinstance(v, torch.Tensor) and v.is_meta]
+        if on_meta:
+            raise CheckpointError(f"{len(on_meta)} tensors are on the meta device, which holds no data "
+                                  f"({_show(on_meta)}); materialize the modules first, e.g. "
+                                  "module.to_empty(device=...), then load")
         self.missing = sorted(k for k in self.model if _MODEL + k not in self.entries)
         self.mismatched = []
         for k, v in self.model.items():
             md = self.entries.get(_MODEL + k)
-            if isinstance(v, torch.Tensor) and md is not None and hasattr(md, "size") and tuple(md.size) != tuple(v.shape):
+            if isinstance(v, torch.Tensor) and hasattr(md, "size") and tuple(md.size) != tuple(v.shape):
                 self.mismatched.append(f"{k}: {tuple(md.size)} vs {tuple(v.shape)}")
         # Optimizer: for each parameter, the FQN whose state to read (any of its names).
         self.source: dict[int, str] = {}
+        self.params: dict[int, torch.nn.Parameter] = {}
         if optimizers:
             by_fqn: dict[str, list[str]] = {}
             for key in self.entries:
                 if key.startswith(_OPTIM):
                     prefix = _STATE if key.startswith(_STATE) else _GROUPS
-                    fqn, _, name = key[len(prefix):].rpartition(".")
+                    fqn = key[len(prefix):].rpartition(".")[0]
                     by_fqn.setdefault(fqn, []).append(key)
             self.by_fqn = by_fqn
             names = _param_names(holders)
@@ -420,6 +454,7 @@ class _LoadPlan:
                         have = [f for f in fqns if any(k.startswith(_GROUPS) for k in by_fqn.get(f, ()))]
                         if have:
                             self.source[id(p)] = have[0]
+                            self.params[id(p)] = p
                         elif fqns:
                             self.missing.append(f"optimizer state of {fqns[0]}")
                         else:
@@ -436,10 +471,16 @@ class _LoadPlan:
         for k, v in self.model.items():
             if _MODEL + k in self.entries:
                 flat[_MODEL + k] = v
-        for fqn in set(self.source.values()):
+        for pid, fqn in self.source.items():
+            param = self.params[pid]
             for key in self.by_fqn[fqn]:
                 md = self.entries[key]
-                flat[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype) if hasattr(md, "size") else None
+                if not hasattr(md, "size"):
+                    flat[key] = None  # a pickled object; DCP replaces the placeholder
+                elif _is_sharded(param) and tuple(md.size) == tuple(param.shape):
+                    flat[key] = torch.empty_like(param, dtype=md.properties.dtype)  # this rank's shard only
+                else:
+                    flat[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         if _EXTRA in self.entries:
             flat[_EXTRA] = None
         return flat
@@ -447,7 +488,7 @@ class _LoadPlan:
     def apply_optimizer_state(self, flat: dict) -> None:
         for opt in self.optimizers:
             sd = opt.state_dict()  # parameters as indices, in param_groups order
-            state = {}
+            state = dict(sd["state"])  # a parameter the checkpoint knows nothing of keeps its state
             for group, saved_group in zip(opt.param_groups, sd["param_groups"]):
                 hyper_from = None
                 for p, idx in zip(group["params"], saved_group["params"]):
@@ -459,6 +500,8 @@ class _LoadPlan:
                          if key.startswith(_STATE)}
                     if s:
                         state[idx] = s
+                    else:  # saved before its first step
+                        state.pop(idx, None)
                 if hyper_from is not None:
                     prefix = f"{_GROUPS}{hyper_from}."
                     for key in self.by_fqn[hyper_from]:
@@ -467,6 +510,23 @@ class _LoadPlan:
                             saved_group[name] = flat[key]
             sd["state"] = state
             opt.load_state_dict(sd)  # moves state to each parameter's device and dtype
+
+
+def _raise_any(errors: list, prefix: str, path: str) -> None:
+    """Raise on every rank alike when any rank found a problem (so that no rank hangs).
+
+    ``errors`` is one message or None per rank; ranks with the same message are named together.
+    """
+    by_message: dict[str, list[int]] = {}
+    for rank, e in enumerate(errors):
+        if e is not None:
+            by_message.setdefault(e, []).append(rank)
+    if not by_message:
+        return
+    if len(errors) == 1:
+        raise CheckpointError(prefix + next(iter(by_message)), path)
+    parts = [f"{m} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})" for m, r in by_message.items()]
+    raise CheckpointError(prefix + "; ".join(parts), path)
 
 
 def _show(keys: list[str]) -> str:
@@ -536,7 +596,8 @@ def _prepare(path: str) -> str:
     if not base:
         raise CheckpointError("the path names no directory")
     if not _is_replaceable(path):
-        kind = "a file" if not os.path.isdir(path) else "a directory that is not a checkpoint and is not empty"
+        kind = ("a symbolic link" if os.path.islink(path) else "a file" if not os.path.isdir(path)
+                else "a directory that is not a checkpoint and is not empty")
         raise CheckpointError(f"it exists and is {kind}; refusing to replace it")
     _check_ancestors(parent)
     os.makedirs(parent, exist_ok=True)

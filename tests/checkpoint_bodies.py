@@ -87,13 +87,30 @@ def load_step_save(rank: int, world: int, path: str, wrong_path: str, out_path: 
     return out
 
 
-def save_replicas(rank: int, world: int, path: str) -> None:
-    """Every rank saves the same unsplit model (data-parallel replicas) with rank-valued weights."""
+def save_replicas(rank: int, world: int, path: str) -> str:
+    """Every rank saves the same unsplit model (data-parallel replicas) with rank-valued weights.
+
+    First a save in which rank 1's writer fails: every rank must raise. Returns that error.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
+
     model = zoo.get("mlp_stack").model
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float(rank))
+    real_write = FileSystemWriter.write_data
+    if rank == 1:
+        def fail(self, plan, planner):
+            raise OSError(5, "Input/output error")
+        FileSystemWriter.write_data = fail
+    try:
+        checkpoint.save(path, model)
+        error = ""
+    except checkpoint.CheckpointError as e:
+        error = str(e)
+    FileSystemWriter.write_data = real_write
     checkpoint.save(path, model, extra={"rank": rank})
+    return error
 
 
 def _mlp():
@@ -136,3 +153,22 @@ def killed_between_renames(rank: int, world: int, path: str) -> None:
         for p in model.parameters():
             p.fill_(7.0)
     checkpoint.save(path, model)
+
+
+def one_rank_is_wrong(rank: int, world: int, path: str) -> list[str]:
+    """A problem only rank 1 sees (a foreign optimizer parameter, meta tensors) fails every rank."""
+    errors = []
+    model = _mlp()
+    params = list(model.parameters()) if rank == 0 else [torch.nn.Parameter(torch.zeros(3))]
+    try:
+        checkpoint.save(path, model, torch.optim.AdamW(params))
+    except checkpoint.CheckpointError as e:
+        errors.append(str(e))
+    checkpoint.save(path, model)
+    target = _mlp().to("meta") if rank == 1 else _mlp()
+    try:
+        checkpoint.load(path, target)
+    except checkpoint.CheckpointError as e:
+        errors.append(str(e))
+    return errors
+

@@ -114,7 +114,8 @@ def test_partial_match_strict_and_not(tmp_path):
 
 def test_shape_mismatch_is_named(tmp_path):
     checkpoint.save(tmp_path / "c", zoo.get("tiny_gpt", d_model=32).model)
-    with pytest.raises(CheckpointError, match=r"53 tensors differ in shape .*blocks\.0\.attn\.proj\.bias: \(32,\) vs \(16,\), .* and 43 more"):
+    expected = r"53 tensors differ in shape .*blocks\.0\.attn\.proj\.bias: \(32,\) vs \(16,\), .* and 43 more"
+    with pytest.raises(CheckpointError, match=expected):
         checkpoint.load(tmp_path / "c", zoo.get("tiny_gpt", d_model=16).model)
 
 
@@ -265,6 +266,18 @@ def test_reshard_across_layouts_with_optimizer_state(tmp_path):
 @pytest.mark.dist
 def test_a_key_held_by_several_ranks_is_written_by_the_lowest(tmp_path):
     path = str(tmp_path / "replicas")
-    run_ranks(bodies.save_replicas, 2, path, timeout=60)
+    errors = run_ranks(bodies.save_replicas, 2, path, timeout=60)
+    for e in errors:  # rank 1's failed write in the first save was raised on both ranks
+        assert "rank 1: OSError: [Errno 5] Input/output error" in e, e
+    assert os.listdir(tmp_path) == ["replicas"]
     assert _loaded_value(path) == 0.0
     assert checkpoint.load(path, zoo.get("mlp_stack").model) == {"rank": 0}
+
+
+@pytest.mark.dist
+def test_a_problem_on_one_rank_fails_every_rank(tmp_path):
+    results = run_ranks(bodies.one_rank_is_wrong, 2, str(tmp_path / "c"), timeout=60)
+    for errors in results:
+        assert len(errors) == 2, errors
+        assert "belongs to none of the given modules (rank 1)" in errors[0], errors[0]
+        assert "meta device" in errors[1] and "(rank 1)" in errors[1], errors[1]

@@ -73,6 +73,7 @@ class Interpreter:
         self._outbox: dict[tuple[int, int], list[tuple[Route, torch.Tensor]]] = {}
         self._grad_outbox: dict[tuple[int, int], list[tuple[InputSlot, torch.Tensor]]] = {}
         self._sends: list[Pending] = []
+        self._shapes: dict[int, tuple[int, ...]] = {}
 
     def run(self, actions: list[Action], ctx: StepContext) -> None:
         last_backward = {}
@@ -81,11 +82,34 @@ class Interpreter:
                 last_backward[action.stage] = i
         for st in self.stages.values():
             st.set_grad_sync(False)
+        self._shapes.clear()
         for i, action in enumerate(actions):
             if last_backward.get(action.stage) == i:
                 self.stages[action.stage].set_grad_sync(True)  # data-parallel sync once, on the last backward
             self.handlers[action.kind](action, ctx)
+            if len(self._sends) > 8:
+                self._prune_sends()
         self.finish()
+
+    def _prune_sends(self) -> None:
+        """Release send buffers whose messages are delivered (they would otherwise live to the step's end)."""
+        still = []
+        for pending in self._sends:
+            if pending.work.is_completed():
+                self.p2p.wait(pending)  # already complete: surfaces an error without blocking
+            else:
+                still.append(pending)
+        self._sends = still
+
+    def _shape(self, spec: TensorSpec, ctx: StepContext) -> tuple[int, ...]:
+        """Concrete shape of a spec for this step (evaluated once per step, not per message)."""
+        if not spec.is_dynamic:
+            return spec.shape
+        key = id(spec)
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = spec.concrete_shape(ctx.bindings)
+        return shape
 
     def finish(self) -> None:
         for pending in self._sends:
@@ -133,7 +157,7 @@ class Interpreter:
     def _check(self, t: Any, spec: TensorSpec | None, ctx: StepContext, what: str) -> None:
         if spec is None or not isinstance(t, torch.Tensor):
             return
-        expected = spec.concrete_shape(ctx.bindings)
+        expected = self._shape(spec, ctx)
         if tuple(t.shape) != tuple(expected) or t.dtype != spec.dtype:
             changed = [f"dim {i}: traced {spec.shape[i]}, got {g}" for i, (g, e) in enumerate(zip(t.shape, expected)) if g != e]
             hint = (" — declare it dynamic with dynamic_shapes=... when calling pipeline()" if changed and not spec.is_dynamic
@@ -221,7 +245,7 @@ class Interpreter:
             tag = _tag(a.mb, slot.src_stage, slot.src_output, a.stage, self.num_stages, 0)
             what = (f"stage {a.stage} waiting for the forward of microbatch {a.mb} from stage {slot.sender_stage} "
                     f"on rank {peer}")
-            shape = slot.spec.concrete_shape(ctx.bindings)
+            shape = self._shape(slot.spec, ctx)
             pendings.append((slot, self.p2p.recv(shape, slot.spec.dtype, stage.device, peer, tag, what)))
         box = self._fwd_inbox.setdefault((a.stage, a.mb), {})
         for slot, pending in pendings:
@@ -276,7 +300,7 @@ class Interpreter:
             tag = _tag(a.mb, a.stage, route.src_index, route.dst_stage, self.num_stages, 1)
             what = (f"stage {a.stage} waiting for the gradient of microbatch {a.mb} from stage {route.dst_stage} "
                     f"on rank {peer}")
-            shape = route.spec.concrete_shape(ctx.bindings)
+            shape = self._shape(route.spec, ctx)
             pendings.append((route, self.p2p.recv(shape, route.spec.dtype, stage.device, peer, tag, what)))
         box = self._bwd_inbox.setdefault((a.stage, a.mb), {})
         for route, pending in pendings:

@@ -2,8 +2,9 @@
 
 Third step of split → Pipe. For every stage: a ``torch.fx.GraphModule`` whose
 parameters and buffers sit at the model's own FQNs, whose inputs are the model
-inputs it reads (model order) then the values it receives (producer order) then
-the symbolic sizes it needs, and whose outputs are the values later stages read.
+inputs it reads (model order), then the values it receives (in the order it first
+uses them), then the symbolic sizes it needs, and whose outputs are the values
+later stages read.
 """
 
 from __future__ import annotations
@@ -270,6 +271,7 @@ class _Builder:
                 env[v] = g.call_function(torch.ops.aten.clone.default, (env[v],))
         root = torch.nn.Module()
         param_fqns = []
+        installs = []  # (fqn, tensor, is_buffer): every name the stage holds the tensor under
         for v in attrs:
             users = [u for u in v.users if u in stage_set]
             if v.name in self.traced.constants:
@@ -283,6 +285,7 @@ class _Builder:
             for name in names:
                 is_buffer = v.name in self.traced.buffers
                 _install(root, name, tensor, buffer=is_buffer, persistent=name not in self.traced.non_persistent)
+                installs.append((name, tensor, is_buffer))
                 param_fqns.append(name)
             holders = installed.setdefault(self._key(canonical), [])
             if holders and holders[-1][0] == s:  # the same tensor reached through another alias
@@ -306,6 +309,10 @@ class _Builder:
         out_vals = [env[v] for v in outs]
         g.output(tuple(out_vals))
         module = GraphModule(root, g, class_name=f"Stage{s}")
+        # GraphModule copies only what the graph reads; a tied tensor's other names
+        # (head.weight beside tok_emb.weight in one stage) must be there too.
+        for name, tensor, is_buffer in installs:
+            _install(module, name, tensor, buffer=is_buffer, persistent=name not in self.traced.non_persistent)
         for name, buf in list(root.named_buffers()):
             if name in self.traced.non_persistent or name.startswith("_const_"):
                 mod_path, _, leaf = name.rpartition(".")

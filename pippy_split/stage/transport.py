@@ -27,7 +27,7 @@ def message_tag(mb: int, dst_stage: int, dst_input: int, num_stages: int, backwa
     return ((mb * num_stages + dst_stage) * MAX_INPUTS + dst_input) * 2 + int(backward)
 
 
-@dataclass
+@dataclass(eq=False)
 class Pending:
     work: Any
     what: str  # "stage 2 waiting for the forward of microbatch 5 from stage 0 on rank 0"

@@ -135,3 +135,18 @@ def test_frozen_parameters_give_edges_without_grad():
     pipe = ps.pipeline(model, ["b"], (x_grad,))
     assert [e.spec.carries_grad for e in pipe.edges] == [True]
     assert_same_grads(pipe, model, (x_grad,), {})
+
+
+def test_tied_weight_in_one_stage_keeps_both_names():
+    """Embedding and head in the same stage: the stage holds the one Parameter under
+    both FQNs (as the model does), and nothing is shared across stages."""
+    from pippy_split import zoo
+
+    e = zoo.get("tied_lm")
+    pipe = ps.pipeline(e.model, 1, e.args)
+    module = pipe.get_stage_module(0)
+    assert set(module.state_dict()) == set(e.model.state_dict())
+    params = dict(module.named_parameters(remove_duplicate=False))
+    assert params["head.weight"] is params["tok_emb.weight"] is e.model.tok_emb.weight
+    assert pipe.shared_parameters == {}
+    assert_same_outputs(pipe(*e.args), e.model(*e.args))

@@ -1,0 +1,115 @@
+"""Peak memory per rank (RSS) and peak activations held, ours against the peer (issue item 6).
+
+Run alone with ``python -m benchmarks.memory [--quick]``. Tiny GPT d=256, 8 blocks, batch
+32, seq 128, 8 microbatches, 2 stages on 2 ranks, for 1F1B and GPipe. Unlike step
+time, each tool runs in its own pair of rank processes (RSS is per process). Per rank
+and per step after a warm-up step:
+
+    peak RSS of the step   Linux VmHWM after resetting it (``/proc/self/clear_refs``)
+                           just before the step: everything resident, model included
+    peak activations held  most microbatches whose forward state a rank holds at once
+                           (ours: ``PipelineStage.held_microbatches``; the peer: its
+                           stages' ``fwd_cache``), sampled after every forward
+
+plus the RSS right after building (model traced and split) and the process's peak
+over the whole run (``ru_maxrss``, tracing included). Target: ours <= 0.8x the peer's
+step peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+from pathlib import Path
+
+from pippy_split.testing import run_ranks
+
+from . import common
+
+__all__ = ["run", "measure"]
+
+RESULTS = Path(__file__).parent / "results" / "memory.json"
+TARGET = 0.8
+
+
+def _track_held(stages: list, tool: str, peak: list[int]) -> None:
+    """Wrap each stage's forward so that ``peak[0]`` follows the most microbatches held."""
+    def held() -> int:
+        if tool == "ours":
+            return sum(s.held_microbatches for s in stages)
+        return sum(len(s.fwd_cache) for s in stages)
+
+    name = "forward" if tool == "ours" else "forward_one_chunk"
+    for st in stages:
+        fn = getattr(st, name)
+
+        def wrapped(*args, _fn=fn, **kwargs):
+            out = _fn(*args, **kwargs)
+            peak[0] = max(peak[0], held())
+            return out
+
+        setattr(st, name, wrapped)
+
+
+def _body(rank: int, world: int, tool: str, schedule: str, d: int, n_mb: int, reps: int) -> dict:
+    entry = common.gpt(d, num_stages=world)
+    if tool == "ours":
+        runner = common.build_ours(entry, schedule, n_mb)
+    else:
+        runner = common.build_peer(entry, schedule, n_mb, rank, world)
+    built = common.rss_mb()
+    runner.step()  # warm-up: first-step allocations, the peer's shape inference
+    peaks, held = [], []
+    for _ in range(reps):
+        counter = [0]
+        _track_held(runner.stages, tool, counter)
+        ok = common.reset_peak_rss()
+        runner.step()
+        peaks.append(common.peak_rss_mb() if ok else float("nan"))
+        held.append(counter[0])
+        for st in runner.stages:  # unwrap for the next repetition
+            st.__dict__.pop("forward" if tool == "ours" else "forward_one_chunk", None)
+    return {"built_mb": built, "step_peak_mb": peaks, "held": held,
+            "run_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def measure(schedule: str, d: int = 256, n_mb: int = 8, reps: int = 5) -> dict:
+    """Both tools on 2 ranks; per rank: RSS (MB) and held microbatches, and ours/peer."""
+    res = {tool: run_ranks(_body, 2, tool, schedule, d, n_mb, reps, timeout=900) for tool in ("ours", "peer")}
+    ranks = []
+    for r in range(2):
+        row = {}
+        for tool in ("ours", "peer"):
+            x = res[tool][r]
+            row[tool] = {"step_peak_mb": common.summarize(x["step_peak_mb"]), "held": common.summarize(x["held"]),
+                         "built_mb": x["built_mb"], "run_peak_mb": x["run_peak_mb"]}
+        row["ours_over_peer"] = row["ours"]["step_peak_mb"]["median"] / row["peer"]["step_peak_mb"]["median"]
+        ranks.append(row)
+    return {"schedule": schedule, "d": d, "n_mb": n_mb, "reps": reps, "ranks": ranks,
+            "met": all(r["ours_over_peer"] <= TARGET for r in ranks)}
+
+
+def run(quick: bool = False, reps: int = 5) -> dict:
+    """1F1B and GPipe (quick: 1F1B only)."""
+    return {"rows": [measure(s, reps=reps) for s in (["1F1B"] if quick else ["1F1B", "GPipe"])]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    out = run(args.quick, args.reps)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    for row in out["rows"]:
+        for r, x in enumerate(row["ranks"]):
+            print(f"{row['schedule']:5s} rank {r}: ours {x['ours']['step_peak_mb']['median']:.0f} MB "
+                  f"peer {x['peer']['step_peak_mb']['median']:.0f} MB -> {x['ours_over_peer']:.2f}x; held "
+                  f"{x['ours']['held']['median']:.0f} vs {x['peer']['held']['median']:.0f}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

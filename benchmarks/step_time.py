@@ -1,0 +1,107 @@
+"""Step time, ours against torch.distributed.pipelining, and pipeline efficiency (issue items 2-4).
+
+Run alone with ``python -m benchmarks.step_time [--quick]``; ``python -m benchmarks.compare``
+runs it with the others. Two gloo ranks, one process and one intra-op thread each, on
+the zoo's tiny GPT (8 blocks, batch 32, seq 128, 4 heads):
+
+    step      d=256, 8 microbatches: GPipe and 1F1B on 2 stages, Interleaved1F1B and
+              ZBVZeroBubble on 4 stages (2 per rank). Target: ours <= 0.95x the peer.
+    overhead  d=32, 32 microbatches (1 sample each): compute is tiny, so the runtime's own
+              cost shows. Target: ours <= 0.8x the peer.
+    efficiency  1F1B, d=256, m=8 against one process on one thread running the unsplit
+              model over the same 8 microbatches. Ideal p*m/(m+p-1) = 1.78x at p=2;
+              target >= 1.74x.
+
+Ours, the peer and (for efficiency) the serial baseline live in the same two rank
+processes and take turns step by step (see ``common.alternate``); each figure is the
+median over repetitions of the per-repetition ratio, with its min and max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pippy_split.testing import run_ranks
+
+from . import common
+
+__all__ = ["Config", "configs", "run", "measure"]
+
+RESULTS = Path(__file__).parent / "results" / "step_time.json"
+IDEAL_2_RANKS_8_MB = 2 * 8 / (8 + 2 - 1)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One side-by-side measurement."""
+
+    item: str  # "step" | "overhead"
+    schedule: str
+    num_stages: int
+    d: int
+    n_mb: int
+    serial: bool = False  # also time the unsplit model on rank 0 (pipeline efficiency)
+    target: float = 0.95  # ours / peer must be at most this
+
+
+def configs(quick: bool) -> list[Config]:
+    """Quick: 1F1B at both sizes (with the serial baseline). Full: every schedule at both sizes."""
+    schedules = [("1F1B", 2)] if quick else [("GPipe", 2), ("1F1B", 2), ("Interleaved1F1B", 4),
+                                             ("ZBVZeroBubble", 4)]
+    out = [Config("step", s, n, 256, 8, serial=(s == "1F1B"), target=0.95) for s, n in schedules]
+    out += [Config("overhead", s, n, 32, 32, target=0.8) for s, n in schedules]
+    return out
+
+
+def _body(rank: int, world: int, cfg: Config, warmup: int, reps: int) -> dict:
+    ours = common.build_ours(common.gpt(cfg.d, num_stages=cfg.num_stages), cfg.schedule, cfg.n_mb)
+    peer = common.build_peer(common.gpt(cfg.d, num_stages=cfg.num_stages), cfg.schedule, cfg.n_mb, rank, world)
+    fns = {"ours": ours.step, "peer": peer.step}
+    if cfg.serial:
+        serial = common.build_serial(common.gpt(cfg.d, num_stages=cfg.num_stages), cfg.n_mb)
+        fns["serial"] = serial.step if rank == 0 else None
+    times = common.alternate(fns, warmup, reps)
+    return {"times": times, "peer_note": peer.note}
+
+
+def measure(cfg: Config, warmup: int = 1, reps: int = 5, timeout: float = 900.0) -> dict:
+    """Run one config on 2 ranks; return times and the ratios that the table shows."""
+    res = run_ranks(_body, 2, cfg, warmup, reps, timeout=timeout)[0]
+    t = res["times"]
+    row = {"config": asdict(cfg), "reps": reps, "peer_note": res["peer_note"],
+           "ours_s": common.summarize(t["ours"]), "peer_s": common.summarize(t["peer"]),
+           "ours_over_peer": common.summarize([a / b for a, b in zip(t["ours"], t["peer"])])}
+    row["met"] = row["ours_over_peer"]["median"] <= cfg.target
+    if cfg.serial:
+        row["serial_s"] = common.summarize(t["serial"])
+        row["speedup_ours"] = common.summarize([s / a for s, a in zip(t["serial"], t["ours"])])
+        row["speedup_peer"] = common.summarize([s / b for s, b in zip(t["serial"], t["peer"])])
+        row["ideal_speedup"] = IDEAL_2_RANKS_8_MB
+    return row
+
+
+def run(quick: bool = False, reps: int = 5) -> dict:
+    """Every config in turn; ``{"rows": [...]}``."""
+    return {"rows": [measure(cfg, reps=reps) for cfg in configs(quick)]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    out = run(args.quick, args.reps)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    for row in out["rows"]:
+        c, r = row["config"], row["ours_over_peer"]
+        print(f"{c['item']:8s} {c['schedule']:16s} d={c['d']:3d} m={c['n_mb']:2d}  ours/peer {r['median']:.2f} "
+              f"[{r['min']:.2f}, {r['max']:.2f}]")
+    return out
+
+
+if __name__ == "__main__":
+    main()
