@@ -4,6 +4,7 @@ Public API (re-exports only); see DESIGN.md for the flow
 split → Pipe → stage → schedule → runtime.
 """
 
+from . import checkpoint
 from .microbatch import Replicate, TensorChunkSpec, merge_chunks, split_args_kwargs
 from .schedule import (Action, PipelineSchedule, Schedule1F1B, ScheduleDualPipeV, ScheduleError, ScheduleGPipe,
                        ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
@@ -12,7 +13,7 @@ from .split import (MODEL_INPUT, Edge, Pipe, SplitError, SplitPoint, SymbolSourc
                     pipe_split, pipeline)
 from .stage import PipelineError, PipelineStage, PipelineTimeout
 
-__all__ = ["MODEL_INPUT", "Edge", "Pipe", "SplitError", "SplitPoint", "SymbolSource", "TensorSpec", "TraceError",
+__all__ = ["checkpoint", "MODEL_INPUT", "Edge", "Pipe", "SplitError", "SplitPoint", "SymbolSource", "TensorSpec", "TraceError",
            "pipe_split", "pipeline", "PipelineError", "PipelineStage", "PipelineTimeout", "Replicate",
            "TensorChunkSpec", "merge_chunks", "split_args_kwargs", "Action", "PipelineSchedule", "Schedule1F1B",
            "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",

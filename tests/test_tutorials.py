@@ -41,5 +41,6 @@ def test_tutorial_runs_as_a_script(path, tmp_path):
         env.pop(k, None)  # a tutorial started under torchrun would take the torchrun path
     r = subprocess.run([sys.executable, str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=110)
-    assert r.returncode == 0, f"{path.name} exited {r.returncode}\nstdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}"
+    assert r.returncode == 0, (f"{path.name} exited {r.returncode}\n"
+                               f"stdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}")
     assert not list(tmp_path.iterdir()), f"{path.name} left files in the working directory"

@@ -85,8 +85,9 @@ print(f"loss {sched.loss:.4f}; all gradients match, including the stem's (read b
 # where the skips go. `inputs_from={input: (stage, output)}` and
 # `outputs_to={output: [(stage, input)]}` name *stages*, not ranks; the schedule
 # maps stages to ranks later, so the same declaration works for any placement.
-# You give no shapes: they are learned from the first real microbatch (torch's
-# `PipelineStage` needs `input_args` or runs a forward on uninitialised memory).
+# You give no shapes: they are learned from the first real microbatch, with no
+# extra forward (torch's `PipelineStage`, given no `input_args`, runs one on
+# uninitialised memory to find them).
 
 
 # %%

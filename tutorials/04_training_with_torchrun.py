@@ -18,9 +18,9 @@
 # The training loop below is the **same code on every rank**: no
 # `if rank == 0: feed data elif last: compute loss`. Each rank calls
 # `sched.step(x, target=y)`; a rank uses what its stages need and ignores the rest.
-# That matters most with V placement (`ZBVZeroBubble`), where rank 0 holds the
-# *first and the last* stage and so needs both the inputs and the targets: with
-# `torch.distributed.pipelining` you would write that case by hand.
+# With V placement (`ZBVZeroBubble`) rank 0 holds the *first and the last* stage, so
+# it uses both the inputs and the targets, while rank 1 uses neither; change the
+# schedule or the number of ranks and the loop stays as it is.
 #
 # This file is a notebook, a script, and a torchrun program: running it as a
 # script launches two local ranks with `pippy_split.testing.run_ranks`.

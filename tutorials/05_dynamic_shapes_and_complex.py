@@ -22,7 +22,7 @@
 #    (one tiny message), so every stage sizes its buffers for this batch.
 # 2. **Values that are not float activations.** A Llama sends every layer a
 #    complex rotary table and the integer positions. Neither has a gradient, and
-#    communication backends cannot send complex numbers at all.
+#    complex is not a type NCCL or gloo know.
 
 # %%
 import copy

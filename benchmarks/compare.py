@@ -1,0 +1,193 @@
+"""Ours against torch.distributed.pipelining, every item of the benchmark issue in one table.
+
+    python -m benchmarks.compare                 # full run (< 15 min on 2 idle cores)
+    python -m benchmarks.compare --quick         # fewer cases, same sizes (~3 min idle)
+    python -m benchmarks.compare --only traffic  # one item: split, step, traffic, memory
+
+Items (numbers as in the issue):
+    split    1  split time, ``ps.pipeline`` vs the peer's ``pipeline`` (benchmarks.split_time)
+    step     2  step time, 2 gloo ranks, tiny GPT d=256: ours / peer
+             3  runtime overhead at d=32, 32 microbatches: ours / peer
+             4  pipeline efficiency: 2-rank 1F1B against one process on one thread
+    traffic  5  bytes and messages per step per rank against the analytical minimum
+             7  gradient bytes for edges that need no gradient
+    memory   6  peak RSS per rank and peak activations held
+
+Every figure is a ratio measured in one run: the median of >= 5 repetitions after a
+warm-up, with min and max in brackets. Results go to benchmarks/results/compare.json
+(``--out`` to write elsewhere). The machine's load average is recorded beside them:
+on a shared machine the step-time ratios are only as good as the load was even.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from . import memory, step_time, traffic
+
+__all__ = ["ITEMS", "run", "main"]
+
+RESULTS = Path(__file__).parent / "results" / "compare.json"
+
+
+def _split(quick: bool, reps: int) -> dict:
+    from . import split_time  # owned by its own module; called through its measure()
+
+    blocks = [8] if quick else [8, 32, 64]
+    return {"rows": [split_time.measure(n) for n in blocks]}
+
+
+ITEMS: dict[str, Callable[[bool, int], dict]] = {
+    "split": _split,
+    "step": lambda quick, reps: step_time.run(quick, reps),
+    "traffic": lambda quick, reps: traffic.run(quick, reps),
+    "memory": lambda quick, reps: memory.run(quick, reps),
+}
+"""Item name -> ``fn(quick, reps) -> results``; ``--only`` picks from these names."""
+
+
+def run(only: list[str] | None = None, quick: bool = False, reps: int = 5) -> dict:
+    """Run the chosen items (all by default); returns the JSON-ready results."""
+    names = only or list(ITEMS)
+    unknown = [n for n in names if n not in ITEMS]
+    if unknown:
+        raise SystemExit(f"unknown item(s) {unknown}; choose from {list(ITEMS)}")
+    out: dict[str, Any] = {"meta": {
+        "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+        "quick": quick, "reps": reps, "load_avg_before": os.getloadavg(),
+        "command": "python -m benchmarks.compare" + (" --quick" if quick else "")
+                   + (f" --only {','.join(only)}" if only else "")}}
+    for name in names:
+        t0 = time.perf_counter()
+        out[name] = ITEMS[name](quick, reps)
+        out[name]["seconds"] = time.perf_counter() - t0
+    out["meta"]["load_avg_after"] = os.getloadavg()
+    return out
+
+
+# ---- the table --------------------------------------------------------------------
+
+
+def _r(s: dict, fmt: str = "{:.2f}") -> str:
+    """median [min, max]"""
+    return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}, {fmt.format(s['max'])}]"
+
+
+def _met(ok: bool | None) -> str:
+    return "—" if ok is None else ("[green]yes[/]" if ok else "[red]no[/]")
+
+
+def table(res: dict) -> Table:
+    t = Table(title="pippy_split vs torch.distributed.pipelining (median [min, max] of repetitions)",
+              show_lines=False)
+    for col, just in (("#", "right"), ("case", "left"), ("ours", "right"), ("peer", "right"),
+                      ("ours/peer or result", "right"), ("target", "right"), ("met", "center")):
+        t.add_column(col, justify=just)
+    if "split" in res:
+        _split_rows(t, res["split"])
+    if "step" in res:
+        _step_rows(t, res["step"])
+    if "traffic" in res:
+        _traffic_rows(t, res["traffic"])
+    if "memory" in res:
+        _memory_rows(t, res["memory"])
+    return t
+
+
+def _split_rows(t: Table, res: dict) -> None:
+    for row in res["rows"]:
+        n = row["blocks"]
+        ratio = row["ours_over_peer"]
+        t.add_row("1", f"split time, {n} blocks d=256 ({row.get('runs', '?')} runs)", f"{row['ours_s']:.2f} s",
+                  f"{row['peer_s']:.2f} s", f"{ratio:.2f}x (after export: {row['after_export_pct']:.1f}% of export)",
+                  "≤ 0.65x at 64", _met(ratio <= 0.65 if n == 64 else None))
+    t.add_section()
+
+
+def _step_rows(t: Table, res: dict) -> None:
+    for row in res["rows"]:
+        c = row["config"]
+        item = "2" if c["item"] == "step" else "3"
+        case = f"{c['item']} time {c['schedule']}, {c['num_stages']} stages, d={c['d']}, m={c['n_mb']}"
+        t.add_row(item, case, _r(row["ours_s"]) + " s", _r(row["peer_s"]) + " s", _r(row["ours_over_peer"]) + "x",
+                  f"≤ {c['target']}x", _met(row["met"]))
+    for row in res["rows"]:
+        if "serial_s" in row:
+            c = row["config"]
+            ok = row["speedup_ours"]["median"] >= 1.74
+            t.add_row("4", f"efficiency {c['schedule']} m={c['n_mb']}: serial {row['serial_s']['median']:.2f} s "
+                           f"/ step (ideal {row['ideal_speedup']:.2f}x)",
+                      _r(row["speedup_ours"]) + "x", _r(row["speedup_peer"]) + "x", "speed-up over serial",
+                      "≥ 1.74x", _met(ok))
+    t.add_section()
+
+
+def _bytes(row: dict) -> str:
+    return " / ".join(f"{int(r['sent_bytes']['median'])} B {int(r['sent_msgs']['median'])} msg" for r in row)
+
+
+def _traffic_rows(t: Table, res: dict) -> None:
+    for row in res["rows"]:
+        c = row["case"]
+        exp = " / ".join(f"{e['sent_bytes']} B {e['sent_msgs']} msg" for e in row["expected"])
+        peer = _bytes(row["peer"]) if row.get("peer") else f"cannot run: {row.get('peer_error', '')}"
+        t.add_row("5", f"sent per step per rank: {c['name']}, {c['schedule']}, {c['world']} ranks, m={c['n_mb']}",
+                  _bytes(row["ours"]), peer, f"minimum {exp}", "= minimum", _met(row["ours_equals_minimum"]))
+        if "grad" in row:
+            g = row["grad"]
+            peer_g = (f"{int(g['peer_nograd_edge_bytes'])} B" if "peer_nograd_edge_bytes" in g
+                      else "cannot run")
+            t.add_row("7", f"grad bytes on no-grad edges: {c['name']} (needed grads {g['needed_bytes']} B/step; "
+                           f"no-grad edges would cost {int(row['nograd_edge_bytes'])} B)",
+                      f"{int(g['ours_nograd_edge_bytes'])} B", peer_g,
+                      f"backward {int(g['ours_bytes'])} B vs peer "
+                      + (f"{int(g['peer_bytes'])} B" if "peer_bytes" in g else "—"),
+                      "0 B", _met(g["ours_nograd_edge_bytes"] == 0))
+    t.add_section()
+
+
+def _memory_rows(t: Table, res: dict) -> None:
+    for row in res["rows"]:
+        for r, x in enumerate(row["ranks"]):
+            o, p = x["ours"], x["peer"]
+            t.add_row("6", f"peak RSS of a step, {row['schedule']} d={row['d']} m={row['n_mb']}, rank {r} "
+                           f"(above start: {o['step_peak_above_start_mb']['median']:.0f} vs "
+                           f"{p['step_peak_above_start_mb']['median']:.0f} MB)",
+                      _r(o["step_peak_mb"], "{:.0f}") + " MB", _r(p["step_peak_mb"], "{:.0f}") + " MB",
+                      f"{x['ours_over_peer']:.2f}x (above start {x['above_start_ours_over_peer']:.2f}x)",
+                      "≤ 0.8x", _met(x["ours_over_peer"] <= memory.TARGET))
+            t.add_row("6", f"peak activations held, {row['schedule']}, rank {r} (microbatches)",
+                      f"{o['held']['median']:.0f}", f"{p['held']['median']:.0f}", "", "", "—")
+    t.add_section()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cases, same sizes")
+    parser.add_argument("--only", default=None, help=f"comma-separated items from {list(ITEMS)}")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions after warm-up (>= 5 for the record)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    only = [s.strip() for s in args.only.split(",")] if args.only else None
+    res = run(only, args.quick, args.reps)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+    Console(width=200).print(table(res))
+    m = res["meta"]
+    print(f"command: {m['command']}   load average before/after: {m['load_avg_before'][0]:.1f} / "
+          f"{m['load_avg_after'][0]:.1f} on {m['cpus']} CPUs   results: {args.out}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
