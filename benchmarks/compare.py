@@ -3,6 +3,7 @@
     python -m benchmarks.compare                 # full run (< 15 min on 2 idle cores)
     python -m benchmarks.compare --quick         # fewer cases, same sizes (~3 min idle)
     python -m benchmarks.compare --only traffic  # one item: split, step, traffic, memory
+    python -m benchmarks.compare --smoke --only traffic   # one small case (the smoke test)
 
 Items (numbers as in the issue):
     split    1  split time, ``ps.pipeline`` vs the peer's ``pipeline`` (benchmarks.split_time)
@@ -40,23 +41,23 @@ __all__ = ["ITEMS", "run", "main"]
 RESULTS = Path(__file__).parent / "results" / "compare.json"
 
 
-def _split(quick: bool, reps: int) -> dict:
+def _split(mode: str, reps: int) -> dict:
     from . import split_time  # owned by its own module; called through its measure()
 
-    blocks = [8] if quick else [8, 32, 64]
+    blocks = [8, 32, 64] if mode == "full" else [8]
     return {"rows": [split_time.measure(n) for n in blocks]}
 
 
-ITEMS: dict[str, Callable[[bool, int], dict]] = {
+ITEMS: dict[str, Callable[[str, int], dict]] = {
     "split": _split,
-    "step": lambda quick, reps: step_time.run(quick, reps),
-    "traffic": lambda quick, reps: traffic.run(quick, reps),
-    "memory": lambda quick, reps: memory.run(quick, reps),
+    "step": step_time.run,
+    "traffic": traffic.run,
+    "memory": memory.run,
 }
-"""Item name -> ``fn(quick, reps) -> results``; ``--only`` picks from these names."""
+"""Item name -> ``fn(mode, reps) -> results``; ``--only`` picks from these names."""
 
 
-def run(only: list[str] | None = None, quick: bool = False, reps: int = 5) -> dict:
+def run(only: list[str] | None = None, mode: str = "full", reps: int = 5) -> dict:
     """Run the chosen items (all by default); returns the JSON-ready results."""
     names = only or list(ITEMS)
     unknown = [n for n in names if n not in ITEMS]
@@ -64,12 +65,12 @@ def run(only: list[str] | None = None, quick: bool = False, reps: int = 5) -> di
         raise SystemExit(f"unknown item(s) {unknown}; choose from {list(ITEMS)}")
     out: dict[str, Any] = {"meta": {
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-        "quick": quick, "reps": reps, "load_avg_before": os.getloadavg(),
-        "command": "python -m benchmarks.compare" + (" --quick" if quick else "")
+        "mode": mode, "reps": reps, "load_avg_before": os.getloadavg(),
+        "command": "python -m benchmarks.compare" + ("" if mode == "full" else f" --{mode}")
                    + (f" --only {','.join(only)}" if only else "")}}
     for name in names:
         t0 = time.perf_counter()
-        out[name] = ITEMS[name](quick, reps)
+        out[name] = ITEMS[name](mode, reps)
         out[name]["seconds"] = time.perf_counter() - t0
     out["meta"]["load_avg_after"] = os.getloadavg()
     return out
@@ -173,13 +174,15 @@ def _memory_rows(t: Table, res: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer cases, same sizes")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--quick", action="store_true", help="fewer cases, same sizes")
+    modes.add_argument("--smoke", action="store_true", help="one small case per item (for the tests)")
     parser.add_argument("--only", default=None, help=f"comma-separated items from {list(ITEMS)}")
     parser.add_argument("--reps", type=int, default=5, help="repetitions after warm-up (>= 5 for the record)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     only = [s.strip() for s in args.only.split(",")] if args.only else None
-    res = run(only, args.quick, args.reps)
+    res = run(only, "smoke" if args.smoke else "quick" if args.quick else "full", args.reps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
     Console(width=200).print(table(res))

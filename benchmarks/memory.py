@@ -1,6 +1,6 @@
 """Peak memory per rank (RSS) and peak activations held, ours against the peer (issue item 6).
 
-Run alone with ``python -m benchmarks.memory [--quick]``. Tiny GPT d=256, 8 blocks, batch
+Run alone with ``python -m benchmarks.memory [--mode quick]``. Tiny GPT d=256, 8 blocks, batch
 32, seq 128, 8 microbatches, 2 stages on 2 ranks, for 1F1B and GPipe. Unlike step
 time, each tool runs in its own pair of rank processes (RSS is per process). Per rank
 and per step after a warm-up step:
@@ -95,17 +95,17 @@ def measure(schedule: str, d: int = 256, n_mb: int = 8, reps: int = 5) -> dict:
             "met": all(r["ours_over_peer"] <= TARGET for r in ranks)}
 
 
-def run(quick: bool = False, reps: int = 5) -> dict:
-    """1F1B and GPipe (quick: 1F1B only)."""
-    return {"rows": [measure(s, reps=reps) for s in (["1F1B"] if quick else ["1F1B", "GPipe"])]}
+def run(mode: str = "full", reps: int = 5) -> dict:
+    """1F1B and GPipe (quick, smoke: 1F1B only)."""
+    return {"rows": [measure(s, reps=reps) for s in (["1F1B", "GPipe"] if mode == "full" else ["1F1B"])]}
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--mode", choices=["full", "quick", "smoke"], default="full")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
-    out = run(args.quick, args.reps)
+    out = run(args.mode, args.reps)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
     for row in out["rows"]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import time
@@ -158,7 +159,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     Console(width=160).print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "threads": torch.get_num_threads(), "d": D, "num_stages": NUM_STAGES}
+            "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
+            "d": D, "num_stages": NUM_STAGES}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     return rows
 

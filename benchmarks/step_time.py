@@ -1,6 +1,6 @@
 """Step time, ours against torch.distributed.pipelining, and pipeline efficiency (issue items 2-4).
 
-Run alone with ``python -m benchmarks.step_time [--quick]``; ``python -m benchmarks.compare``
+Run alone with ``python -m benchmarks.step_time [--mode quick]``; ``python -m benchmarks.compare``
 runs it with the others. Two gloo ranks, one process and one intra-op thread each, on
 the zoo's tiny GPT (8 blocks, batch 32, seq 128, 4 heads):
 
@@ -47,11 +47,13 @@ class Config:
     target: float = 0.95  # ours / peer must be at most this
 
 
-def configs(quick: bool) -> list[Config]:
-    """Quick: 1F1B at both sizes (with the serial baseline). Full: every schedule at both sizes."""
-    schedules = [("1F1B", 2)] if quick else [("GPipe", 2), ("1F1B", 2), ("Interleaved1F1B", 4),
-                                             ("ZBVZeroBubble", 4)]
-    out = [Config("step", s, n, 256, 8, serial=(s == "1F1B"), target=0.95) for s, n in schedules]
+def configs(mode: str = "full") -> list[Config]:
+    """full: every schedule at both sizes; quick: 1F1B at both sizes (with the serial
+    baseline); smoke: 1F1B overhead only."""
+    schedules = [("1F1B", 2)] if mode != "full" else [("GPipe", 2), ("1F1B", 2), ("Interleaved1F1B", 4),
+                                                      ("ZBVZeroBubble", 4)]
+    out = [] if mode == "smoke" else [Config("step", s, n, 256, 8, serial=(s == "1F1B"), target=0.95)
+                                      for s, n in schedules]
     out += [Config("overhead", s, n, 32, 32, target=0.8) for s, n in schedules]
     return out
 
@@ -83,17 +85,17 @@ def measure(cfg: Config, warmup: int = 1, reps: int = 5, timeout: float = 900.0)
     return row
 
 
-def run(quick: bool = False, reps: int = 5) -> dict:
-    """Every config in turn; ``{"rows": [...]}``."""
-    return {"rows": [measure(cfg, reps=reps) for cfg in configs(quick)]}
+def run(mode: str = "full", reps: int = 5) -> dict:
+    """Every config of ``mode`` in turn; ``{"rows": [...]}``."""
+    return {"rows": [measure(cfg, reps=reps) for cfg in configs(mode)]}
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--mode", choices=["full", "quick", "smoke"], default="full")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
-    out = run(args.quick, args.reps)
+    out = run(args.mode, args.reps)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
     for row in out["rows"]:

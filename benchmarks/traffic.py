@@ -1,6 +1,6 @@
 """Bytes and messages per step per rank, ours and the peer's, against the analytical minimum.
 
-Issue items 5 and 7. Run alone with ``python -m benchmarks.traffic [--quick]``. In each
+Issue items 5 and 7. Run alone with ``python -m benchmarks.traffic [--mode quick]``. In each
 rank process every ``torch.distributed`` isend/irecv/send/recv is wrapped and counted
 (``common.count_p2p``) over several training steps after a warm-up step (which, for
 the peer, also does its shape inference). The minimum comes from ``pipe.edges``: each
@@ -51,11 +51,14 @@ class Case:
     peer: bool = True  # also try the peer (it may fail; the failure is recorded)
 
 
-def cases(quick: bool) -> list[Case]:
+def cases(mode: str = "full") -> list[Case]:
+    """full: every case; quick: all but gpt_v; smoke: fan_out_skip only."""
+    if mode == "smoke":
+        return [Case("fan_out_skip", "1F1B", 3, 4)]
     out = [Case("fan_out_skip", "1F1B", 3, 4), Case("tiny_unet_v", "ZBVZeroBubble", 2, 4),
            Case("llama_grad", "1F1B", 2, 4), Case("float_table", "1F1B", 2, 4),
            Case("tiny_llama", "1F1B", 2, 4, peer=False)]
-    if not quick:
+    if mode == "full":
         out.insert(2, Case("gpt_v", "ZBVZeroBubble", 2, 8))
     return out
 
@@ -212,16 +215,16 @@ def measure(case: Case, reps: int = 5) -> dict:
     return row
 
 
-def run(quick: bool = False, reps: int = 5) -> dict:
-    return {"rows": [measure(c, reps) for c in cases(quick)]}
+def run(mode: str = "full", reps: int = 5) -> dict:
+    return {"rows": [measure(c, reps) for c in cases(mode)]}
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--mode", choices=["full", "quick", "smoke"], default="full")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
-    out = run(args.quick, args.reps)
+    out = run(args.mode, args.reps)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
     for row in out["rows"]:

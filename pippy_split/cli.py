@@ -97,7 +97,8 @@ def simulate_cmd(args: argparse.Namespace, console: Any) -> int:
         sim.to_svg(args.svg)
         console.print(f"SVG timeline written to {args.svg}")
     if args.compare:
-        table = Table(title=f"All schedules, {args.ranks} ranks, {args.microbatches} microbatches")
+        table = Table(title=f"All schedules, {args.ranks} ranks, {args.microbatches} microbatches "
+                            "(costs divided by stages per rank: the same model in every row)")
         for col in ("schedule", "placement", "stages/rank", "split bwd", "makespan", "bubble", "peak act (max)",
                     "peak act per rank"):
             table.add_column(col, justify="left" if col in ("schedule", "placement", "peak act per rank") else "right")
@@ -108,8 +109,12 @@ def simulate_cmd(args: argparse.Namespace, console: Any) -> int:
             if spr is not None and spr < spec.min_stages_per_rank:
                 spr = None
             shown_spr = spr or spec.default_stages_per_rank()
+            # Same model, more stages: each of V stages per rank does 1/V of the work,
+            # so makespans compare like for like.
+            base = {"F": 1.0, "I": 1.0, "W": 1.0, **(costs or {})}
+            scaled = {k: v / shown_spr for k, v in base.items()}
             try:
-                s = _simulate_one(name, args.ranks, args.microbatches, spr, costs)
+                s = _simulate_one(name, args.ranks, args.microbatches, spr, scaled)
             except (ValueError, TypeError) as e:
                 table.add_row(name, spec.placement, str(shown_spr), "yes" if spec.split_backward else "no",
                               "-", "-", "-", f"[yellow]skipped: {e}[/]")

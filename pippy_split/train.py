@@ -27,6 +27,7 @@ import socket
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -113,13 +114,15 @@ def _gpt_config(cfg: argparse.Namespace, vocab_size: int, num_stages: int) -> di
 
 
 def _corpus(cfg: argparse.Namespace, chars: str = ""):
+    """The user's text (plain next-character prediction), or the built-in sums: answers
+    written backwards, windows starting at line starts, loss on the answers only."""
     from .data import CharCorpus, addition_corpus
 
     if cfg.data:
         with open(cfg.data, encoding="utf-8") as f:
             text = f.read()
         return CharCorpus(text, chars=chars)
-    return CharCorpus(addition_corpus(seed=cfg.seed), chars=chars)
+    return CharCorpus(addition_corpus(seed=cfg.seed, reverse=True), chars=chars, prompt_end="=")
 
 
 def _load_checkpoint(path: str) -> dict:
@@ -143,13 +146,16 @@ def _save_checkpoint(path: str, state_dict: dict, meta: dict) -> str:
     return final
 
 
+_PREPARED: SimpleNamespace | None = None  # built by the launcher before it forks the ranks (see run())
+
+
 def worker(cfg: argparse.Namespace) -> None:
     """One rank of the training run (call under torchrun or the elastic launcher)."""
     import torch.distributed as dist
 
     import pippy_split as ps
     from .schedule import simulate
-    from .zoo.gpt import TinyGPT, lm_loss
+    from .zoo.gpt import TinyGPT
 
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
@@ -163,16 +169,19 @@ def worker(cfg: argparse.Namespace) -> None:
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        _worker(cfg, rank, world, device, ps, simulate, TinyGPT, lm_loss, dist)
+        _worker(cfg, rank, world, device, ps, simulate, TinyGPT, dist)
     finally:
         dist.destroy_process_group()
 
 
-def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, lm_loss, dist) -> None:
-    from rich.console import Console
+def _prepare(cfg: argparse.Namespace, world: int, log) -> SimpleNamespace:
+    """Data, model and the traced, split Pipe: the same on every rank (same seed).
 
-    console = Console(stderr=False)
-    log = console.print if rank == 0 else (lambda *a, **k: None)
+    The launcher runs this once before forking the local ranks, which inherit it;
+    under torchrun every rank runs it itself."""
+    import pippy_split as ps
+    from .zoo.gpt import TinyGPT, lm_loss
+
     spr = _stages_per_rank(cfg.schedule)
     num_stages = world * spr
     M, B, T = cfg.microbatches, cfg.batch_size, cfg.seq_len
@@ -181,9 +190,9 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, lm_loss, dist) -> N
 
     resume_state = _load_checkpoint(cfg.checkpoint) if cfg.resume else None
 
-    # ---- model, data
-    corpus = None
-    gpt_cfg = None
+    corpus = gpt_cfg = None
+    args: tuple = ()
+    kwargs: dict = {}
     if cfg.model is None:
         saved_chars = resume_state["meta"].get("chars", "") if resume_state else ""
         corpus = _corpus(cfg, chars=saved_chars)
@@ -196,7 +205,6 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, lm_loss, dist) -> N
 
         split_spec = parse_split(cfg.split) or layer_split("blocks", gpt_cfg["n_layer"], num_stages)
         loss_fn = lm_loss
-        data_gen = torch.Generator().manual_seed(cfg.seed)  # same stream on every rank -> same batches
         x0, _ = corpus.batch(B, T, torch.Generator().manual_seed(cfg.seed + 1))
         ex_args, ex_kwargs, target = (x0[: B // M],), {}, None
     else:
@@ -220,7 +228,21 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, lm_loss, dist) -> N
     pipe = ps.pipeline(model, split_spec, ex_args, ex_kwargs)
     if pipe.num_stages % world:
         raise SystemExit(f"{pipe.num_stages} stages cannot be spread over {world} ranks")
-    sched = ps.build_schedule(pipe, cfg.schedule, M, loss_fn=loss_fn, device=device)
+    return SimpleNamespace(world=world, corpus=corpus, gpt_cfg=gpt_cfg, model=model, loss_fn=loss_fn, args=args,
+                           kwargs=kwargs, target=target, B=B, pipe=pipe)
+
+
+def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, dist) -> None:
+    from rich.console import Console
+
+    console = Console(stderr=False)
+    log = console.print if rank == 0 else (lambda *a, **k: None)
+    prep = _PREPARED if _PREPARED is not None and _PREPARED.world == world else _prepare(cfg, world, log)
+    corpus, gpt_cfg, model, pipe = prep.corpus, prep.gpt_cfg, prep.model, prep.pipe
+    args, kwargs, target, B = prep.args, prep.kwargs, prep.target, prep.B
+    M, T = cfg.microbatches, cfg.seq_len
+    data_gen = torch.Generator().manual_seed(cfg.seed)  # same stream on every rank -> same batches
+    sched = ps.build_schedule(pipe, cfg.schedule, M, loss_fn=prep.loss_fn, device=device)
     params = [p for st in sched.stages for p in st.module.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
     cls = ps.get_schedule_class(cfg.schedule)
@@ -313,19 +335,24 @@ def _sample(cfg, model, corpus, log) -> None:
         prompts = [ln[: max(1, len(ln) // 2)] for ln in rng.sample(lines, min(cfg.samples, len(lines)))]
     else:
         prompts = [f"{rng.randint(0, 99)}+{rng.randint(0, 99)}=" for _ in range(cfg.samples)]
+    reverse = not cfg.data  # the built-in corpus writes answers backwards
     correct = judged = 0
-    log("[bold]samples[/] (greedy):")
+    log("[bold]samples[/] (greedy" + (", the model writes the answer's digits backwards" if reverse else "") + "):")
     for p in prompts:
         ids = corpus.encode(p)[None, -model.block_size:]
         out = generate(model, ids, 8 if not cfg.data else 32)
         text = corpus.decode(out[0].tolist())
         line = text.split("\n", 1)[0] if p.count("\n") == 0 else text
-        ok = parse_sum(line)
+        ok = parse_sum(line, reverse=reverse)
         if ok is not None:
             judged += 1
             correct += ok
-        mark = "" if ok is None else (" [green]✓[/]" if ok else " [red]✗[/]")
-        log(f"  {line!r}{mark}")
+        mark = "" if ok is None else ("  [green]✓[/]" if ok else "  [red]✗[/]")
+        if reverse and ok is not None:
+            lhs, answer = line.split("=", 1)
+            log(f"  {line!r:14} -> {lhs}={answer[::-1]:<4}{mark}")
+        else:
+            log(f"  {line!r}{mark}")
     if not cfg.data or judged:
         log(f"correct sums: {correct}/{len(prompts)}")
 
@@ -357,9 +384,21 @@ def run(cfg: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # On CPU the ranks are forked from this process after it has traced and split the
+    # model once: they start without importing torch and tracing again (seconds each).
+    # With CUDA they are spawned (a forked CUDA runtime is unusable) and prepare themselves.
+    start_method = "spawn" if torch.cuda.is_available() else "fork"
+    if start_method == "fork":
+        global _PREPARED
+        from rich.console import Console
+
+        torch.set_num_threads(1)  # no OpenMP pool in the parent, so none is inherited half-alive
+        _PREPARED = _prepare(cfg, cfg.ranks, Console().print)
+        sys.stdout.flush()
+        sys.stderr.flush()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.ranks, rdzv_backend="c10d",
                           rdzv_endpoint=f"localhost:{_free_port()}", run_id=f"pippy-split-{os.getpid()}",
-                          max_restarts=0, monitor_interval=0.1)
+                          max_restarts=0, monitor_interval=0.1, start_method=start_method)
     try:
         elastic_launch(config, worker)(cfg)
     except ChildFailedError as e:

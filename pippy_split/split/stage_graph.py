@@ -70,7 +70,29 @@ class Built:
     shared_parameters: dict[str, list[tuple[int, list[str]]]]
 
 
-def _spec_of(node: torch.fx.Node, requires_grad: bool, known: set) -> TensorSpec:
+def _user_symbol_names(placeholders: dict[str, torch.fx.Node]) -> dict[sympy.Symbol, sympy.Symbol]:
+    """Export's symbols (``s75``) renamed after the user's ``Dim`` names (``T``) where unambiguous."""
+    raw_to_name: dict[sympy.Symbol, str] = {}
+    for node in placeholders.values():
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for d in val.shape:
+            if not isinstance(d, torch.SymInt) or not isinstance(d.node.expr, sympy.Symbol):
+                continue
+            env = d.node.shape_env
+            debug = getattr(env, "source_name_to_debug_name", {}) or {}
+            for source in env.var_to_sources.get(d.node.expr, []):
+                name = debug.get(source.name() if callable(source.name) else source.name)
+                if name:
+                    raw_to_name[d.node.expr] = name
+                    break
+    names = list(raw_to_name.values())
+    return {raw: sympy.Symbol(name, integer=True, positive=True) for raw, name in raw_to_name.items()
+            if names.count(name) == 1}
+
+
+def _spec_of(node: torch.fx.Node, requires_grad: bool, known: set, rename: dict | None = None) -> TensorSpec:
     val = node.meta.get("val")
     dims = []
     for d in val.shape:
@@ -86,7 +108,7 @@ def _spec_of(node: torch.fx.Node, requires_grad: bool, known: set) -> TensorSpec
                     f"depends on data ({sorted(map(str, unknown))}), not on input shapes; move the split point "
                     "so that this value stays inside one stage"
                 )
-            dims.append(expr)
+            dims.append(expr.xreplace(rename) if rename else expr)
         else:
             dims.append(int(d))
     return TensorSpec(tuple(dims), val.dtype, requires_grad)
@@ -146,8 +168,10 @@ class _Builder:
         seed = {name: p.requires_grad for name, p in self._param_tensors().items()}
         seed.update(traced.requires_grad_inputs)
         self.rg = infer_requires_grad(self.graph, seed)
-        self.symbols = _symbol_sources(traced, self.placeholders)
-        self.known_symbols = {s.symbol for s in self.symbols}
+        raw_symbols = _symbol_sources(traced, self.placeholders)
+        self.known_symbols = {s.symbol for s in raw_symbols}  # export's own symbols
+        self.rename = _user_symbol_names(self.placeholders)  # shown and bound under the user's Dim names
+        self.symbols = [SymbolSource(self.rename.get(s.symbol, s.symbol), s.input_index, s.dim) for s in raw_symbols]
         self.position = {n: i for i, n in enumerate(self.graph.nodes)}
         self.n = plan.num_stages
         self.last = self.n - 1
@@ -207,6 +231,7 @@ class _Builder:
             stages.append(info)
             edges.extend(stage_edges)
         self._place_unused(stages, installed)
+        _name_module_ranges(stages)
         leaves = [("stage", last_out[x]) if isinstance(x, torch.fx.Node) else ("const", x) for x in self.output_leaves]
         # Only parameters: a buffer has no gradient to sum.
         params = {self._key(fqn) for fqn in self.traced.params.values()}
@@ -245,13 +270,13 @@ class _Builder:
             env[v] = g.placeholder(v.name)
             sources.append(StageSource("input", v.name, index=self.input_index[v.name]))
             if s > 0:
-                spec = _spec_of(v, self.rg[v], self.known_symbols)
+                spec = _spec_of(v, self.rg[v], self.known_symbols, self.rename)
                 edge = Edge(MODEL_INPUT, self.input_index[v.name], s, len(sources) - 1, spec, v.name)
                 edges.append(edge)
                 sources[-1] = StageSource("edge", v.name, index=self.input_index[v.name], edge=edge)
         for v in received:
             src = self.stage_of(v)
-            spec = _spec_of(v, self.rg[v], self.known_symbols)
+            spec = _spec_of(v, self.rg[v], self.known_symbols, self.rename)
             env[v] = g.placeholder(v.name)
             edge = Edge(src, out_index[src][v], s, len(sources), spec, v.name)
             edges.append(edge)
@@ -264,7 +289,7 @@ class _Builder:
             if expr.free_symbols - self.known_symbols:
                 raise SplitError(f"size {v.name!r} = {expr} crosses into stage {s} but depends on data; move the split")
             env[v] = g.placeholder(f"sym_{v.name}")
-            sources.append(StageSource("symbol", v.name, expr=expr))
+            sources.append(StageSource("symbol", v.name, expr=expr.xreplace(self.rename)))
         for v in list(env):
             if v in mutated and isinstance(env[v], torch.fx.Node):
                 # Received values are autograd leaves: an in-place op on them would fail.
@@ -301,9 +326,9 @@ class _Builder:
                     root.add_module(a.target, self.traced.ep.graph_module.get_submodule(a.target))
                     env[a] = g.get_attr(a.target)
             env[op] = g.node_copy(op, lambda a: env[a])
-            paths = module_paths(op)
+            paths = tuple(module_paths(op))
             if paths:
-                modules.setdefault(paths[0], None)
+                modules.setdefault(paths, None)
             if op.target is not operator.getitem:
                 flops += node_flops(op)
         out_vals = [env[v] for v in outs]
@@ -318,7 +343,7 @@ class _Builder:
                 mod_path, _, leaf = name.rpartition(".")
                 module.get_submodule(mod_path).register_buffer(leaf, buf, persistent=False)
         out_specs = [
-            _spec_of(v, self.rg[v], self.known_symbols) if isinstance(v.meta.get("val"), torch.Tensor) else None
+            _spec_of(v, self.rg[v], self.known_symbols, self.rename) if isinstance(v.meta.get("val"), torch.Tensor) else None
             for v in outs
         ]
         info = StageInfo(s, module, sources, [v.name for v in outs], out_specs, list(modules), flops, param_fqns)
@@ -340,6 +365,23 @@ class _Builder:
                 _install(stages[s].module, name, tensor, buffer=is_buffer, persistent=name not in self.traced.non_persistent)
                 stages[s].param_fqns.append(name)
                 have.add(name)
+
+
+def _name_module_ranges(stages: list[StageInfo]) -> None:
+    """Describe each stage by modules at the shallowest depth that tells stages apart
+    (``blocks.3`` for a GPT, ``model.layers.3`` for an HF model, not just ``model``)."""
+    all_paths = [p for st in stages for p in st.modules]
+    depth_max = max((len(p) for p in all_paths), default=0)
+    chosen = 1
+    for depth in range(1, depth_max + 1):
+        chosen = depth
+        if len({p[min(depth, len(p)) - 1] for p in all_paths}) > len(stages):
+            break
+    for st in stages:
+        names: dict[str, None] = {}
+        for p in st.modules:
+            names.setdefault(p[min(chosen, len(p)) - 1], None)
+        st.modules = list(names)
 
 
 def build_stages(traced: Traced, plan: Plan, model: torch.nn.Module) -> Built:

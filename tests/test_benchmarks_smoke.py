@@ -1,0 +1,77 @@
+"""Smoke test of the side-by-side benchmarks: the traffic item runs and ours moves the minimum.
+
+Runs ``python -m benchmarks.compare --smoke --only traffic`` in a subprocess (the fan-out
+skip model, 3 stages on 3 gloo ranks, 1F1B) and checks the JSON it writes. The
+analytical minimum is computed here from ``pipe.edges`` on its own, not with the
+benchmark's helper: each edge between stages on different ranks once per microbatch
+forward, once backward when its spec carries a gradient, nothing between stages on the
+same rank. No timing is asserted (speed claims live in the benchmarks, never in tests).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pippy_split as ps
+from pippy_split import zoo
+
+ROOT = Path(__file__).resolve().parents[1]
+N_MB, WORLD = 4, 3  # what benchmarks.traffic uses for fan_out_skip
+
+
+def _minimum(pipe: ps.Pipe, placement: dict[int, int], n_mb: int, world: int) -> list[dict[str, int]]:
+    out = [dict(sent_bytes=0, sent_msgs=0, recv_bytes=0, recv_msgs=0) for _ in range(world)]
+    for e in pipe.edges:
+        src_rank = placement[0 if e.src_stage == ps.MODEL_INPUT else e.src_stage]
+        dst_rank = placement[e.dst_stage]
+        if src_rank == dst_rank:
+            continue
+        nbytes = math.prod(int(d) for d in e.spec.shape) * torch.empty((), dtype=e.spec.dtype).element_size()
+        directions = [(src_rank, dst_rank)]
+        if e.spec.carries_grad and e.src_stage != ps.MODEL_INPUT:
+            directions.append((dst_rank, src_rank))
+        for a, b in directions:
+            out[a]["sent_bytes"] += n_mb * nbytes
+            out[a]["sent_msgs"] += n_mb
+            out[b]["recv_bytes"] += n_mb * nbytes
+            out[b]["recv_msgs"] += n_mb
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_traffic_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "compare.json"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.compare", "--smoke", "--only", "traffic",
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert {"meta", "traffic"} <= set(res)
+    assert {"command", "mode", "reps", "load_avg_before", "load_avg_after"} <= set(res["meta"])
+    rows = {r["case"]["name"]: r for r in res["traffic"]["rows"]}
+    row = rows["fan_out_skip"]
+    for key in ("case", "edges", "expected", "ours", "ours_equals_minimum", "peer"):
+        assert key in row
+    # The peer cannot run a skip that fans out; the table says why instead of a number.
+    assert row["peer"] is None and row["peer_error"]
+
+    entry = zoo.get("fan_out_skip")
+    (args, kwargs), = ps.split_args_kwargs(entry.args, entry.kwargs, N_MB)[:1]
+    pipe = ps.pipeline(entry.model, entry.split_spec, args, kwargs)
+    placement = ps.stage_to_rank(pipe.num_stages, WORLD, ps.get_schedule_class("1F1B").placement)
+    expected = _minimum(pipe, placement, N_MB, WORLD)
+    assert any(e.is_skip for e in pipe.edges)  # the model really has a skip crossing a stage
+    assert len(row["ours"]) == WORLD
+    for rank in range(WORLD):
+        for key, value in expected[rank].items():
+            counted = row["ours"][rank][key]
+            assert counted["min"] == counted["max"] == value, (rank, key, counted, value)
+    assert row["ours_equals_minimum"] is True
