@@ -1,16 +1,19 @@
 """`pippy-split train`: train a model pipelined over local ranks.
 
 Where this sits: on top of the whole flow split → Pipe → stage → schedule → runtime.
-Every rank builds the same model (same seed), traces and splits it with
-`ps.pipeline`, keeps only its own stages via `ps.build_schedule`, and steps an
-AdamW over those stages' parameters. At the end the stages' state dicts (keyed
-by the original FQNs) are gathered on rank 0, loaded into a fresh unsplit model,
-sampled from, and saved as a checkpoint.
+Every rank has the same model (same seed), traced and split with `ps.pipeline`
+(on CPU once, by the launcher, before it forks the ranks), keeps only its own
+stages via `ps.build_schedule`, and steps an AdamW over those stages' parameters.
+At the end the stages' state dicts (keyed by the original FQNs) are gathered on
+rank 0, loaded into a fresh unsplit model, sampled from, and saved as a checkpoint.
 
 With no arguments it trains a character-level TinyGPT on written-out additions
-(``317+45=362``) over 4 stages on 2 local ranks with ZBVZeroBubble. It launches
-its own ranks with torch's elastic launcher; under ``torchrun`` (``RANK`` and
-``WORLD_SIZE`` set) it runs the worker directly:
+(``17+45=26``: the answer's digits backwards, see :mod:`pippy_split.data`) over
+4 stages on 2 local ranks with ZBVZeroBubble, 400 steps of 128 line-aligned
+windows of 16 characters in 4 microbatches — about two minutes on 2 CPU cores,
+after which most sampled sums are right. It launches its own ranks with torch's
+elastic launcher; under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) it runs
+the worker directly:
 
     python -m pippy_split.train --steps 100
     torchrun --nproc-per-node 2 -m pippy_split.train --steps 100
@@ -46,11 +49,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--split", default=None, help="comma-separated FQNs to split at (beginning of each)")
     p.add_argument("--schedule", default="ZBVZeroBubble", help="schedule name (default ZBVZeroBubble)")
     p.add_argument("--ranks", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak; warmup, then cosine decay to 10%%")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=16, help="characters per window (16 holds one sum and more)")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layer", type=int, default=None, help="default: max(4, number of stages)")
     p.add_argument("--seed", type=int, default=0)
@@ -250,6 +253,9 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, dist) -> None:
     log(f"[bold]pippy-split train[/]: {type(model).__name__}, {pipe.num_stages} stages on {world} ranks "
         f"({'nccl' if device.type == 'cuda' else 'gloo'}), schedule {cfg.schedule}, {M} microbatches, "
         f"{sum(s.num_params for s in pipe.stages):,} params, simulated bubble {bubble:.1%}")
+    if corpus is not None and not cfg.data:
+        log("data: sums a+b=c of 0..99 with c's digits backwards (17+45=26 is 62), windows starting at "
+            "line starts; the loss is the answers' (the operands are random)")
 
     def next_batch():
         if corpus is None:
@@ -318,7 +324,7 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, dist) -> None:
         _sample(cfg, fresh, corpus, log)
 
     meta = {"model": cfg.model or "TinyGPT", "gpt_config": gpt_cfg, "chars": corpus.chars if corpus else None,
-            "data": cfg.data or "additions", "steps": cfg.steps, "schedule": cfg.schedule, "ranks": world,
+            "data": cfg.data or "additions (answers reversed)", "steps": cfg.steps, "schedule": cfg.schedule, "ranks": world,
             "num_stages": pipe.num_stages, "split": [list(s.modules) for s in pipe.stages],
             "first_loss": first_loss, "last_loss": last_loss, "lr": cfg.lr}
     path = _save_checkpoint(cfg.checkpoint, merged, meta)
