@@ -26,6 +26,7 @@ from .validate import ScheduleError, validate
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
            "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleFromOrder",
+           "replace_placement",
            "get_schedule_class",
            "build_schedule"]
 
@@ -50,6 +51,8 @@ class PipelineSchedule:
         output_merge_spec: how to merge the last stage's outputs.
         on_nonfinite: what a NaN/inf loss does: "warn" (default; names stage and
             microbatch), "raise" (a PipelineError), or "ignore".
+        placement: "loop" or "v" to run the family's order on the other placement
+            (each rank keeps its sequence of stage chunks); checked by ``validate``.
     """
 
     order_name = ""
@@ -57,7 +60,8 @@ class PipelineSchedule:
     def __init__(self, stage_or_stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
                  loss_fn: Callable | None = None, *, scale_grads: bool = True, timeout: float = 300.0,
                  args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None, output_merge_spec: Any = None,
-                 on_nonfinite: str = "warn") -> None:
+                 on_nonfinite: str = "warn", placement: str | None = None) -> None:
+        self._placement_style = placement
         if on_nonfinite not in ("warn", "raise", "ignore"):
             raise ValueError(f"on_nonfinite must be 'warn', 'raise' or 'ignore', got {on_nonfinite!r}")
         stages = [stage_or_stages] if isinstance(stage_or_stages, PipelineStage) else list(stage_or_stages)
@@ -105,8 +109,16 @@ class PipelineSchedule:
         """The compute order and the placement it needs (the family's generator)."""
         self.spec = get_order_spec(self.order_name)
         self._check_stages()
-        placement = stage_to_rank(self.num_stages, self.world, self.spec.placement)
-        return self.spec.compute_order(self.world, self.n_microbatches, len(self.stages)), placement
+        order = self.spec.compute_order(self.world, self.n_microbatches, len(self.stages))
+        style = self._placement_style or self.spec.placement
+        if style != self.spec.placement:
+            order = replace_placement(order, self.num_stages, self.world, self.spec.placement, style)
+            try:
+                validate(order, self.num_stages, self.n_microbatches, links=self.links)
+            except ScheduleError as e:
+                raise ScheduleError(f"{type(self).__name__}'s order does not run under {style!r} placement: "
+                                    f"{e.reason}", rank=e.rank, step=e.step, action=e.action) from e
+        return order, stage_to_rank(self.num_stages, self.world, style)
 
     def _check_stages(self) -> None:
         name = type(self).__name__
@@ -274,6 +286,16 @@ class PipelineSchedule:
                 p.grad = total.clone() if len(local) > 1 else total
 
 
+def replace_placement(order: Order, num_stages: int, num_ranks: int, src: str, dst: str) -> Order:
+    """The same per-rank sequence of stage *chunks* (first, second, ... stage a rank holds)
+    under another placement: with p=4, loop's stage 5 (rank 1, chunk 1) becomes V's stage 6."""
+    src_stages = rank_to_stages(num_stages, num_ranks, src)
+    dst_stages = rank_to_stages(num_stages, num_ranks, dst)
+    mapping = {s: dst_stages[r][c] for r, stages in src_stages.items() for c, s in enumerate(stages)}
+    return {r: [None if a is None else Action(mapping[a.stage], a.kind, a.mb) for a in acts]
+            for r, acts in order.items()}
+
+
 class ScheduleFromOrder(PipelineSchedule):
     """Run a hand-written order (an ``{rank: [Action | None]}`` dict or a CSV path/text).
 
@@ -346,6 +368,6 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
     spec = get_order_spec(cls.order_name)
     if pipe.num_stages % world:
         raise ValueError(f"{pipe.num_stages} stages cannot be spread over {world} ranks")
-    mine = rank_to_stages(pipe.num_stages, world, spec.placement)[rank]
+    mine = rank_to_stages(pipe.num_stages, world, kwargs.get("placement") or spec.placement)[rank]
     stages = [pipe.build_stage(s, device, group) for s in mine]
     return cls(stages, n_microbatches, loss_fn, **kwargs)

@@ -320,3 +320,12 @@ def fsdp_pp(rank: int, world: int, n_mb: int):
     sched = ps.Schedule1F1B(stage, n_mb, loss_fn=entry.loss_fn)
     sched.step(xs, target=ys)
     return {n: p.grad.full_tensor().clone() for n, p in stage.module.named_parameters()}
+
+
+def train_step_placed(rank: int, world: int, name: str, schedule: str, n_mb: int, placement: str):
+    entry = zoo.get(name)
+    pipe = ps.pipeline(entry.model, entry.split_spec, *_mb_example(entry, n_mb))
+    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn, placement=placement)
+    result = train_step_on(sched, entry)
+    result["stages"] = [st.stage_index for st in sched.stages]
+    return result

@@ -57,3 +57,14 @@ def test_eval_before_step_then_step():
     assert len(outs) == 1
     torch.testing.assert_close(outs[0], expected, atol=1e-5, rtol=0)
     _assert_matches(results, "tiny_gpt")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["tiny_unet", "tiny_gpt"])
+def test_looped_bfs_in_v_placement_matches_unsplit_model(name):
+    from .bodies import train_step_placed
+
+    results = run_ranks(train_step_placed, 2, name, "LoopedBFS", N_MB, "v", timeout=150)
+    assert [r["stages"] for r in results] == [[0, 3], [1, 2]]  # first and last stage share rank 0
+    _assert_matches(results, name)
