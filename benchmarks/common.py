@@ -159,28 +159,31 @@ def quiet() -> Iterator[None]:
 # ---- timing ------------------------------------------------------------------------
 
 
-def alternate(fns: dict[str, Callable[[], Any] | None], warmup: int, reps: int) -> dict[str, list[float]]:
+def alternate(fns: dict[str, Callable[[], Any] | None], warmup: int, reps: int) -> dict[str, dict[str, list[float]]]:
     """Step times of several runners, interleaved: one step of each per repetition.
 
     The order rotates every repetition, so slow drift of the machine's load hits
     every runner alike; each time is fenced by barriers on both sides (so it is
     the pipeline's time, not one rank's). A ``None`` runner is a rank that sits
     this one out (the serial baseline runs on rank 0 only). Returns this rank's
-    times after ``warmup`` untimed repetitions.
+    ``{name: {"wall": [s, ...], "cpu": [s, ...]}}`` after ``warmup`` untimed
+    repetitions; "cpu" is this process's CPU time over the same span, which other
+    load on the machine barely changes (waiting in gloo does not spin).
     """
     names = list(fns)
-    times: dict[str, list[float]] = {n: [] for n in names}
+    times: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
     for i in range(warmup + reps):
         k = i % len(names)
         for name in names[k:] + names[:k]:
             fn = fns[name]
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if fn is not None:
                 fn()
             dist.barrier()
             if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name]["wall"].append(time.perf_counter() - t0)
+                times[name]["cpu"].append(time.process_time() - c0)
     return times
 
 

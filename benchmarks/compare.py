@@ -4,6 +4,7 @@
     python -m benchmarks.compare --quick         # fewer cases, same sizes (~3 min idle)
     python -m benchmarks.compare --only traffic  # one item: split, step, traffic, memory
     python -m benchmarks.compare --smoke --only traffic   # one small case (the smoke test)
+    python -m benchmarks.compare --render benchmarks/results/compare.json   # table of a saved run
 
 Items (numbers as in the issue):
     split    1  split time, ``ps.pipeline`` vs the peer's ``pipeline`` (benchmarks.split_time)
@@ -16,7 +17,7 @@ Items (numbers as in the issue):
 
 Every figure is a ratio measured in one run: the median of >= 5 repetitions after a
 warm-up, with min and max in brackets. Results go to benchmarks/results/compare.json
-(``--out`` to write elsewhere). The machine's load average is recorded beside them:
+(``--out`` to write elsewhere), the table as markdown beside it (compare.md). The machine's load average is recorded beside them:
 on a shared machine the step-time ratios are only as good as the load was even.
 """
 
@@ -33,6 +34,7 @@ from typing import Any, Callable
 import torch
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from . import memory, step_time, traffic
 
@@ -78,6 +80,9 @@ def run(only: list[str] | None = None, mode: str = "full", reps: int = 5) -> dic
 
 # ---- the table --------------------------------------------------------------------
 
+COLUMNS = ("#", "case", "ours", "peer", "ours/peer or result", "target", "met")
+Row = tuple  # one str per column; None in a row list starts a new section
+
 
 def _r(s: dict, fmt: str = "{:.2f}") -> str:
     """median [min, max]"""
@@ -85,91 +90,108 @@ def _r(s: dict, fmt: str = "{:.2f}") -> str:
 
 
 def _met(ok: bool | None) -> str:
-    return "—" if ok is None else ("[green]yes[/]" if ok else "[red]no[/]")
+    return "—" if ok is None else ("yes" if ok else "no")
 
 
-def table(res: dict) -> Table:
-    t = Table(title="pippy_split vs torch.distributed.pipelining (median [min, max] of repetitions)",
-              show_lines=False)
-    for col, just in (("#", "right"), ("case", "left"), ("ours", "right"), ("peer", "right"),
-                      ("ours/peer or result", "right"), ("target", "right"), ("met", "center")):
-        t.add_column(col, justify=just)
-    if "split" in res:
-        _split_rows(t, res["split"])
-    if "step" in res:
-        _step_rows(t, res["step"])
-    if "traffic" in res:
-        _traffic_rows(t, res["traffic"])
-    if "memory" in res:
-        _memory_rows(t, res["memory"])
+def rows(res: dict) -> list[Row | None]:
+    """The table's rows, for the items present in ``res``; None separates items."""
+    out: list[Row | None] = []
+    for name, fn in (("split", _split_rows), ("step", _step_rows), ("traffic", _traffic_rows),
+                     ("memory", _memory_rows)):
+        if name in res:
+            fn(out, res[name])
+            out.append(None)
+    return out[:-1]
+
+
+def rich_table(table_rows: list[Row | None]) -> Table:
+    t = Table(title=Text("pippy_split vs torch.distributed.pipelining (median [min, max] of repetitions)"))
+    for col in COLUMNS:
+        t.add_column(col, justify="left" if col == "case" else "right")
+    style = {"yes": "green", "no": "red"}
+    for row in table_rows:
+        if row is None:
+            t.add_section()
+        else:
+            t.add_row(*[Text(cell, style=style.get(cell, "") if i == len(COLUMNS) - 1 else "")
+                        for i, cell in enumerate(row)])
     return t
 
 
-def _split_rows(t: Table, res: dict) -> None:
+def markdown(table_rows: list[Row | None]) -> str:
+    """The same table in GitHub markdown (for the README's performance section)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    for row in table_rows:
+        if row is not None:
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _split_rows(out: list, res: dict) -> None:
     for row in res["rows"]:
         n = row["blocks"]
         ratio = row["ours_over_peer"]
-        t.add_row("1", f"split time, {n} blocks d=256 ({row.get('runs', '?')} runs)", f"{row['ours_s']:.2f} s",
-                  f"{row['peer_s']:.2f} s", f"{ratio:.2f}x (after export: {row['after_export_pct']:.1f}% of export)",
-                  "≤ 0.65x at 64", _met(ratio <= 0.65 if n == 64 else None))
-    t.add_section()
+        out.append(("1", f"split time, {n} blocks d=256 ({row.get('runs', '?')} runs, medians)", f"{row['ours_s']:.2f} s",
+                    f"{row['peer_s']:.2f} s", f"{ratio:.2f}x (after export: {row['after_export_pct']:.1f}% of export)",
+                    "≤ 0.65x at 64", _met(ratio <= 0.65 if n == 64 else None)))
 
 
-def _step_rows(t: Table, res: dict) -> None:
+def _step_rows(out: list, res: dict) -> None:
     for row in res["rows"]:
         c = row["config"]
         item = "2" if c["item"] == "step" else "3"
         case = f"{c['item']} time {c['schedule']}, {c['num_stages']} stages, d={c['d']}, m={c['n_mb']}"
-        t.add_row(item, case, _r(row["ours_s"]) + " s", _r(row["peer_s"]) + " s", _r(row["ours_over_peer"]) + "x",
-                  f"≤ {c['target']}x", _met(row["met"]))
+        out.append((item, case, _r(row["ours_s"]) + " s", _r(row["peer_s"]) + " s",
+                    _r(row["ours_over_peer"]) + "x", f"≤ {c['target']}x", _met(row["met"])))
+        out.append((item, f"  CPU s per step, both ranks ({c['schedule']}, d={c['d']})",
+                    _r(row["ours_cpu_s"]) + " s", _r(row["peer_cpu_s"]) + " s",
+                    _r(row["cpu_ours_over_peer"]) + "x", "", "—"))
     for row in res["rows"]:
         if "serial_s" in row:
             c = row["config"]
             ok = row["speedup_ours"]["median"] >= 1.74
-            t.add_row("4", f"efficiency {c['schedule']} m={c['n_mb']}: serial {row['serial_s']['median']:.2f} s "
-                           f"/ step (ideal {row['ideal_speedup']:.2f}x)",
-                      _r(row["speedup_ours"]) + "x", _r(row["speedup_peer"]) + "x", "speed-up over serial",
-                      "≥ 1.74x", _met(ok))
-    t.add_section()
+            out.append(("4", f"efficiency {c['schedule']} m={c['n_mb']}: serial step {row['serial_s']['median']:.2f} s"
+                             f" / pipelined step (ideal {row['ideal_speedup']:.2f}x)",
+                        _r(row["speedup_ours"]) + "x", _r(row["speedup_peer"]) + "x", "speed-up over serial",
+                        "≥ 1.74x", _met(ok)))
 
 
-def _bytes(row: dict) -> str:
-    return " / ".join(f"{int(r['sent_bytes']['median'])} B {int(r['sent_msgs']['median'])} msg" for r in row)
+def _bytes(ranks: list[dict]) -> str:
+    return " / ".join(f"{int(r['sent_bytes']['median'])} B {int(r['sent_msgs']['median'])} msg" for r in ranks)
 
 
-def _traffic_rows(t: Table, res: dict) -> None:
+def _traffic_rows(out: list, res: dict) -> None:
     for row in res["rows"]:
         c = row["case"]
         exp = " / ".join(f"{e['sent_bytes']} B {e['sent_msgs']} msg" for e in row["expected"])
         peer = _bytes(row["peer"]) if row.get("peer") else f"cannot run: {row.get('peer_error', '')}"
-        t.add_row("5", f"sent per step per rank: {c['name']}, {c['schedule']}, {c['world']} ranks, m={c['n_mb']}",
-                  _bytes(row["ours"]), peer, f"minimum {exp}", "= minimum", _met(row["ours_equals_minimum"]))
+        out.append(("5", f"sent per step, rank 0 / 1 / ...: {c['name']}, {c['schedule']}, {c['world']} ranks, "
+                         f"m={c['n_mb']}", _bytes(row["ours"]), peer, f"minimum {exp}", "= minimum",
+                    _met(row["ours_equals_minimum"])))
         if "grad" in row:
             g = row["grad"]
-            peer_g = (f"{int(g['peer_nograd_edge_bytes'])} B" if "peer_nograd_edge_bytes" in g
-                      else "cannot run")
-            t.add_row("7", f"grad bytes on no-grad edges: {c['name']} (needed grads {g['needed_bytes']} B/step; "
-                           f"no-grad edges would cost {int(row['nograd_edge_bytes'])} B)",
-                      f"{int(g['ours_nograd_edge_bytes'])} B", peer_g,
-                      f"backward {int(g['ours_bytes'])} B vs peer "
-                      + (f"{int(g['peer_bytes'])} B" if "peer_bytes" in g else "—"),
-                      "0 B", _met(g["ours_nograd_edge_bytes"] == 0))
-    t.add_section()
+            peer_g = f"{int(g['peer_nograd_edge_bytes'])} B" if "peer_nograd_edge_bytes" in g else "cannot run"
+            out.append(("7", f"gradient bytes on no-grad edges: {c['name']} (needed gradients "
+                             f"{g['needed_bytes']} B/step; the no-grad edges carry {int(row['nograd_edge_bytes'])}"
+                             " B/step forward)",
+                        f"{int(g['ours_nograd_edge_bytes'])} B", peer_g,
+                        f"backward {int(g['ours_bytes'])} B vs peer "
+                        + (f"{int(g['peer_bytes'])} B" if "peer_bytes" in g else "—"),
+                        "0 B", _met(g["ours_nograd_edge_bytes"] == 0)))
 
 
-def _memory_rows(t: Table, res: dict) -> None:
+def _memory_rows(out: list, res: dict) -> None:
     for row in res["rows"]:
         for r, x in enumerate(row["ranks"]):
             o, p = x["ours"], x["peer"]
-            t.add_row("6", f"peak RSS of a step, {row['schedule']} d={row['d']} m={row['n_mb']}, rank {r} "
-                           f"(above start: {o['step_peak_above_start_mb']['median']:.0f} vs "
-                           f"{p['step_peak_above_start_mb']['median']:.0f} MB)",
-                      _r(o["step_peak_mb"], "{:.0f}") + " MB", _r(p["step_peak_mb"], "{:.0f}") + " MB",
-                      f"{x['ours_over_peer']:.2f}x (above start {x['above_start_ours_over_peer']:.2f}x)",
-                      "≤ 0.8x", _met(x["ours_over_peer"] <= memory.TARGET))
-            t.add_row("6", f"peak activations held, {row['schedule']}, rank {r} (microbatches)",
-                      f"{o['held']['median']:.0f}", f"{p['held']['median']:.0f}", "", "", "—")
-    t.add_section()
+            out.append(("6", f"peak RSS of a step, {row['schedule']} d={row['d']} m={row['n_mb']}, rank {r} "
+                             f"(above the rank's start: {o['step_peak_above_start_mb']['median']:.0f} vs "
+                             f"{p['step_peak_above_start_mb']['median']:.0f} MB)",
+                        _r(o["step_peak_mb"], "{:.0f}") + " MB", _r(p["step_peak_mb"], "{:.0f}") + " MB",
+                        f"{x['ours_over_peer']:.2f}x (above start {x['above_start_ours_over_peer']:.2f}x)",
+                        "≤ 0.8x", _met(x["ours_over_peer"] <= memory.TARGET)))
+            out.append(("6", f"peak activations held, {row['schedule']}, rank {r} (microbatches)",
+                        f"{o['held']['median']:.0f}", f"{p['held']['median']:.0f}", "", "", "—"))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -180,12 +202,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--only", default=None, help=f"comma-separated items from {list(ITEMS)}")
     parser.add_argument("--reps", type=int, default=5, help="repetitions after warm-up (>= 5 for the record)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--render", type=Path, default=None, help="print the table of a saved JSON; run nothing")
     args = parser.parse_args(argv)
+    if args.render is not None:
+        res = json.loads(args.render.read_text())
+        Console(width=200).print(rich_table(rows(res)))
+        return res
     only = [s.strip() for s in args.only.split(",")] if args.only else None
     res = run(only, "smoke" if args.smoke else "quick" if args.quick else "full", args.reps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
-    Console(width=200).print(table(res))
+    table_rows = rows(res)
+    args.out.with_suffix(".md").write_text(markdown(table_rows))
+    Console(width=200).print(rich_table(table_rows))
     m = res["meta"]
     print(f"command: {m['command']}   load average before/after: {m['load_avg_before'][0]:.1f} / "
           f"{m['load_avg_after'][0]:.1f} on {m['cpus']} CPUs   results: {args.out}")

@@ -13,6 +13,9 @@ defaults of `pippy-split train`):
 - ``reverse=True`` writes each answer least-significant digit first
   (``17+45=26`` means 62): the model then emits the digit whose carry it already
   knows, the standard trick that makes addition easy for small transformers;
+- ``pad=True`` writes the operands with a fixed number of digits (``07+45=25``),
+  so each digit sits at the same position in every line: matching the digits
+  to add is then a fixed pattern, not a search;
 - ``CharCorpus(..., prompt_end="=")`` starts every window at a line start, so the
   ``a+b=`` prompt sits where sampling puts it, and ignores (target ``-100``,
   ``F.cross_entropy``'s ``ignore_index``) the operands, which are random and
@@ -26,16 +29,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["addition_corpus", "CharCorpus", "parse_sum", "IGNORE_INDEX"]
+__all__ = ["addition_corpus", "CharCorpus", "parse_sum", "sum_prompt", "IGNORE_INDEX"]
 
 ADDITION_CHARS = "\n+0123456789="
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 
 
-def addition_corpus(n_lines: int = 20000, max_value: int = 99, seed: int = 0, reverse: bool = False) -> str:
+def addition_corpus(n_lines: int = 20000, max_value: int = 99, seed: int = 0, reverse: bool = False,
+                    pad: bool = False) -> str:
     """``n_lines`` lines ``a+b=c`` with ``0 <= a, b <= max_value``, deterministic in ``seed``.
 
-    With ``reverse`` the answer's digits are written backwards (``17+45=26`` for 62).
+    With ``reverse`` the answer's digits are written backwards (``17+45=26`` for 62);
+    with ``pad`` the operands are zero-padded to the width of ``max_value`` (``07+45=52``).
 
     Example:
         >>> addition_corpus(2, seed=0).count("\\n")
@@ -46,8 +51,19 @@ def addition_corpus(n_lines: int = 20000, max_value: int = 99, seed: int = 0, re
     for _ in range(n_lines):
         a, b = rng.randint(0, max_value), rng.randint(0, max_value)
         c = str(a + b)
-        lines.append(f"{a}+{b}={c[::-1] if reverse else c}\n")
+        lines.append(f"{sum_prompt(a, b, max_value if pad else 0)}{c[::-1] if reverse else c}\n")
     return "".join(lines)
+
+
+def sum_prompt(a: int, b: int, pad_to: int = 0) -> str:
+    """``"a+b="``, the operands zero-padded to the width of ``pad_to`` (0: no padding).
+
+    Example:
+        >>> sum_prompt(7, 45, 99)
+        '07+45='
+    """
+    w = len(str(pad_to)) if pad_to else 0
+    return f"{a:0{w}d}+{b:0{w}d}=" if w else f"{a}+{b}="
 
 
 def parse_sum(line: str, reverse: bool = False) -> bool | None:

@@ -8,7 +8,8 @@ At the end the stages' state dicts (keyed by the original FQNs) are gathered on
 rank 0, loaded into a fresh unsplit model, sampled from, and saved as a checkpoint.
 
 With no arguments it trains a character-level TinyGPT on written-out additions
-(``17+45=26``: the answer's digits backwards, see :mod:`pippy_split.data`) over
+(``07+45=25``: operands zero-padded, the answer's digits backwards, see
+:mod:`pippy_split.data`) over
 4 stages on 2 local ranks with ZBVZeroBubble, 400 steps of 128 line-aligned
 windows of 16 characters in 4 microbatches — about two minutes on 2 CPU cores,
 after which most sampled sums are right. It launches its own ranks with torch's
@@ -38,6 +39,7 @@ import torch
 __all__ = ["build_parser", "main", "run", "worker", "load_factory", "DEFAULT_CHECKPOINT"]
 
 DEFAULT_CHECKPOINT = os.path.join("checkpoints", "tiny_gpt")
+SUM_MAX = 99  # operands of the built-in sums: 0..SUM_MAX
 CHECKPOINT_FILE = "model.pt"
 
 
@@ -117,15 +119,17 @@ def _gpt_config(cfg: argparse.Namespace, vocab_size: int, num_stages: int) -> di
 
 
 def _corpus(cfg: argparse.Namespace, chars: str = ""):
-    """The user's text (plain next-character prediction), or the built-in sums: answers
-    written backwards, windows starting at line starts, loss on the answers only."""
+    """The user's text (plain next-character prediction), or the built-in sums: operands
+    zero-padded, answers written backwards, windows starting at line starts, loss on the
+    answers only (see :mod:`pippy_split.data`)."""
     from .data import CharCorpus, addition_corpus
 
     if cfg.data:
         with open(cfg.data, encoding="utf-8") as f:
             text = f.read()
         return CharCorpus(text, chars=chars)
-    return CharCorpus(addition_corpus(seed=cfg.seed, reverse=True), chars=chars, prompt_end="=")
+    return CharCorpus(addition_corpus(max_value=SUM_MAX, seed=cfg.seed, reverse=True, pad=True), chars=chars,
+                      prompt_end="=")
 
 
 def _load_checkpoint(path: str) -> dict:
@@ -254,8 +258,8 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, dist) -> None:
         f"({'nccl' if device.type == 'cuda' else 'gloo'}), schedule {cfg.schedule}, {M} microbatches, "
         f"{sum(s.num_params for s in pipe.stages):,} params, simulated bubble {bubble:.1%}")
     if corpus is not None and not cfg.data:
-        log("data: sums a+b=c of 0..99 with c's digits backwards (17+45=26 is 62), windows starting at "
-            "line starts; the loss is the answers' (the operands are random)")
+        log(f"data: sums a+b=c of 0..{SUM_MAX}, operands zero-padded, c's digits backwards (07+45=25 is "
+            "7+45=52), windows starting at line starts; the loss is the answers' (the operands are random)")
 
     def next_batch():
         if corpus is None:
@@ -332,7 +336,7 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, dist) -> None:
 
 
 def _sample(cfg, model, corpus, log) -> None:
-    from .data import parse_sum
+    from .data import parse_sum, sum_prompt
     from .zoo.gpt import generate
 
     rng = random.Random(cfg.seed + 1234)
@@ -340,7 +344,7 @@ def _sample(cfg, model, corpus, log) -> None:
         lines = [ln for ln in corpus.text.splitlines() if ln.strip()] or [corpus.text]
         prompts = [ln[: max(1, len(ln) // 2)] for ln in rng.sample(lines, min(cfg.samples, len(lines)))]
     else:
-        prompts = [f"{rng.randint(0, 99)}+{rng.randint(0, 99)}=" for _ in range(cfg.samples)]
+        prompts = [sum_prompt(rng.randint(0, SUM_MAX), rng.randint(0, SUM_MAX), SUM_MAX) for _ in range(cfg.samples)]
     reverse = not cfg.data  # the built-in corpus writes answers backwards
     correct = judged = 0
     log("[bold]samples[/] (greedy" + (", the model writes the answer's digits backwards" if reverse else "") + "):")
@@ -356,7 +360,8 @@ def _sample(cfg, model, corpus, log) -> None:
         mark = "" if ok is None else ("  [green]✓[/]" if ok else "  [red]✗[/]")
         if reverse and ok is not None:
             lhs, answer = line.split("=", 1)
-            log(f"  {line!r:14} -> {lhs}={answer[::-1]:<4}{mark}")
+            a, b = (int(v) for v in lhs.split("+"))
+            log(f"  {line!r:12}  i.e. {a:>2} + {b:>2} = {answer[::-1]:<4}{mark}")
         else:
             log(f"  {line!r}{mark}")
     if not cfg.data or judged:

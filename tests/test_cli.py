@@ -39,6 +39,23 @@ def test_data_is_deterministic_and_correct():
     assert corpus.decode(corpus.encode("12+3=15\n")) == "12+3=15\n"
 
 
+def test_reversed_sums_and_answer_only_targets():
+    text = addition_corpus(50, seed=3, reverse=True, pad=True)
+    assert all(parse_sum(line, reverse=True) for line in text.splitlines())
+    assert all(line[2] == "+" and line[5] == "=" for line in text.splitlines())  # 2-digit operands
+    assert parse_sum("17+45=26", reverse=True) and parse_sum("17+45=62", reverse=True) is False
+    assert parse_sum("17+45=") is False
+    corpus = CharCorpus(text, prompt_end="=")
+    x, y = corpus.batch(16, 12, torch.Generator().manual_seed(0))
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        window = corpus.decode(row_x)
+        assert parse_sum(window, reverse=True)  # starts at a line start: a whole sum comes first
+        cut, end = window.index("="), window.index("\n")
+        assert all(t == -100 for t in row_y[:cut])  # the prompt a+b= is not learned
+        assert all(t != -100 for t in row_y[cut:end])  # the answer and its newline are
+        assert -100 in row_y[end:end + 3]  # the next prompt is not
+
+
 def test_parse_costs():
     assert parse_costs("F=1,I=2,W=0.5") == {"F": 1.0, "I": 2.0, "W": 0.5}
     assert parse_costs(None) is None

@@ -19,7 +19,7 @@ from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
 from .actions import Action, ActionKind, Order, order_from_csv
 from .lower import infer_placement, lower
-from .orders import ORDERS, OrderSpec, get_order_spec
+from .orders import ORDERS, get_order_spec
 from .placement import rank_to_stages, stage_to_rank
 from .runtime import Interpreter, StepContext
 from .validate import ScheduleError, validate

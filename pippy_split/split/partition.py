@@ -11,7 +11,7 @@ import bisect
 import difflib
 import operator
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 

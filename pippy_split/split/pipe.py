@@ -13,7 +13,6 @@ import sympy
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import SplitError
 from .partition import plan_stages
 from .spec import MODEL_INPUT, Edge, SymbolSource
 from .stage_graph import StageInfo, build_stages

@@ -7,7 +7,6 @@ import time
 import pytest
 import torch
 
-import pippy_split as ps
 from pippy_split import zoo
 from pippy_split.testing import RankFailure, run_ranks
 

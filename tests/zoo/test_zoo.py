@@ -8,7 +8,6 @@ are real submodules called once each, in order.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
