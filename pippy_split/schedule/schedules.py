@@ -102,7 +102,8 @@ class PipelineSchedule:
         self._eval_actions = self._forward_only(self.n_microbatches)
         self._runtime = Interpreter({s.stage_index: s for s in self.stages}, self.placement, self.rank,
                                     P2P(self.group, timeout) if self.world > 1 else None, self.links)
-        self.loss: torch.Tensor | None = None
+        self._loss: torch.Tensor | None = None
+        self._loss_work: Any = None
 
     # ---- set-up checks ----------------------------------------------------------
     def _plan(self) -> tuple[Order, dict[int, int]]:
@@ -235,7 +236,7 @@ class PipelineSchedule:
             st.clear()
         if last is not None and losses is not None:
             losses.extend(mb_losses)
-        self.loss = self._share_loss(mb_losses)
+        self._share_loss(mb_losses)
         return self._merge(ctx) if last is not None else None
 
     def eval(self, *args: Any, **kwargs: Any) -> Any:
@@ -255,13 +256,23 @@ class PipelineSchedule:
     def _merge(self, ctx: StepContext) -> Any:
         return merge_chunks([ctx.outputs[mb] for mb in range(ctx.n_microbatches)], self.output_merge_spec)
 
-    def _share_loss(self, mb_losses: list) -> torch.Tensor | None:
+    @property
+    def loss(self) -> torch.Tensor | None:
+        """Mean loss of the last step, on every rank (None before the first step)."""
+        if self._loss_work is not None:
+            self._loss_work.wait()
+            self._loss_work = None
+        return self._loss
+
+    def _share_loss(self, mb_losses: list) -> None:
+        # Asynchronous: ranks need not wait for each other at the end of a step unless they read it.
         known = bool(mb_losses) and all(l is not None for l in mb_losses)
         value = torch.stack(mb_losses).mean().detach() if known else torch.zeros(())
+        value = value.to(torch.float32).clone()
+        self._loss, self._loss_work = value, None
         if self.world > 1:
-            value = value.to(torch.float32).clone()
-            dist.broadcast(value, group=self.group, group_src=self.placement[self.num_stages - 1])
-        return value
+            self._loss_work = dist.broadcast(value, group=self.group, group_src=self.placement[self.num_stages - 1],
+                                             async_op=True)
 
     def _sync_shared_grads(self) -> None:
         """Tied parameters held by several stages end the step with the summed gradient."""
