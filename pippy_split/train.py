@@ -9,12 +9,11 @@ rank 0, loaded into a fresh unsplit model, sampled from, and saved as a checkpoi
 
 With no arguments it trains a character-level TinyGPT on written-out additions
 (``07+45=25``: operands zero-padded, the answer's digits backwards, see
-:mod:`pippy_split.data`) over
-4 stages on 2 local ranks with ZBVZeroBubble, 400 steps of 128 line-aligned
-windows of 16 characters in 4 microbatches — about two minutes on 2 CPU cores,
-after which most sampled sums are right. It launches its own ranks with torch's
-elastic launcher; under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) it runs
-the worker directly:
+:mod:`pippy_split.data`) over 4 stages on 2 local ranks with ZBVZeroBubble:
+400 steps of 128 line-aligned windows of 16 characters in 4 microbatches, under
+a minute on 2 idle CPU cores, after which the sampled sums are right. It launches
+its own ranks with torch's elastic launcher; under ``torchrun`` (``RANK`` and
+``WORLD_SIZE`` set) it runs the worker directly:
 
     python -m pippy_split.train --steps 100
     torchrun --nproc-per-node 2 -m pippy_split.train --steps 100
@@ -293,6 +292,8 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, dist) -> None:
             sched.step(*a, target=y.to(device), **k)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if rank != 0:
+                continue  # only rank 0 reports: reading sched.loss elsewhere would wait for its broadcast
             loss = float(sched.loss)
             first_loss = loss if first_loss is None else first_loss
             last_loss = loss
@@ -300,7 +301,8 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, dist) -> None:
             tps = tokens / max(time.perf_counter() - t0, 1e-9)
             progress.update(task, advance=1, loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
     elapsed = time.perf_counter() - t0
-    log(f"first loss {first_loss:.4f}   last loss {last_loss:.4f}   ({cfg.steps} steps, {elapsed:.1f} s)")
+    if rank == 0 and first_loss is not None:
+        log(f"first loss {first_loss:.4f}   last loss {last_loss:.4f}   ({cfg.steps} steps, {elapsed:.1f} s)")
 
     # ---- gather the full state dict (original FQNs) on rank 0
     local = {}
@@ -328,7 +330,8 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, dist) -> None:
         _sample(cfg, fresh, corpus, log)
 
     meta = {"model": cfg.model or "TinyGPT", "gpt_config": gpt_cfg, "chars": corpus.chars if corpus else None,
-            "data": cfg.data or "additions (answers reversed)", "steps": cfg.steps, "schedule": cfg.schedule, "ranks": world,
+            "data": cfg.data or "additions (operands padded, answers reversed)", "steps": cfg.steps,
+            "schedule": cfg.schedule, "ranks": world,
             "num_stages": pipe.num_stages, "split": [list(s.modules) for s in pipe.stages],
             "first_loss": first_loss, "last_loss": last_loss, "lr": cfg.lr}
     path = _save_checkpoint(cfg.checkpoint, merged, meta)
@@ -399,24 +402,34 @@ def run(cfg: argparse.Namespace) -> int:
     # model once: they start without importing torch and tracing again (seconds each).
     # With CUDA they are spawned (a forked CUDA runtime is unusable) and prepare themselves.
     start_method = "spawn" if torch.cuda.is_available() else "fork"
-    if start_method == "fork":
-        global _PREPARED
-        from rich.console import Console
-
-        torch.set_num_threads(1)  # no OpenMP pool in the parent, so none is inherited half-alive
-        _PREPARED = _prepare(cfg, cfg.ranks, Console().print)
-        sys.stdout.flush()
-        sys.stderr.flush()
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.ranks, rdzv_backend="c10d",
-                          rdzv_endpoint=f"localhost:{_free_port()}", run_id=f"pippy-split-{os.getpid()}",
-                          max_restarts=0, monitor_interval=0.1, start_method=start_method)
+    global _PREPARED
+    threads = torch.get_num_threads()
     try:
-        elastic_launch(config, worker)(cfg)
-    except ChildFailedError as e:
-        print(f"pippy-split train failed:\n{e.format_msg()}", file=sys.stderr)
-        return 1
-    return 0
+        if start_method == "fork":
+            from rich.console import Console
 
+            torch.set_num_threads(1)  # no OpenMP pool in the parent, so none is inherited half-alive
+            try:
+                _PREPARED = _prepare(cfg, cfg.ranks, Console().print)
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except Exception as e:  # a bad --split, a model that does not trace, ...: say what, no traceback
+                print(f"pippy-split train failed: {type(e).__name__}: {e}", file=sys.stderr)
+                return 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.ranks, rdzv_backend="c10d",
+                              rdzv_endpoint=f"localhost:{_free_port()}", run_id=f"pippy-split-{os.getpid()}",
+                              max_restarts=0, monitor_interval=0.1, start_method=start_method)
+        try:
+            elastic_launch(config, worker)(cfg)
+        except ChildFailedError as e:
+            print(f"pippy-split train failed:\n{e.format_msg()}", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        _PREPARED = None
+        torch.set_num_threads(threads)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -87,7 +87,7 @@ class Pipe:
     def unflatten_outputs(self, last_stage_outputs: Sequence[Any]) -> Any:
         """Rebuild the model's output structure (tuples, dicts, ModelOutput) from the last stage's outputs."""
         leaves = [last_stage_outputs[v] if kind == "stage" else v for kind, v in self._output_leaves]
-        return pytree.tree_unflatten(leaves, self._traced.ep.call_spec.out_spec)
+        return pytree.tree_unflatten(leaves, self._traced.out_spec)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run every stage in order in this process; returns what the model returns."""

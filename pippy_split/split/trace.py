@@ -81,6 +81,11 @@ class Traced:
     # dim is None if dynamic, or a non-tensor's value (export baked it into the graph).
     input_checks: list[Any] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        # ExportedProgram.call_spec builds a new NamedTuple class on every access: read it once.
+        spec = self.ep.call_spec
+        self.in_spec, self.out_spec = spec.in_spec, spec.out_spec
+
     @property
     def graph(self) -> torch.fx.Graph:
         return self.ep.graph
@@ -125,10 +130,10 @@ class Traced:
     def flatten_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
         args, kwargs = self.normalize_call(args, kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
-        if spec != self.ep.call_spec.in_spec:
+        if spec != self.in_spec:
             raise TypeError(
                 f"inputs have a different structure than the example the pipeline was traced with:\n"
-                f"  expected {self.ep.call_spec.in_spec}\n  got      {spec}"
+                f"  expected {self.in_spec}\n  got      {spec}"
             )
         for name, x, check in zip(self.user_inputs, flat, self.input_checks):
             _check_input(name, x, check)
