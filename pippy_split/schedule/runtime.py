@@ -74,7 +74,6 @@ class Interpreter:
         self._grad_outbox: dict[tuple[int, int], list[tuple[InputSlot, torch.Tensor]]] = {}
         self._sends: list[Pending] = []
         self._shapes: dict[int, tuple[int, ...]] = {}
-        self._posted: dict[Action, list] = {}  # receives posted one action ahead
 
     def run(self, actions: list[Action], ctx: StepContext) -> None:
         last_backward = {}
@@ -84,15 +83,9 @@ class Interpreter:
         for st in self.stages.values():
             st.set_grad_sync(False)
         self._shapes.clear()
-        recvs = [i for i, a in enumerate(actions) if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
-        upcoming = 0  # index into recvs of the next receive not yet reached
         for i, action in enumerate(actions):
             if last_backward.get(action.stage) == i:
                 self.stages[action.stage].set_grad_sync(True)  # data-parallel sync once, on the last backward
-            while upcoming < len(recvs) and recvs[upcoming] <= i:
-                upcoming += 1
-            if upcoming < len(recvs) and self.p2p is not None and action.kind.is_compute:
-                self._prepost(actions[recvs[upcoming]], ctx)
             self.handlers[action.kind](action, ctx)
             if len(self._sends) > 8:
                 self._prune_sends()
@@ -130,7 +123,6 @@ class Interpreter:
         self._outbox.clear()
         self._grad_outbox.clear()
         self._sends.clear()
-        self._posted.clear()
         for st in self.stages.values():
             st.clear()
 
@@ -241,8 +233,10 @@ class Interpreter:
             what = f"stage {a.stage} sending the forward of microbatch {a.mb} to stage {route.dst_stage} on rank {peer}"
             self._sends.append(self.p2p.send(value, peer, tag, what))
 
-    def _post_recv_forward(self, a: Action, ctx: StepContext) -> list:
+    def _recv_forward(self, a: Action, ctx: StepContext) -> None:
         stage = self.stages[a.stage]
+        if stage.in_slots is None:
+            self._handshake(stage, ctx)
         pendings = []
         for slot in stage.in_slots:
             if slot.kind != "edge" or self._local(slot.sender_stage):
@@ -253,15 +247,6 @@ class Interpreter:
                     f"on rank {peer}")
             shape = self._shape(slot.spec, ctx)
             pendings.append((slot, self.p2p.recv(shape, slot.spec.dtype, stage.device, peer, tag, what)))
-        return pendings
-
-    def _recv_forward(self, a: Action, ctx: StepContext) -> None:
-        stage = self.stages[a.stage]
-        if stage.in_slots is None:
-            self._handshake(stage, ctx)
-        pendings = self._posted.pop(a, None)
-        if pendings is None:
-            pendings = self._post_recv_forward(a, ctx)
         box = self._fwd_inbox.setdefault((a.stage, a.mb), {})
         for slot, pending in pendings:
             self.p2p.wait(pending)
@@ -305,7 +290,7 @@ class Interpreter:
             what = f"stage {a.stage} sending the gradient of microbatch {a.mb} to stage {slot.src_stage} on rank {peer}"
             self._sends.append(self.p2p.send(grad, peer, tag, what))
 
-    def _post_recv_backward(self, a: Action, ctx: StepContext) -> list:
+    def _recv_backward(self, a: Action, ctx: StepContext) -> None:
         stage = self.stages[a.stage]
         pendings = []
         for route in stage.routes:
@@ -317,30 +302,10 @@ class Interpreter:
                     f"on rank {peer}")
             shape = self._shape(route.spec, ctx)
             pendings.append((route, self.p2p.recv(shape, route.spec.dtype, stage.device, peer, tag, what)))
-        return pendings
-
-    def _recv_backward(self, a: Action, ctx: StepContext) -> None:
-        pendings = self._posted.pop(a, None)
-        if pendings is None:
-            pendings = self._post_recv_backward(a, ctx)
         box = self._bwd_inbox.setdefault((a.stage, a.mb), {})
         for route, pending in pendings:
             self.p2p.wait(pending)
             box.setdefault(route.src_index, []).append(pending.result())
-
-    def _prepost(self, a: Action, ctx: StepContext) -> None:
-        """Post the next receive one action ahead, so its transfer overlaps the
-        current compute; it is still waited on only where the schedule puts it."""
-        if a in self._posted:
-            return
-        if a.kind is ActionKind.RECV_F:
-            if self.stages[a.stage].in_slots is None:
-                return  # a hand-built stage learns its shapes first
-            self._posted[a] = self._post_recv_forward(a, ctx)
-        else:
-            routes = self.stages[a.stage].routes
-            if routes and all(r.spec is not None for r in routes):
-                self._posted[a] = self._post_recv_backward(a, ctx)
 
 
 # ---- shape handshake of hand-built stages ----------------------------------------

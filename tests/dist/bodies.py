@@ -237,7 +237,7 @@ def no_creep(rank: int, world: int, steps: int):
         sched.step(x[:, :T], target=y[:, :T])
         sizes.append((sum(st.held_microbatches for st in sched.stages), len(runtime._fwd_inbox),
                       len(runtime._bwd_inbox), len(runtime._outbox), len(runtime._grad_outbox), len(runtime._sends),
-                      sum(len(st._losses) for st in sched.stages), len(runtime._posted)))
+                      sum(len(st._losses) for st in sched.stages)))
     return sizes
 
 

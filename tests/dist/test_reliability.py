@@ -32,7 +32,7 @@ def test_twenty_adamw_steps_follow_the_unsplit_trajectory(name, schedule, world)
 def test_two_hundred_steps_with_alternating_lengths_hold_nothing_between_steps():
     results = run_ranks(no_creep, 2, 200, timeout=280)
     for sizes in results:
-        assert set(sizes) == {(0, 0, 0, 0, 0, 0, 0, 0)}, sorted(set(sizes))[:5]
+        assert set(sizes) == {(0, 0, 0, 0, 0, 0, 0)}, sorted(set(sizes))[:5]
 
 
 @pytest.mark.dist
