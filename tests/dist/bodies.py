@@ -328,3 +328,26 @@ def train_step_placed(rank: int, world: int, name: str, schedule: str, n_mb: int
     result = train_step_on(sched, entry)
     result["stages"] = [st.stage_index for st in sched.stages]
     return result
+
+
+def launched_worker(out_dir: str):
+    """A rank started by torch's elastic launcher (the machinery behind torchrun); rank 1
+    SIGKILLs itself mid-step, the others record the error they get."""
+    import os
+    import signal
+    import traceback
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    try:
+        entry = zoo.get("fan_out_skip")
+        pipe = ps.pipeline(entry.model, entry.split_spec, *_mb_example(entry, 4))
+        sched = ps.build_schedule(pipe, "1F1B", 4, loss_fn=entry.loss_fn, timeout=60)
+        if rank == 1:
+            sched.stages[0].module.register_forward_hook(lambda m, a, o: os.kill(os.getpid(), signal.SIGKILL))
+        sched.step(*entry.args, target=entry.target)
+    except Exception:
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
