@@ -79,11 +79,11 @@ class Runner:
     note: str = ""  # how it was built, where that differs from the tool's documented path
 
 
-def build_ours(entry: zoo.ZooEntry, schedule: str, n_mb: int, split_spec: Any = None) -> Runner:
+def build_ours(entry: zoo.ZooEntry, schedule: str, n_mb: int, split_spec: Any = None, device: Any = None) -> Runner:
     """``ps.pipeline`` + ``ps.build_schedule``: the same ``step(x, target=y)`` on every rank."""
     args, kwargs = mb_example(entry, n_mb)
     pipe = ps.pipeline(entry.model, split_spec if split_spec is not None else entry.split_spec, args, kwargs)
-    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn)
+    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn, device=device)
 
     def step() -> Any:
         return sched.step(*entry.args, target=entry.target, **entry.kwargs)

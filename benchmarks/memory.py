@@ -11,6 +11,8 @@ and per step after a warm-up step:
                            (ours: ``PipelineStage.held_microbatches``; the peer: its
                            stages' ``fwd_cache``), sampled after every forward
 
+In full mode 1F1B also runs ours with the model built on the meta device (each rank
+then allocates only its own stage: the documented path for models bigger than a rank),
 plus the RSS when the rank starts (torch imported, group up: the floor both pay), right
 after building (model traced and split) and the process's peak
 over the whole run (``ru_maxrss``, tracing included). Target: ours <= 0.8x the peer's
@@ -20,17 +22,21 @@ step peak RSS.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 from pathlib import Path
 
+import torch
+
+from pippy_split import zoo
 from pippy_split.testing import run_ranks
+from pippy_split.zoo.gpt import TinyGPT
 
 from . import common
 
 __all__ = ["run", "measure"]
 
-RESULTS = Path(__file__).parent / "results" / "memory.json"
 TARGET = 0.8
 
 
@@ -53,10 +59,23 @@ def _track_held(stages: list, tool: str, peak: list[int]) -> None:
         setattr(st, name, wrapped)
 
 
+def _meta_entry(d: int, world: int) -> zoo.ZooEntry:
+    """The same entry with its model built on the meta device (README: models bigger than one rank)."""
+    entry = common.gpt(d, num_stages=world)
+    m = entry.model
+    with torch.device("meta"):
+        model = TinyGPT(m.tok_emb.num_embeddings, d, len(m.blocks), m.blocks[0].attn.n_head, m.block_size)
+    return dataclasses.replace(entry, model=model)  # the real model is freed with `entry`
+
+
 def _body(rank: int, world: int, tool: str, schedule: str, d: int, n_mb: int, reps: int) -> dict:
     start = common.rss_mb()  # torch imported, process group up, nothing built
-    entry = common.gpt(d, num_stages=world)
-    if tool == "ours":
+    entry = _meta_entry(d, world) if tool == "ours_meta" else common.gpt(d, num_stages=world)
+    if tool == "ours_meta":
+        # Only this rank's stages are allocated, initialised by their modules' reset_parameters().
+        runner = common.build_ours(entry, schedule, n_mb, device="cpu")
+        tool = "ours"
+    elif tool == "ours":
         runner = common.build_ours(entry, schedule, n_mb)
     else:
         runner = common.build_peer(entry, schedule, n_mb, rank, world)
@@ -76,13 +95,18 @@ def _body(rank: int, world: int, tool: str, schedule: str, d: int, n_mb: int, re
             "run_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def measure(schedule: str, d: int = 256, n_mb: int = 8, reps: int = 5) -> dict:
-    """Both tools on 2 ranks; per rank: RSS (MB) and held microbatches, and ours/peer."""
-    res = {tool: run_ranks(_body, 2, tool, schedule, d, n_mb, reps, timeout=900) for tool in ("ours", "peer")}
+def measure(schedule: str, d: int = 256, n_mb: int = 8, reps: int = 5,
+            tools: tuple[str, ...] = ("ours", "peer")) -> dict:
+    """Each tool on 2 ranks of its own; per rank: RSS (MB) and held microbatches, and ours/peer.
+
+    ``tools`` may add "ours_meta": ours with the model built on the meta device, so that
+    a rank allocates only its own stages' parameters.
+    """
+    res = {tool: run_ranks(_body, 2, tool, schedule, d, n_mb, reps, timeout=900) for tool in tools}
     ranks = []
     for r in range(2):
         row = {}
-        for tool in ("ours", "peer"):
+        for tool in tools:
             x = res[tool][r]
             row[tool] = {"step_peak_mb": common.summarize(x["step_peak_mb"]), "held": common.summarize(x["held"]),
                          "start_mb": x["start_mb"], "built_mb": x["built_mb"], "run_peak_mb": x["run_peak_mb"],
@@ -90,24 +114,29 @@ def measure(schedule: str, d: int = 256, n_mb: int = 8, reps: int = 5) -> dict:
         row["ours_over_peer"] = row["ours"]["step_peak_mb"]["median"] / row["peer"]["step_peak_mb"]["median"]
         row["above_start_ours_over_peer"] = (row["ours"]["step_peak_above_start_mb"]["median"]
                                              / row["peer"]["step_peak_above_start_mb"]["median"])
+        if "ours_meta" in row:
+            row["meta_over_peer"] = row["ours_meta"]["step_peak_mb"]["median"] / row["peer"]["step_peak_mb"]["median"]
         ranks.append(row)
     return {"schedule": schedule, "d": d, "n_mb": n_mb, "reps": reps, "ranks": ranks,
             "met": all(r["ours_over_peer"] <= TARGET for r in ranks)}
 
 
 def run(mode: str = "full", reps: int = 5) -> dict:
-    """1F1B and GPipe (quick, smoke: 1F1B only)."""
-    return {"rows": [measure(s, reps=reps) for s in (["1F1B", "GPipe"] if mode == "full" else ["1F1B"])]}
+    """1F1B (with the meta-device variant in full mode) and GPipe; quick, smoke: 1F1B only."""
+    if mode != "full":
+        return {"rows": [measure("1F1B", reps=reps)]}
+    return {"rows": [measure("1F1B", reps=reps, tools=("ours", "peer", "ours_meta")), measure("GPipe", reps=reps)]}
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["full", "quick", "smoke"], default="full")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     out = run(args.mode, args.reps)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    if args.out is not None:  # the record is compare.json; this is for a look at one item
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
     for row in out["rows"]:
         for r, x in enumerate(row["ranks"]):
             print(f"{row['schedule']:5s} rank {r}: ours {x['ours']['step_peak_mb']['median']:.0f} MB "

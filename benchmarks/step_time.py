@@ -33,7 +33,6 @@ from . import common
 
 __all__ = ["Config", "configs", "run", "measure"]
 
-RESULTS = Path(__file__).parent / "results" / "step_time.json"
 IDEAL_2_RANKS_8_MB = 2 * 8 / (8 + 2 - 1)
 
 
@@ -102,10 +101,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["full", "quick", "smoke"], default="full")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     out = run(args.mode, args.reps)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    if args.out is not None:  # the record is compare.json; this is for a look at one item
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
     for row in out["rows"]:
         c, r = row["config"], row["ours_over_peer"]
         print(f"{c['item']:8s} {c['schedule']:16s} d={c['d']:3d} m={c['n_mb']:2d}  ours/peer {r['median']:.2f} "

@@ -14,10 +14,12 @@ Cases:
     llama_grad     tiny Llama, 2 stages, 1F1B, positions made inside the model (the peer
                    cannot take a model input read by a later stage): the rotary table
                    (complex64) and the positions (int64) cross the cut without gradients.
-                   Rank 1 sends only gradients here, so its bytes are the backward bytes.
     float_table    2 stages, 1F1B: a float32 table (a buffer, no gradient) looked up by
                    position in stage 0 and read in stage 1, as a real-valued rotary table is.
     tiny_llama     the zoo model as is (positions a model input read by stage 1); ours only.
+
+In the 2-stage 1F1B cases rank 1 sends nothing but gradients, so its sent bytes are the
+backward bytes, and what exceeds the gradients the edges need went to no-grad edges.
 """
 
 from __future__ import annotations
@@ -34,9 +36,8 @@ from pippy_split.testing import RankFailure, run_ranks
 
 from . import common
 
-__all__ = ["Case", "cases", "run", "measure", "SelfPositions"]
+__all__ = ["Case", "cases", "run", "measure", "FloatTable", "SelfPositions"]
 
-RESULTS = Path(__file__).parent / "results" / "traffic.json"
 PEER_TIMEOUT_S = 120.0
 
 
@@ -202,8 +203,8 @@ def measure(case: Case, reps: int = 5) -> dict:
             row["peer_error"] = _failure(e)
     else:
         row["peer"] = None
-        row["peer_error"] = "not run: a model input read by a later stage (the peer rejects it: " \
-                            "'_retrieve_recv_activations expected non-root _RecvInfo but got root arg')"
+        row["peer_error"] = ("a model input read by a later stage (not run here; the peer rejects it: "
+                             "'_retrieve_recv_activations expected non-root _RecvInfo but got root arg')")
     if case.world == 2 and case.schedule == "1F1B":
         # 2 stages on 2 ranks: everything rank 1 sends is a gradient.
         need = row["expected"][1]["sent_bytes"]
@@ -223,10 +224,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["full", "quick", "smoke"], default="full")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     out = run(args.mode, args.reps)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    if args.out is not None:  # the record is compare.json; this is for a look at one item
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
     for row in out["rows"]:
         print(row["case"]["name"], "ours == minimum:", row["ours_equals_minimum"],
               "peer:", "ran" if row.get("peer") else row.get("peer_error"))
