@@ -38,6 +38,7 @@ import torch
 __all__ = ["build_parser", "main", "run", "worker", "load_factory", "DEFAULT_CHECKPOINT"]
 
 DEFAULT_CHECKPOINT = os.path.join("checkpoints", "tiny_gpt")
+TRAIN_STATE_DIR = "train_state"  # pippy_split.checkpoint of the stages + AdamW, beside model.pt
 SUM_MAX = 99  # operands of the built-in sums: 0..SUM_MAX
 CHECKPOINT_FILE = "model.pt"
 
@@ -59,7 +60,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--n-layer", type=int, default=None, help="default: max(4, number of stages)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help=f"directory (default {DEFAULT_CHECKPOINT})")
-    p.add_argument("--resume", action="store_true", help="load --checkpoint's weights before pipelining")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint: weights and AdamW state")
     p.add_argument("--data", default=None, help="train on this text file (vocabulary: its characters)")
     p.add_argument("--samples", type=int, default=8, help="lines to sample at the end")
     return p
@@ -249,8 +250,14 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, dist) -> None:
     M, T = cfg.microbatches, cfg.seq_len
     data_gen = torch.Generator().manual_seed(cfg.seed)  # same stream on every rank -> same batches
     sched = ps.build_schedule(pipe, cfg.schedule, M, loss_fn=prep.loss_fn, device=device)
-    params = [p for st in sched.stages for p in st.module.parameters()]
+    params = list({id(p): p for st in sched.stages for p in st.module.parameters()}.values())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    dcp_dir = os.path.join(cfg.checkpoint, TRAIN_STATE_DIR)
+    if cfg.resume and os.path.isdir(dcp_dir):
+        # Weights came from model.pt before pipelining; this restores AdamW's state too,
+        # whatever stage layout wrote it (the checkpoint is keyed by original FQNs).
+        ps.checkpoint.load(dcp_dir, sched, opt)
+        log(f"[green]resumed optimizer state[/] from {dcp_dir}")
     cls = ps.get_schedule_class(cfg.schedule)
     bubble = simulate(cls.compute_order(world, M, pipe.num_stages // world)).bubble_fraction
     log(f"[bold]pippy-split train[/]: {type(model).__name__}, {pipe.num_stages} stages on {world} ranks "
@@ -303,6 +310,9 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, dist) -> None:
     elapsed = time.perf_counter() - t0
     if rank == 0 and first_loss is not None:
         log(f"first loss {first_loss:.4f}   last loss {last_loss:.4f}   ({cfg.steps} steps, {elapsed:.1f} s)")
+
+    # ---- every rank writes its stages and optimizer state (DCP, original FQNs) for --resume
+    ps.checkpoint.save(dcp_dir, sched, opt, extra={"steps": cfg.steps})
 
     # ---- gather the full state dict (original FQNs) on rank 0
     local = {}

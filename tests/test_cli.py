@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from pippy_split import checkpoint as ps_checkpoint
+
 from pippy_split.cli import parse_costs
 from pippy_split.data import CharCorpus, addition_corpus, parse_sum
 
@@ -103,3 +105,8 @@ def test_train_small_run_writes_checkpoint(tmp_path):
     assert "tok_emb.weight" in saved["state_dict"] and "head.weight" in saved["state_dict"]
     assert saved["meta"]["steps"] == 3 and saved["meta"]["num_stages"] == 4
     assert not [p for p in os.listdir(ckpt) if p.endswith(".tmp")]
+    # --resume restores weights and AdamW state, here into another layout (4 stages on 4 ranks, GPipe).
+    assert ps_checkpoint.saved_keys(ckpt / "train_state")
+    out = _ok(_cli("train", "--steps", "1", "--ranks", "4", "--schedule", "GPipe", "--checkpoint", str(ckpt),
+                   "--samples", "1", "--resume", cwd=tmp_path))
+    assert "resumed optimizer state" in out
