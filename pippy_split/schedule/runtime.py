@@ -142,7 +142,7 @@ class Interpreter:
         args = []
         for slot in stage.in_slots:
             if slot.kind == "model":
-                args.append(ctx.flat_inputs[mb][slot.src_output])
+                args.append(_to(ctx.flat_inputs[mb][slot.src_output], stage.device))
             elif slot.kind == "symbol":
                 args.append(int(slot.expr.xreplace(ctx.bindings)))
             else:
@@ -171,17 +171,18 @@ class Interpreter:
         if stage.in_slots is None:
             self._handshake(stage, ctx)
         if stage.pipe is None and stage.is_first:
-            args, kwargs = list(ctx.mb_args[a.mb]), ctx.mb_kwargs[a.mb]
+            args = [_to(x, stage.device) for x in ctx.mb_args[a.mb]]
+            kwargs = {k: _to(v, stage.device) for k, v in ctx.mb_kwargs[a.mb].items()}
         else:
             args, kwargs = self._gather(stage, a.mb, ctx), None
-        target = ctx.targets[a.mb] if (stage.is_last and ctx.targets is not None) else None
+        target = _to(ctx.targets[a.mb], stage.device) if (stage.is_last and ctx.targets is not None) else None
         outs = stage.forward(a.mb, args, kwargs, train=ctx.train, target=target)
         if stage.lazy and not stage.routes:
             _manual_routes(stage, outs)
         if stage.is_last:
             ctx.outputs[a.mb] = stage.model_output(tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs))
         for route in stage.routes:
-            value = ctx.flat_inputs[a.mb][route.src_index] if route.from_input else outs[route.src_index]
+            value = _to(ctx.flat_inputs[a.mb][route.src_index], stage.device) if route.from_input else outs[route.src_index]
             what = f"stage {a.stage}, microbatch {a.mb}, forward to stage {route.dst_stage} (rank {self.stage_rank[route.dst_stage]})"
             self._check(value, route.spec, ctx, what)
             if ctx.train and route.spec is not None and not route.spec.carries_grad and not route.from_input \
@@ -357,6 +358,13 @@ def _build_slots(stage: PipelineStage, described: list[tuple[int, int, int, Tens
         src, out, spec = placed[i]
         slots.append(InputSlot(i, "edge", src, out, spec))
     return slots
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """Model inputs and targets arrive wherever the user made them; stages run on their device."""
+    if isinstance(value, torch.Tensor) and value.device != device:
+        return value.to(device, non_blocking=True)
+    return value
 
 
 def _who(stage: int) -> str:

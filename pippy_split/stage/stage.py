@@ -97,6 +97,8 @@ class PipelineStage:
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.device = torch.device(device) if device is not None else _module_device(module)
+        if hasattr(group, "get_group"):  # a 1-D DeviceMesh (or one dimension of one): its process group
+            group = group.get_group()
         self.group = group
         self.pipe = None
         self.lazy = True  # shapes unknown until the first step's handshake

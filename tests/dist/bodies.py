@@ -314,7 +314,7 @@ def fsdp_pp(rank: int, world: int, n_mb: int):
     half = x.shape[0] // 2
     xs, ys = x[replica * half:(replica + 1) * half], y[replica * half:(replica + 1) * half]
     pipe = ps.pipeline(entry.model, ["layers.4"], (xs[: half // n_mb],))
-    stage = pipe.build_stage(mesh["pp"].get_local_rank(), group=mesh["pp"].get_group())
+    stage = pipe.build_stage(mesh["pp"].get_local_rank(), group=mesh["pp"])  # a DeviceMesh dimension
     fully_shard(stage.module, mesh=mesh["dp"])
     sched = ps.Schedule1F1B(stage, n_mb, loss_fn=entry.loss_fn)
     sched.step(xs, target=ys)
