@@ -1,7 +1,9 @@
 """The zero-bubble backward split: what W must differentiate, found on the stage graph.
 
 For every op that combines a parameter (possibly through views like ``t()``)
-with an activation, the op's output is *captured*: the input-grad pass (I)
+with an activation, the op's output is *captured* (a no-op graph call that hands
+it to the stage only while the stage asks for it, so the stage module, its
+outputs and its hooks stay the same): the input-grad pass (I)
 computes the gradient flowing into it on its way to the stage inputs, and the
 weight-grad pass (W) differentiates just that op with respect to its
 parameters. A parameter used by several such ops in one stage would be counted
@@ -11,12 +13,14 @@ instead — exact, like ``loss.backward()``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule
 
-__all__ = ["WeightGradPlan", "plan_weight_grads"]
+__all__ = ["WeightGradPlan", "plan_weight_grads", "capturing", "capture"]
 
 
 @dataclass
@@ -39,8 +43,34 @@ def _param_of(gm: GraphModule, node: torch.fx.Node) -> torch.nn.Parameter | None
     return obj if obj.requires_grad else None
 
 
-def plan_weight_grads(gm: GraphModule) -> tuple[GraphModule, WeightGradPlan]:
-    """A copy of ``gm`` that also returns the captured op outputs, and the plan for W."""
+_SINK: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pippy_split_captures", default=None)
+
+
+def capture(index: int, value: torch.Tensor) -> None:
+    """Graph hook: hand ``value`` to the running stage when it asked for captures (else a no-op)."""
+    sink = _SINK.get()
+    if sink is not None:
+        sink[index] = value
+
+
+@contextlib.contextmanager
+def capturing():
+    """Collect the captured op outputs of the stage forward run inside this block."""
+    sink: dict[int, torch.Tensor] = {}
+    token = _SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _SINK.reset(token)
+
+
+def plan_weight_grads(gm: GraphModule) -> WeightGradPlan:
+    """Instrument ``gm`` in place so a forward run under :func:`capturing` reports the
+    op outputs W needs (outputs, hooks and behaviour are otherwise unchanged), and
+    return the plan for W. Idempotent: a module is instrumented once."""
+    existing = getattr(gm, "_pippy_split_weight_grad_plan", None)
+    if existing is not None:
+        return existing
     graph = gm.graph
     param_only: dict[torch.fx.Node, set[int]] = {}  # node -> ids of params it derives from
     params_by_id: dict[int, torch.nn.Parameter] = {}
@@ -68,18 +98,11 @@ def plan_weight_grads(gm: GraphModule) -> tuple[GraphModule, WeightGradPlan]:
         if not isinstance(node.meta.get("val"), torch.Tensor):
             whole |= ids  # tuple-valued op: cannot capture one tensor, differentiate whole
     kept = [(node, ids - whole) for node, ids in captures if ids - whole]
-
-    new_graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    out_node = None
-    for node in graph.nodes:
-        if node.op == "output":
-            out_node = node
-            continue
-        env[node] = new_graph.node_copy(node, lambda a: env[a])
-    outputs = tuple(env[a] if isinstance(a, torch.fx.Node) else a for a in out_node.args[0])
-    new_graph.output(outputs + tuple(env[node] for node, _ in kept))
-    zb = GraphModule(gm, new_graph, class_name=f"{type(gm).__name__}_ZB")
+    for k, (node, _) in enumerate(kept):
+        with graph.inserting_after(node):
+            graph.call_function(capture, (k, node))
+    gm.recompile()
     plan = WeightGradPlan([[params_by_id[i] for i in sorted(ids)] for _, ids in kept],
                           [params_by_id[i] for i in sorted(whole)])
-    return zb, plan
+    gm._pippy_split_weight_grad_plan = plan
+    return plan

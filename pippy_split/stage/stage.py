@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..split.spec import MODEL_INPUT, TensorSpec
-from .backward import WeightGradPlan, plan_weight_grads
+from .backward import WeightGradPlan, capturing, plan_weight_grads
 from .errors import PipelineError
 
 __all__ = ["PipelineStage", "InputSlot", "Route"]
@@ -120,7 +120,6 @@ class PipelineStage:
         self._losses: dict[int, torch.Tensor] = {}  # per microbatch, unscaled, kept for the whole step
         self.peak_held_microbatches = 0  # most microbatches held at once during the last step
         self._wplan: WeightGradPlan | None = None
-        self._zb_module: torch.nn.Module | None = None
 
     # ---- construction from a Pipe ------------------------------------------------
     @classmethod
@@ -178,22 +177,18 @@ class PipelineStage:
                 target: Any = None) -> tuple:
         """Run the module on one microbatch; keep what backward needs when ``train``."""
         try:
-            with torch.set_grad_enabled(train):
-                module = self._zb_module if (train and self._zb_module is not None) else self.module
-                out = module(*args, **(kwargs or {}))
+            with torch.set_grad_enabled(train), capturing() as sink:
+                out = self.module(*args, **(kwargs or {}))
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: forward raised {type(e).__name__}: {e}") from e
         outputs = tuple(out) if isinstance(out, (tuple, list)) and self.pipe is not None else (
             tuple(out) if isinstance(out, tuple) else (out,))
-        captures: tuple = ()
-        if train and self._zb_module is not None and self._wplan is not None:
-            n = len(outputs) - self._wplan.num_captures
-            outputs, captures = outputs[:n], outputs[n:]
         if not train:
             return outputs
         saved = _Saved(list(args), outputs)
         if self._wplan is not None:
-            saved.weight_work = list(captures)  # by capture index; I turns them into (index, grad)
+            # by capture index; I turns them into (index, tensor, grad)
+            saved.weight_work = [sink.get(k) for k in range(self._wplan.num_captures)]
         if self.is_last and self.loss_fn is not None and target is not None:
             saved.loss = self.compute_loss(mb, outputs, target)
             self._losses[mb] = saved.loss.detach()
@@ -322,14 +317,13 @@ class PipelineStage:
     def enable_split_backward(self) -> None:
         """Prepare the I/W split: capture, per parameter use, the op output whose
         gradient W needs, so W runs only the weight part of each op."""
-        if self._zb_module is not None or self.pipe is None:
+        if self._wplan is not None or self.pipe is None:
             return
         if not isinstance(self.module, torch.fx.GraphModule):
             raise PipelineError(f"stage {self.stage_index}: the I/W split needs the traced stage module; a wrapped "
                                 f"module ({type(self.module).__name__}) works with GPipe, 1F1B, Interleaved1F1B and "
                                 "LoopedBFS")
-        zb, plan = plan_weight_grads(self.module)
-        self._zb_module, self._wplan = zb, plan
+        self._wplan = plan_weight_grads(self.module)
 
     def set_grad_sync(self, enabled: bool) -> None:
         """Let an FSDP2 (``fully_shard``) module reduce gradients only on the step's last backward.

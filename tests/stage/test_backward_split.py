@@ -67,3 +67,17 @@ def test_missing_target_names_the_last_stage():
     sched = ps.build_schedule(pipe, "ZBVZeroBubble", 4, loss_fn=_loss)
     with pytest.raises(ps.PipelineError, match="last stage"):
         sched.step(x)
+
+
+def test_forward_hooks_on_the_stage_module_fire_under_the_split_backward():
+    torch.manual_seed(0)
+    model = TwiceUsed()
+    x, y = torch.randint(0, 11, (8, 5)), torch.randint(0, 11, (8, 5))
+    pipe = ps.pipeline(model, ["body"], (x[:2],))
+    sched = ps.build_schedule(pipe, "ZBVZeroBubble", 4, loss_fn=_loss)
+    calls = []
+    sched.stages[1].module.register_forward_hook(lambda m, a, out: calls.append(len(out)))
+    sched.step(x, target=y)
+    assert calls == [1] * 4  # the module's own outputs: captures travel on a side channel
+    # The pipe still runs in one process with the instrumented module (captures are no-ops there).
+    torch.testing.assert_close(pipe(x[:2]), model(x[:2]))
