@@ -16,12 +16,15 @@ shared 2-core machine are noise, a ratio of two runs interleaved step by step is
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import resource
 import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -335,3 +338,19 @@ def peak_rss_mb() -> float:
     if kb is None:
         kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 1024
+
+
+def item_main(doc: str, run: Callable[[str, int], dict], report: Callable[[dict], None],
+              argv: list[str] | None = None) -> dict:
+    """Command line of one benchmark item: ``--mode``, ``--reps``, ``--out``; prints each row."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--mode", choices=["full", "quick", "smoke"], default="full")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    out = run(args.mode, args.reps)
+    if args.out is not None:  # the record is compare.json; this is for a look at one item
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+    for row in out["rows"]:
+        report(row)
+    return out

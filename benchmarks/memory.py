@@ -21,11 +21,8 @@ step peak RSS.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import resource
-from pathlib import Path
 
 import torch
 
@@ -128,21 +125,15 @@ def run(mode: str = "full", reps: int = 5) -> dict:
     return {"rows": [measure("1F1B", reps=reps, tools=("ours", "peer", "ours_meta")), measure("GPipe", reps=reps)]}
 
 
+def _report(row: dict) -> None:
+    for r, x in enumerate(row["ranks"]):
+        print(f"{row['schedule']:5s} rank {r}: ours {x['ours']['step_peak_mb']['median']:.0f} MB "
+              f"peer {x['peer']['step_peak_mb']['median']:.0f} MB -> {x['ours_over_peer']:.2f}x; held "
+              f"{x['ours']['held']['median']:.0f} vs {x['peer']['held']['median']:.0f}")
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["full", "quick", "smoke"], default="full")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
-    args = parser.parse_args(argv)
-    out = run(args.mode, args.reps)
-    if args.out is not None:  # the record is compare.json; this is for a look at one item
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
-    for row in out["rows"]:
-        for r, x in enumerate(row["ranks"]):
-            print(f"{row['schedule']:5s} rank {r}: ours {x['ours']['step_peak_mb']['median']:.0f} MB "
-                  f"peer {x['peer']['step_peak_mb']['median']:.0f} MB -> {x['ours_over_peer']:.2f}x; held "
-                  f"{x['ours']['held']['median']:.0f} vs {x['peer']['held']['median']:.0f}")
-    return out
+    return common.item_main(__doc__, run, _report, argv)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,7 @@ machine, so it separates "our runtime costs more" from "the machine was busy".
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from pippy_split.testing import run_ranks
 
@@ -97,20 +94,14 @@ def run(mode: str = "full", reps: int = 5) -> dict:
     return {"rows": [measure(cfg, reps=reps) for cfg in configs(mode)]}
 
 
+def _report(row: dict) -> None:
+    c, r = row["config"], row["ours_over_peer"]
+    print(f"{c['item']:8s} {c['schedule']:16s} d={c['d']:3d} m={c['n_mb']:2d}  ours/peer {r['median']:.2f} "
+          f"[{r['min']:.2f}, {r['max']:.2f}]")
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["full", "quick", "smoke"], default="full")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
-    args = parser.parse_args(argv)
-    out = run(args.mode, args.reps)
-    if args.out is not None:  # the record is compare.json; this is for a look at one item
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
-    for row in out["rows"]:
-        c, r = row["config"], row["ours_over_peer"]
-        print(f"{c['item']:8s} {c['schedule']:16s} d={c['d']:3d} m={c['n_mb']:2d}  ours/peer {r['median']:.2f} "
-              f"[{r['min']:.2f}, {r['max']:.2f}]")
-    return out
+    return common.item_main(__doc__, run, _report, argv)
 
 
 if __name__ == "__main__":

@@ -24,10 +24,7 @@ backward bytes, and what exceeds the gradients the edges need went to no-grad ed
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -220,19 +217,13 @@ def run(mode: str = "full", reps: int = 5) -> dict:
     return {"rows": [measure(c, reps) for c in cases(mode)]}
 
 
+def _report(row: dict) -> None:
+    print(row["case"]["name"], "ours == minimum:", row["ours_equals_minimum"],
+          "peer:", "ran" if row.get("peer") else row.get("peer_error"))
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["full", "quick", "smoke"], default="full")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
-    args = parser.parse_args(argv)
-    out = run(args.mode, args.reps)
-    if args.out is not None:  # the record is compare.json; this is for a look at one item
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
-    for row in out["rows"]:
-        print(row["case"]["name"], "ours == minimum:", row["ours_equals_minimum"],
-              "peer:", "ran" if row.get("peer") else row.get("peer_error"))
-    return out
+    return common.item_main(__doc__, run, _report, argv)
 
 
 if __name__ == "__main__":
