@@ -59,7 +59,6 @@ class _Saved:
     inputs: list[Any]
     outputs: tuple
     loss: torch.Tensor | None = None
-    grad_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     weight_work: list = field(default_factory=list)
 
 
