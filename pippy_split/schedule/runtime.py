@@ -101,6 +101,11 @@ class Interpreter:
                 still.append(pending)
         self._sends = still
 
+    def _post_recv(self, spec: TensorSpec, stage: PipelineStage, peer: int, tag: int, what: str,
+                   ctx: StepContext) -> Pending:
+        """Post one receive sized exactly by the spec for this step (never a reused buffer)."""
+        return self.p2p.recv(self._shape(spec, ctx), spec.dtype, stage.device, peer, tag, what)
+
     def _shape(self, spec: TensorSpec, ctx: StepContext) -> tuple[int, ...]:
         """Concrete shape of a spec for this step (evaluated once per step, not per message)."""
         if not spec.is_dynamic:
@@ -246,8 +251,7 @@ class Interpreter:
             tag = _tag(a.mb, slot.src_stage, slot.src_output, a.stage, self.num_stages, 0)
             what = (f"stage {a.stage} waiting for the forward of microbatch {a.mb} from stage {slot.sender_stage} "
                     f"on rank {peer}")
-            shape = self._shape(slot.spec, ctx)
-            pendings.append((slot, self.p2p.recv(shape, slot.spec.dtype, stage.device, peer, tag, what)))
+            pendings.append((slot, self._post_recv(slot.spec, stage, peer, tag, what, ctx)))
         box = self._fwd_inbox.setdefault((a.stage, a.mb), {})
         for slot, pending in pendings:
             self.p2p.wait(pending)
@@ -301,8 +305,7 @@ class Interpreter:
             tag = _tag(a.mb, a.stage, route.src_index, route.dst_stage, self.num_stages, 1)
             what = (f"stage {a.stage} waiting for the gradient of microbatch {a.mb} from stage {route.dst_stage} "
                     f"on rank {peer}")
-            shape = self._shape(route.spec, ctx)
-            pendings.append((route, self.p2p.recv(shape, route.spec.dtype, stage.device, peer, tag, what)))
+            pendings.append((route, self._post_recv(route.spec, stage, peer, tag, what, ctx)))
         box = self._bwd_inbox.setdefault((a.stage, a.mb), {})
         for route, pending in pendings:
             self.p2p.wait(pending)
