@@ -5,6 +5,29 @@ and the lowering pass (which adds SEND_F/RECV_F/SEND_B/RECV_B). Text form is
 ``{stage}{kind}{mb}``: ``2F0`` is the forward of microbatch 0 on stage 2,
 ``1SEND_B3`` sends stage 1's input gradients for microbatch 3. Orders save to
 and load from CSV with one row per rank (an empty cell is an idle step).
+
+Communication actions move *messages*. A message is everything one stage
+sends one other stage for one microbatch in one direction (one tensor per
+edge between them). A comm action names its own stage and, with ``peer``, the
+stage at the other end: ``3RECV_F0<0`` is stage 3 receiving stage 0's forward
+of microbatch 0, ``0SEND_F0>3`` the matching send. Without a peer
+(``1RECV_F0``) the action covers every stage on another rank that it
+exchanges with in that direction, in ascending stage order; ``lower`` writes
+the peer only where a stage has more than one such peer.
+
+The NCCL rules the IR is built for (gloo is run the same way in the tests):
+
+* Between two ranks, the k-th message one posts to the other is taken by the
+  k-th receive the other posts from it; tags play no part. So on every
+  directed channel (sender rank -> receiver rank) the sender's sends and the
+  receiver's receives must name the same messages in the same order.
+* A **batch** is a maximal run of consecutive comm actions on one rank. It is
+  posted at once (``torch.distributed.batch_isend_irecv``) in list order, and
+  completes only when every message in it has its counterpart posted by the
+  peer. A rank posts its next batch only after its previous one completed.
+  ``lower`` writes each batch sorted by peer rank, then by the message's place
+  on its channel; ``validate`` and ``simulate`` use exactly this rule, so an
+  order they accept cannot deadlock or swap messages on NCCL.
 """
 
 from __future__ import annotations
@@ -16,7 +39,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ActionKind", "Action", "Order", "parse_action", "order_to_csv", "order_from_csv"]
+__all__ = ["ActionKind", "Action", "Order", "parse_action", "order_to_csv", "order_from_csv", "comm_batches"]
 
 
 class ActionKind(str, enum.Enum):
@@ -46,20 +69,42 @@ COMPUTE_KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One step of one rank: ``kind`` of microbatch ``mb`` on ``stage``."""
+    """One step of one rank: ``kind`` of microbatch ``mb`` on ``stage``.
+
+    ``peer`` (comm actions only) is the stage at the other end of the message;
+    ``None`` means every remote peer of ``stage`` in that direction.
+
+    Example:
+        >>> str(Action(3, ActionKind.RECV_F, 0, peer=0))
+        '3RECV_F0<0'
+    """
 
     stage: int
     kind: ActionKind
     mb: int
+    peer: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, ActionKind):
             object.__setattr__(self, "kind", ActionKind(self.kind))
         if self.stage < 0 or self.mb < 0:
             raise ValueError(f"Action stage and mb must be >= 0, got stage={self.stage} mb={self.mb}")
+        if self.peer is not None:
+            if self.kind.is_compute:
+                raise ValueError(f"{self.stage}{self.kind.value}{self.mb}: only comm actions have a peer stage")
+            if self.peer < 0 or self.peer == self.stage:
+                raise ValueError(f"{self.stage}{self.kind.value}{self.mb}: peer stage must be another stage >= 0, "
+                                 f"got {self.peer}")
+
+    @property
+    def is_send(self) -> bool:
+        return self.kind is ActionKind.SEND_F or self.kind is ActionKind.SEND_B
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.mb}"
+        text = f"{self.stage}{self.kind.value}{self.mb}"
+        if self.peer is None:
+            return text
+        return f"{text}{'>' if self.is_send else '<'}{self.peer}"
 
     def __repr__(self) -> str:
         return f"Action({self})"
@@ -69,7 +114,7 @@ class Action:
         return parse_action(text)
 
 
-_ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)\s*$")
+_ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:([<>])(\d+))?\s*$")
 
 # {rank: [Action | None, ...]}: None is an idle step (a bubble).
 Order = dict[int, list["Action | None"]]
@@ -86,9 +131,43 @@ def parse_action(text: str) -> Action:
     if m is None:
         raise ValueError(
             f"cannot parse action {text!r}: expected <stage><kind><mb> with kind in "
-            f"{[k.value for k in ActionKind]}, e.g. '2F0' or '1SEND_B3'"
+            f"{[k.value for k in ActionKind]}, e.g. '2F0' or '1SEND_B3' (a comm action may name its peer "
+            "stage: '0SEND_F3>3', '3RECV_F3<0')"
         )
-    return Action(int(m.group(1)), ActionKind(m.group(2)), int(m.group(3)))
+    kind = ActionKind(m.group(2))
+    if m.group(4) is None:
+        return Action(int(m.group(1)), kind, int(m.group(3)))
+    arrow = ">" if kind in (ActionKind.SEND_F, ActionKind.SEND_B) else "<"
+    if kind.is_compute or m.group(4) != arrow:
+        raise ValueError(f"cannot parse action {text!r}: only a SEND names its peer with '>' and only a RECV with "
+                         f"'<' (e.g. '0SEND_F3>3', '3RECV_F3<0')")
+    return Action(int(m.group(1)), kind, int(m.group(3)), int(m.group(5)))
+
+
+def comm_batches(actions: list["Action | None"]) -> list[tuple[int, list[Action]]]:
+    """The batches of one rank's list: ``(index of the first action, [comm actions])``.
+
+    A batch is a maximal run of consecutive comm actions (idle ``None`` steps
+    in between do not split it).
+
+    Example:
+        >>> acts = [parse_action(t) for t in "0F0 0SEND_F0 0RECV_B0 0B0".split()]
+        >>> [(i, [str(a) for a in b]) for i, b in comm_batches(acts)]
+        [(1, ['0SEND_F0', '0RECV_B0'])]
+    """
+    out: list[tuple[int, list[Action]]] = []
+    current: list[Action] | None = None
+    for i, a in enumerate(actions):
+        if a is None:
+            continue
+        if a.kind.is_compute:
+            current = None
+            continue
+        if current is None:
+            current = []
+            out.append((i, current))
+        current.append(a)
+    return out
 
 
 def order_to_csv(order: Order, path: str | Path | None = None) -> str:

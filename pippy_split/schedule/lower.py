@@ -5,10 +5,12 @@ and the runtime. Every pass here is a plain list-to-list function on an
 :data:`~pippy_split.schedule.actions.Order`:
 
 * :func:`lower` adds ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B`` from the link
-  table and the placement. A ``RECV`` sits immediately before the action that
-  consumes it (never hoisted), a ``SEND`` immediately after the action that
-  produces it. Stages on the same rank hand values over in memory, so a pair
-  of them gets no communication at all.
+  table and the placement, NCCL-safe by construction: a ``SEND`` goes into the
+  batch right after the action that produces it, its ``RECV`` into the
+  receiver's batch at the moment of sending (in a simulation of all ranks), so
+  every channel carries its messages in one order at both ends. Stages on the
+  same rank hand values over in memory, so a pair of them gets no
+  communication at all.
 * :func:`merge_backward` / :func:`split_backward` convert between ``I`` + ``W``
   and a fused ``B``.
 
@@ -17,17 +19,19 @@ different ranks: ``src`` sends its forward output (``SEND_F`` after ``F``),
 ``dst`` receives it (``RECV_F`` before ``F``); when the link carries a
 gradient, ``dst`` sends the input gradient back (``SEND_B`` after ``B``/``I``)
 and ``src`` receives it (``RECV_B`` before ``B``/``I``). One ``SEND``/``RECV``
-action covers every remote peer of that stage in that direction; the runtime
-moves one tensor per edge.
+action moves one message (one stage to one stage; the runtime moves one tensor
+per edge between them).
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from .actions import Action, ActionKind, Order
 from .deps import Link, chain_links
+from .messages import Message, recv_action, send_action
 from .placement import stage_to_rank
 
 __all__ = [
@@ -150,8 +154,19 @@ def lower(
     order: Order,
     links: Iterable[Link] | None = None,
     placement: Mapping[int, int] | str | None = None,
+    costs: Mapping[str, float] | None = None,
 ) -> Order:
-    """Add communication actions to a compute-only order.
+    """Add communication actions to a compute-only order, NCCL-safe by construction.
+
+    All ranks are simulated together (``costs`` per compute kind, default 1
+    each, ``B`` = ``I`` + ``W``). When a compute action ends, the messages it
+    owes go into the batch right after it, and each message's receive goes into
+    the receiver's batch at the point the receiver has reached at that moment
+    (hoisted above the action that will consume it, if need be). Both ends of
+    every channel therefore list its messages in the same order, and the batch
+    that receives a message is posted no later than the receiver needed it. Each
+    batch is written sorted by peer rank, then by the message's place on its
+    channel (see :mod:`.actions` for the batch rule).
 
     Args:
         order: ``{rank: [Action | None, ...]}`` of compute actions (F, B, I, W).
@@ -159,11 +174,15 @@ def lower(
             ``s -> s + 1`` over every stage the order (and placement) names.
         placement: ``{stage: rank}`` (or ``"loop"``/``"v"``); default: inferred
             from which rank's list holds each stage's actions.
+        costs: time per compute kind for the simulation that places the receives.
 
     Returns:
-        A new order, idle ``None`` slots dropped, each compute action wrapped by
-        the ``RECV_*`` it needs just before it and the ``SEND_*`` it owes just
-        after it.
+        A new order, idle ``None`` slots dropped, with SEND/RECV actions added.
+        A comm action names its peer stage when its stage has more than one
+        remote peer in that direction.
+
+    Raises:
+        ScheduleError: the compute order itself cannot run (see ``validate``).
 
     Example:
         >>> order = {0: [Action(0, F, 0), None, Action(0, B, 0)],
@@ -171,41 +190,116 @@ def lower(
         >>> [str(a) for a in lower(order)[1]]
         ['1RECV_F0', '1F0', '1B0', '1SEND_B0']
     """
-    link_list = None if links is None else list(links)
-    num_stages = _num_stages(order, placement, link_list or [])
+    link_list = chain_links(_num_stages(order, placement, [])) if links is None else list(links)
+    num_stages = _num_stages(order, placement, link_list)
     where = resolve_placement(order, num_stages, placement)
     missing = sorted(set(range(num_stages)) - set(where))
     if missing:
         raise ValueError(f"no rank for stages {missing}: pass placement= or give them actions")
-    table = peer_table(num_stages, chain_links(num_stages) if link_list is None else link_list, where)
-    return {rank: _lower_rank(rank, order[rank], table) for rank in sorted(order)}
+    table = peer_table(num_stages, link_list, where)
+    for rank in sorted(order):
+        for a in order[rank]:
+            if a is not None and a.kind.is_comm:
+                raise ValueError(f"rank {rank} already has communication action {a}; lower() takes a "
+                                 "compute-only order")
+    lowered = _Lowering(order, link_list, table, where, costs).run()
+    if lowered is None:  # the compute order cannot run: let validate say why
+        from .validate import ScheduleError, validate
+
+        n_mb = 1 + max((a.mb for acts in order.values() for a in acts if a is not None), default=0)
+        validate(order, num_stages, n_mb, links=link_list, placement=where)
+        raise ScheduleError("the compute order cannot be run to the end (lowering stalled)")
+    return lowered
 
 
-def _lower_rank(rank: int, actions: list[Action | None], table: dict[int, Peers]) -> list[Action | None]:
-    """One rank's list with its RECVs and SENDs in place, idle slots dropped."""
-    out: list[Action | None] = []
-    append = out.append
-    for a in actions:
-        if a is None:
-            continue
-        kind, peers_of = a.kind, table[a.stage]
-        if kind is F:
-            if peers_of.recv_f:
-                append(Action(a.stage, RECV_F, a.mb))
-            append(a)
-            if peers_of.send_f:
-                append(Action(a.stage, SEND_F, a.mb))
-        elif kind is B or kind is I:
-            if peers_of.recv_b:
-                append(Action(a.stage, RECV_B, a.mb))
-            append(a)
-            if peers_of.send_b:
-                append(Action(a.stage, SEND_B, a.mb))
-        elif kind is W:  # nothing crosses ranks
-            append(a)
+class _Lowering:
+    """One lock-step simulation of every rank that writes the comm actions."""
+
+    def __init__(self, order: Order, links: list[Link], table: dict[int, Peers], where: Mapping[int, int],
+                 costs: Mapping[str, float] | None) -> None:
+        merged = {"F": 1.0, "I": 1.0, "W": 1.0, **{k: float(v) for k, v in (costs or {}).items()}}
+        merged.setdefault("B", merged["I"] + merged["W"])
+        self.cost = {F: merged["F"], B: merged["B"], I: merged["I"], W: merged["W"]}
+        self.table, self.where = table, where
+        self.ranks = sorted(order)
+        self.todo = {r: [a for a in order[r] if a is not None] for r in self.ranks}
+        self.out: dict[int, list[Action | None]] = {r: [] for r in self.ranks}
+        self.batch: dict[int, list[tuple[int, int, Action]]] = {r: [] for r in self.ranks}  # (peer rank, seq, a)
+        self.done: set[tuple[int, ActionKind, int]] = set()  # compute (stage, kind, mb) finished
+        self.arrived: set[Message] = set()
+        self.seq = 0
+        # same-rank producers: handed over in memory, so only their completion counts
+        self.local_preds: dict[int, list[int]] = {}
+        self.local_grad_succs: dict[int, list[int]] = {}
+        for src, dst, carries_grad in links:
+            if where[src] == where[dst]:
+                self.local_preds.setdefault(dst, []).append(src)
+                if carries_grad:
+                    self.local_grad_succs.setdefault(src, []).append(dst)
+
+    def run(self) -> Order | None:
+        ptr = {r: 0 for r in self.ranks}
+        running: list[tuple[float, int, Action]] = []  # heap of (end time, rank, action)
+        busy: set[int] = set()
+        now = 0.0
+        while True:
+            for r in self.ranks:  # start whatever can start now
+                if r not in busy and ptr[r] < len(self.todo[r]) and self._ready(self.todo[r][ptr[r]]):
+                    a = self.todo[r][ptr[r]]
+                    self._flush(r)
+                    self.out[r].append(a)
+                    ptr[r] += 1
+                    busy.add(r)
+                    heapq.heappush(running, (now + self.cost[a.kind], r, a))
+            if not running:
+                break
+            now = running[0][0]
+            while running and running[0][0] == now:  # every compute ending now, by rank
+                _, r, a = heapq.heappop(running)
+                busy.discard(r)
+                self._finish(r, a)
+        for r in self.ranks:
+            self._flush(r)
+        if any(ptr[r] < len(self.todo[r]) for r in self.ranks):
+            return None
+        return self.out
+
+    def _ready(self, a: Action) -> bool:
+        peers = self.table[a.stage]
+        if a.kind is F:
+            return all(Message("F", src, a.stage, a.mb) in self.arrived for src in peers.recv_f) and all(
+                (src, F, a.mb) in self.done for src in self.local_preds.get(a.stage, ()))
+        if a.kind is W:
+            return (a.stage, I, a.mb) in self.done
+        return ((a.stage, F, a.mb) in self.done
+                and all(Message("B", dst, a.stage, a.mb) in self.arrived for dst in peers.recv_b)
+                and all((dst, I, a.mb) in self.done for dst in self.local_grad_succs.get(a.stage, ())))
+
+    def _finish(self, rank: int, a: Action) -> None:
+        self.done.add((a.stage, a.kind, a.mb))
+        if a.kind is B:
+            self.done.add((a.stage, I, a.mb))
+        peers = self.table[a.stage]
+        if a.kind is F:
+            outgoing = [Message("F", a.stage, d, a.mb) for d in peers.send_f]
+            unique_send, unique_recv = len(peers.send_f) == 1, lambda m: len(self.table[m.receiver].recv_f) == 1
+        elif a.kind is B or a.kind is I:
+            outgoing = [Message("B", a.stage, src, a.mb) for src in peers.send_b]
+            unique_send, unique_recv = len(peers.send_b) == 1, lambda m: len(self.table[m.receiver].recv_b) == 1
         else:
-            raise ValueError(f"rank {rank} already has communication action {a}; lower() takes a compute-only order")
-    return out
+            return
+        for m in sorted(outgoing, key=lambda m: m.receiver):
+            peer_rank = self.where[m.receiver]
+            self.batch[rank].append((peer_rank, self.seq, send_action(m, unique_send)))
+            self.batch[peer_rank].append((rank, self.seq, recv_action(m, unique_recv(m))))
+            self.arrived.add(m)
+            self.seq += 1
+
+    def _flush(self, rank: int) -> None:
+        pending = self.batch[rank]
+        if pending:
+            self.out[rank].extend(a for _, _, a in sorted(pending, key=lambda t: (t[0], t[1])))
+            pending.clear()
 
 
 def _num_stages(order: Order, placement: Mapping[int, int] | str | None, links: list[Link]) -> int:

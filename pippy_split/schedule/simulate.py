@@ -7,9 +7,12 @@ count per rank without any tensors or process group. Rendering of the result
 
 Model: every rank runs its list in order (``None`` steps are skipped, so idle
 time comes only from waiting); an action starts at ``max(rank free, inputs
-ready)``. Compute-only orders take their inputs from :mod:`.deps`; lowered
-orders (with SEND/RECV) make a compute action wait on the local RECV when its
-producer is on another rank, and a RECV wait on the matching SEND.
+ready)``. Compute-only orders take their inputs from :mod:`.deps`. Lowered
+orders (with SEND/RECV) follow the batch rule of :mod:`.actions`, as NCCL
+runs them: a batch is posted once the rank reaches it and its previous batch
+has completed; it completes once every message in it has its counterpart
+posted (plus ``comm_latency``); a compute action does not wait for a batch
+unless it consumes a message that batch receives.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Iterable, Mapping
 
 from .actions import Action, ActionKind, Order
 from .deps import DepIndex, Link, chain_links
+from .messages import Message, action_messages, recv_action, send_action
 
 __all__ = ["Simulation", "simulate", "DEFAULT_COSTS"]
 
@@ -199,8 +203,11 @@ def simulate(
     cost = _cost_table(costs)
     stages = [a.stage for acts in order.values() for a in acts if a is not None]
     num_stages = max(stages) + 1 if stages else 0
-    index = DepIndex(chain_links(num_stages) if links is None else links, num_stages)
     lowered = any(a is not None and a.kind in _COMM for acts in order.values() for a in acts)
+    if lowered:
+        return _simulate_batches(order, cost, chain_links(num_stages) if links is None else list(links),
+                                 num_stages, float(comm_latency))
+    index = DepIndex(chain_links(num_stages) if links is None else links, num_stages)
     reqs = _Requirements(index, _stage_ranks(order), lowered, float(comm_latency))
 
     done: dict[Key, float] = {}
@@ -260,6 +267,84 @@ def simulate(
     if blocked_on:
         raise _deadlock_error(order, ptr, blocked_on)
     return _summarize(order, timeline, cost)
+
+
+def _simulate_batches(order: Order, cost: dict, links: list[Link], num_stages: int, latency: float) -> Simulation:
+    """A lowered order under the batch rule (see the module docstring)."""
+    from .lower import peer_table
+
+    where = _stage_ranks(order)
+    table = peer_table(num_stages, links, where)
+    posted: dict[tuple[Message, bool], float] = {}  # (message, by its sender?) -> time posted
+    waiting: dict[tuple[Message, bool], list[int]] = {}
+    arrival: dict[Message, float] = {}  # completion time of the batch that receives it
+    ptr = {r: 0 for r in order}
+    free = {r: 0.0 for r in order}  # when the rank's compute is free
+    stream = {r: 0.0 for r in order}  # when the rank's previous batch completed
+    timeline: dict[int, list[tuple[float, float, Action]]] = {r: [] for r in order}
+    blocked_on: dict[int, tuple[Message, bool]] = {}
+    queue = deque(order)
+    while queue:
+        rank = queue.popleft()
+        acts, pos = order[rank], ptr[rank]
+        blocked_on.pop(rank, None)
+        while pos < len(acts):
+            a = acts[pos]
+            if a is None:
+                pos += 1
+                continue
+            if a.kind.is_compute:
+                start = free[rank]
+                for m in _consumed(a, table):
+                    start = max(start, arrival.get(m, start))
+                free[rank] = start + cost[a.kind]
+                timeline[rank].append((start, free[rank], a))
+                pos += 1
+                continue
+            end, ops = pos, []
+            while end < len(acts) and (acts[end] is None or acts[end].kind.is_comm):
+                if acts[end] is not None:
+                    ops += [(m, acts[end].is_send) for m in action_messages(acts[end], table)]
+                end += 1
+            t_post = max(free[rank], stream[rank])
+            for op in ops:
+                if op not in posted:
+                    posted[op] = t_post
+                    queue.extend(waiting.pop(op, ()))
+            missing = next(((m, not side) for m, side in ops if (m, not side) not in posted), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(rank)
+                blocked_on[rank] = missing
+                break
+            done = max([t_post] + [posted[(m, not side)] for m, side in ops]) + latency
+            for m, side in ops:
+                if not side:
+                    arrival[m] = done
+            stream[rank] = done
+            for i in range(pos, end):
+                if acts[i] is not None:
+                    timeline[rank].append((t_post, t_post, acts[i]))
+            pos = end
+        ptr[rank] = pos
+    if blocked_on:
+        lines = []
+        for r in sorted(blocked_on):
+            m, by_sender = blocked_on[r]
+            other = send_action(m, True) if by_sender else recv_action(m, True)
+            lines.append(f"rank {r} step {ptr[r]} ({order[r][ptr[r]]}) waits for {other}")
+        raise ValueError("schedule deadlocks: no rank can progress; " + "; ".join(lines[:8])
+                         + (f"; ... and {len(lines) - 8} more ranks" if len(lines) > 8 else ""))
+    return _summarize(order, timeline, cost)
+
+
+def _consumed(a: Action, table: dict) -> list[Message]:
+    """Remote messages compute action ``a`` reads: activations for F, gradients for B/I."""
+    peers = table[a.stage]
+    if a.kind is F:
+        return [Message("F", src, a.stage, a.mb) for src in peers.recv_f]
+    if a.kind is B or a.kind is I:
+        return [Message("B", dst, a.stage, a.mb) for dst in peers.recv_b]
+    return []
 
 
 def _summarize(order: Order, timeline: dict[int, list[tuple[float, float, Action]]], cost: dict) -> Simulation:

@@ -4,13 +4,14 @@ Sits after the order generators and :mod:`~pippy_split.schedule.lower` and
 before the runtime. It takes a compute-only order (F, B, I, W) or a lowered
 one (with SEND/RECV), checks it statically, then dry-runs every rank together:
 
-* a ``SEND`` never blocks (like ``isend`` with a tag);
-* a ``RECV`` blocks until every matching ``SEND`` of that microbatch and
-  direction has been issued by the peer stages' ranks;
-* a compute action needs its :func:`~pippy_split.schedule.deps.compute_deps`:
-  a same-rank producer must already have run; a producer on another rank is
-  waited for directly in a compute-only order, and through the ``RECV`` just
-  before the action in a lowered one.
+* in a compute-only order, a compute action waits for its
+  :func:`~pippy_split.schedule.deps.compute_deps`: a same-rank producer must
+  already have run, a producer on another rank is waited for;
+* in a lowered order, NCCL's rules hold (see :mod:`.actions`): every message
+  is sent once after its producer and received once before its consumer; on
+  every channel (sender rank -> receiver rank) both ends list the messages in
+  the same order; and a batch (a run of comm actions) completes only when every
+  message in it has its counterpart posted, which the dry run enforces.
 
 When no rank can advance the order would hang, and :class:`ScheduleError`
 says which ranks are stuck and on what, with the order table printed and the
@@ -25,6 +26,7 @@ from typing import Iterable, Mapping
 from .actions import Action, ActionKind, Order
 from .deps import Link, chain_links, deps_function
 from .lower import Peers, peer_table
+from .messages import Channel, Message, action_messages, recv_action, required_messages, send_action
 from .placement import stage_to_rank
 from .render import format_order
 
@@ -98,10 +100,12 @@ def validate(
     Checks: stage and microbatch ids in range; each stage on one rank (the one
     ``placement`` names, when given); every ``F`` and every backward (``B``, or
     ``I`` and ``W``) of every stage and microbatch exactly once; backward after
-    forward and ``W`` after ``I``; in a lowered order every ``SEND`` has its
-    ``RECV`` and the other way round, a ``SEND`` follows the action producing
-    it, and remote inputs are received before the action using them; finally a
-    dry run of all ranks together proves that no rank waits forever.
+    forward and ``W`` after ``I``; in a lowered order every message has one
+    ``SEND`` and one ``RECV``, a ``SEND`` follows the action producing it,
+    remote inputs are received before the action using them, and on every
+    channel the sends and receives name the same messages in the same order;
+    finally a dry run of all ranks together (batches wait for their
+    counterparts, as on NCCL) proves that no rank waits forever.
 
     Args:
         order: ``{rank: [Action | None, ...]}``, compute-only or lowered.
@@ -151,7 +155,7 @@ class _Checker:
         self.fixed = placement is not None
         self.where: dict[int, int] = dict(placement) if placement is not None else {}
         self.pos: list[Pos | None] = [None] * (len(_KINDS) * num_stages * n_microbatches)
-        self.comms: list[tuple[int, int, int, int, int]] = []  # (code, stage, mb, rank, step)
+        self.comms: list[tuple[int, int, Action]] = []  # (rank, step, comm action)
         self.lowered = False
         self.table: dict[int, Peers] = {}
 
@@ -188,13 +192,14 @@ class _Checker:
                     first = "is placed on" if fixed else "already has actions on"
                     self.fail(f"stage {s} {first} rank {home}; a stage lives on one rank", (rank, step), a)
                 code = code_of[a.kind._value_]
+                if code >= _SEND_F:  # many comm actions may share (kind, stage, mb): one per peer
+                    comms.append((rank, step, a))
+                    continue
                 k = (code * S + s) * M + mb
                 if pos[k] is not None:
                     r0, i0 = pos[k]
                     self.fail(f"duplicate {a} (already at rank {r0}, step {i0})", (rank, step), a)
                 pos[k] = (rank, step)
-                if code >= _SEND_F:
-                    comms.append((code, s, mb, rank, step))
         self.lowered = bool(comms)
         missing = sorted(set(range(S)) - set(where))
         if missing:  # only possible without a fixed placement: a stage with no actions
@@ -242,61 +247,84 @@ class _Checker:
             self.fail(f"{act[I]} has no {act[W]}", i, act[I])
         self.fail(f"{act[W]} comes before its {act[I]} (step {i[1]})", w, act[W])
 
-    # -- pass 3 (lowered orders): SEND/RECV pairs and where they sit -------------
+    # -- pass 3 (lowered orders): messages, where they sit, channel order --------
     def comm(self) -> None:
-        S, M, pos, table = self.S, self.M, self.pos, self.table
-        peer_lists = {
-            _SEND_F: {s: p.send_f for s, p in table.items()},
-            _RECV_F: {s: p.recv_f for s, p in table.items()},
-            _SEND_B: {s: p.send_b for s, p in table.items()},
-            _RECV_B: {s: p.recv_b for s, p in table.items()},
-        }
-        match = {_SEND_F: _RECV_F, _RECV_F: _SEND_F, _SEND_B: _RECV_B, _RECV_B: _SEND_B}
-        for code, s, mb, rank, step in self.comms:
-            stages = peer_lists[code][s]
-            if not stages:
-                self._comm_fail(code, s, mb, (rank, step), "stage has no peer on another rank in this direction")
-            if code == _SEND_F or code == _SEND_B:
-                made = pos[(_F * S + s) * M + mb] if code == _SEND_F else (
-                    pos[(_B * S + s) * M + mb] or pos[(_I * S + s) * M + mb]
-                )
-                if made[1] > step:
-                    self._comm_fail(code, s, mb, (rank, step), "comes before the action that produces it")
-            mcode = match[code]
-            for peer in stages:
-                if pos[(mcode * S + peer) * M + mb] is None:
-                    other = Action(peer, _KINDS[mcode], mb)
-                    self._comm_fail(code, s, mb, (rank, step), f"has no matching {other} on rank {self.where[peer]}")
-        for s in range(S):
-            p = table[s]
-            if p.recv_f:
-                self._received_before(_F, _RECV_F, s, p.recv_f, "activations")
-            if p.recv_b:
-                self._received_before(_B, _RECV_B, s, p.recv_b, "output gradients")
+        """Every required message sent once and received once, after its producer and
+        before its consumer; on every channel both ends list the messages in one order."""
+        self.sent: dict[Message, tuple[int, int, Action]] = {}
+        self.received: dict[Message, tuple[int, int, Action]] = {}
+        self.posts: dict[tuple[int, int], list[Message]] = {}  # (rank, step) -> messages, posting order
+        channels: dict[Channel, tuple[list, list]] = {}
+        for rank, step, a in self.comms:  # rank-major, then step order: posting order per rank
+            try:
+                msgs = action_messages(a, self.table)
+            except ValueError as e:
+                self.fail(str(e), (rank, step), a)
+            self.posts[(rank, step)] = msgs
+            book = self.sent if a.is_send else self.received
+            for m in msgs:
+                if m in book:
+                    r0, i0, a0 = book[m]
+                    self.fail(f"{a} {'sends' if a.is_send else 'receives'} {m} a second time (already {a0} at "
+                              f"rank {r0}, step {i0})", (rank, step), a)
+                book[m] = (rank, step, a)
+                chan = Channel(self.where[m.sender], self.where[m.receiver])
+                channels.setdefault(chan, ([], []))[0 if a.is_send else 1].append((m, rank, step, a))
+        for m in required_messages(self.table, self.M):
+            self._placed(m)
+        for chan in sorted(channels):
+            self._same_order(chan, *channels[chan])
 
-    def _comm_fail(self, code: int, s: int, mb: int, at: Pos, reason: str) -> None:
-        a = Action(s, _KINDS[code], mb)
-        self.fail(f"{a} {reason}", at, a)
-
-    def _received_before(self, code: int, recv_code: int, s: int, srcs: tuple[int, ...], what: str) -> None:
-        """Each backward/forward of ``s`` with remote inputs has its RECV earlier."""
+    def _placed(self, m: Message) -> None:
         S, M, pos = self.S, self.M, self.pos
-        for mb in range(M):
-            at = pos[(code * S + s) * M + mb]
-            if code == _B and at is None:
-                code_here, at = _I, pos[(_I * S + s) * M + mb]
-            else:
-                code_here = code
-            recv = pos[(recv_code * S + s) * M + mb]
-            if recv is None or recv[1] > at[1]:
-                src_txt = ", ".join(f"stage {src} (rank {self.where[src]})" for src in srcs)
-                action, recv_action = Action(s, _KINDS[code_here], mb), Action(s, _KINDS[recv_code], mb)
-                self.fail(f"{action} needs {what} from {src_txt} but no {recv_action} comes before it", at, action)
+        send, recv = self.sent.get(m), self.received.get(m)
+        if send is None and recv is None:
+            consumer = self._consumer(m)
+            at = pos[self.key(_CODE[consumer.kind.value], consumer.stage, consumer.mb)] if consumer else None
+            what = "activations" if m.direction == "F" else "output gradients"
+            self.fail(f"{consumer} needs {what} from stage {m.sender} (rank {self.where[m.sender]}) but no "
+                      f"{recv_action(m, True)} comes before it", at, consumer)
+        if recv is None:
+            r, i, a = send
+            self.fail(f"{a} has no matching {recv_action(m, True)} on rank {self.where[m.receiver]}", (r, i), a)
+        if send is None:
+            r, i, a = recv
+            self.fail(f"{a} has no matching {send_action(m, True)} on rank {self.where[m.sender]}", (r, i), a)
+        s_rank, s_step, s_act = send
+        producer = pos[(_F * S + m.sender) * M + m.mb] if m.direction == "F" else (
+            pos[(_B * S + m.sender) * M + m.mb] or pos[(_I * S + m.sender) * M + m.mb])
+        if producer is None or producer[1] > s_step:
+            self.fail(f"{s_act} comes before the action that produces it", (s_rank, s_step), s_act)
+        consumer = self._consumer(m)
+        at = pos[self.key(_CODE[consumer.kind.value], consumer.stage, consumer.mb)]
+        if recv[1] > at[1]:
+            what = "activations" if m.direction == "F" else "output gradients"
+            self.fail(f"{consumer} needs {what} from stage {m.sender} (rank {self.where[m.sender]}) but its "
+                      f"{recv[2]} comes only at step {recv[1]}, after it", at, consumer)
+
+    def _consumer(self, m: Message) -> Action:
+        """The compute action that uses message ``m`` (F for activations, B or I for gradients)."""
+        if m.direction == "F":
+            return Action(m.receiver, F, m.mb)
+        if self.pos[self.key(_B, m.receiver, m.mb)] is not None:
+            return Action(m.receiver, B, m.mb)
+        return Action(m.receiver, I, m.mb)
+
+    def _same_order(self, chan: Channel, sends: list, recvs: list) -> None:
+        for k, ((ms, rs, ss, sa), (mr, rr, sr, ra)) in enumerate(zip(sends, recvs)):
+            if ms != mr:
+                self.fail(f"{chan}: message {k} on this channel differs between the ends: rank {rs}'s send #{k} "
+                          f"is {sa} at step {ss} ({ms}), rank {rr}'s receive #{k} is {ra} ({mr}); NCCL matches "
+                          "sends and receives by order, not by tag, so these two would be swapped",
+                          (rr, sr), ra, marks={rs: ss, rr: sr})
 
     # -- pass 4: all ranks together ----------------------------------------------
     def dry_run(self) -> None:
         """Run every rank's list, each as far as it can, until all end or none can move."""
         self.done = bytearray(len(self.pos))  # event key -> happened
+        if self.lowered:
+            self._dry_run_batches()
+            return
         self.waiters: dict[int, list[int]] = {}  # event key -> ranks blocked on it
         self.ready = deque(sorted(self.order))
         self.templates = self._dep_templates()
@@ -316,6 +344,68 @@ class _Checker:
                 blocked[rank] = wait
         if blocked:
             self._deadlock(ptr, blocked)
+
+    def _dry_run_batches(self) -> None:
+        """Lowered orders under NCCL's rule: a rank posts a batch (a run of comm actions)
+        and goes on only once every message in it has its counterpart posted.
+        Compute actions never wait here: their remote inputs were checked to be
+        received earlier in the list, and same-rank producers must already have run."""
+        order, templates, S, M = self.order, self._dep_templates(), self.S, self.M
+        posted: set[tuple[Message, bool]] = set()  # (message, posted by its sender?)
+        waiters: dict[tuple[Message, bool], list[int]] = {}
+        ptr = {r: 0 for r in order}
+        blocked: dict[int, tuple[Message, bool]] = {}
+        ready = deque(sorted(order))
+        while ready:
+            rank = ready.popleft()
+            acts, i = order[rank], ptr[rank]
+            blocked.pop(rank, None)
+            while i < len(acts):
+                a = acts[i]
+                if a is None:
+                    i += 1
+                    continue
+                if a.kind.is_compute:
+                    code = _CODE[a.kind.value]
+                    for dcode, ds, local in templates[a.stage * 4 + code]:
+                        k = (dcode * S + ds) * M + a.mb
+                        if local and not self.done[k]:
+                            self._runs_later(a, (rank, i), k)
+                    self.done[(code * S + a.stage) * M + a.mb] = 1
+                    if code == _B:
+                        self.done[(_I * S + a.stage) * M + a.mb] = 1
+                    i += 1
+                    continue
+                j = i
+                ops = []
+                while j < len(acts) and (acts[j] is None or acts[j].kind.is_comm):
+                    if acts[j] is not None:
+                        ops += [(m, acts[j].is_send) for m in self.posts[(rank, j)]]
+                    j += 1
+                for op in ops:
+                    if op not in posted:
+                        posted.add(op)
+                        ready.extend(waiters.pop(op, ()))
+                missing = next(((m, not side) for m, side in ops if (m, not side) not in posted), None)
+                if missing is not None:
+                    waiters.setdefault(missing, []).append(rank)
+                    blocked[rank] = missing
+                    break
+                i = j
+            ptr[rank] = i
+        if blocked:
+            stuck = sorted(blocked)
+            lines = []
+            for r in stuck:
+                m, by_sender = blocked[r]
+                other = send_action(m, True) if by_sender else recv_action(m, True)
+                peer = self.where[m.sender if by_sender else m.receiver]
+                lines.append(f"  rank {r} at step {ptr[r]} ({order[r][ptr[r]]}) waits for {other} from rank {peer}"
+                             f" ({m})")
+            first = stuck[0]
+            reason = (f"deadlock: no rank can advance once a batch of sends/receives waits for its counterparts "
+                      f"(NCCL's rule); {len(stuck)} rank(s) stuck:\n" + "\n".join(lines))
+            self.fail(reason, (first, ptr[first]), order[first][ptr[first]], marks={r: ptr[r] for r in stuck})
 
     def _advance(self, rank: int, i: int) -> tuple[int, int | None]:
         """Run ``rank`` from step ``i`` until it ends or blocks: ``(step, awaited key or None)``."""

@@ -42,6 +42,21 @@ def parse_order(rows: dict[int, str]) -> Order:
     return {r: [None if t == "." else parse_action(t) for t in row.split()] for r, row in rows.items()}
 
 
+def channel_sequences(lowered: Order, links, placement) -> dict:
+    """Per (sender rank, receiver rank): (messages as the sender posts them, as the receiver posts them)."""
+    from pippy_split.schedule.messages import action_messages
+
+    table = peer_table(1 + max(placement), links, placement)
+    seqs: dict = {}
+    for rank in sorted(lowered):
+        for a in lowered[rank]:
+            if a.kind.is_comm:
+                for m in action_messages(a, table):
+                    chan = (placement[m.sender], placement[m.receiver])
+                    seqs.setdefault(chan, ([], []))[0 if a.is_send else 1].append(m)
+    return seqs
+
+
 def test_chain_loop_two_stages_per_rank_exact() -> None:
     # p=2, stages 0,2 on rank 0 and 1,3 on rank 1: every chain link crosses ranks.
     lowered = lower(bfs_order(2, 2, 2))
@@ -51,29 +66,33 @@ def test_chain_loop_two_stages_per_rank_exact() -> None:
         "2RECV_B0 2B0 2SEND_B0 2RECV_B1 2B1 2SEND_B1 "
         "0RECV_B0 0B0 0RECV_B1 0B1"
     ).split()
-    assert texts(lowered[1]) == (
-        "1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 "
-        "3RECV_F0 3F0 3RECV_F1 3F1 "
-        "3B0 3SEND_B0 3B1 3SEND_B1 "
-        "1RECV_B0 1B0 1SEND_B0 1RECV_B1 1B1 1SEND_B1"
-    ).split()
+    # rank 1's receives are hoisted to the moment rank 0 sends (1RECV_F1 right after 1F0)
+    assert texts(lowered[1])[:4] == ["1RECV_F0", "1F0", "1RECV_F1", "1SEND_F0"]
     validate(lowered, num_stages=4, n_microbatches=2)
+    for sends, recvs in channel_sequences(lowered, chain_links(4), stage_to_rank(4, 2)).values():
+        assert sends == recvs
 
 
-def test_recv_just_before_consumer_send_just_after_producer() -> None:
+def test_sends_right_after_producer_receives_before_consumer() -> None:
     order = split_backward(bfs_order(3, 2, 3))
     lowered = lower(order)
     for acts in lowered.values():
-        for i, a in enumerate(acts):
-            if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                nxt = acts[i + 1]
-                want = (F,) if a.kind is ActionKind.RECV_F else (B, I)
-                assert (nxt.stage, nxt.mb) == (a.stage, a.mb) and nxt.kind in want
-            if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
-                prev = acts[i - 1]
+        seen: set = set()
+        last_compute = None
+        for a in acts:
+            if a.kind.is_compute:
+                seen.add((a.stage, a.kind, a.mb))
+                last_compute = a
+                if a.kind in (F, B, I):  # its remote inputs came in earlier on this rank
+                    need = ActionKind.RECV_F if a.kind is F else ActionKind.RECV_B
+                    if any(x.kind is need and (x.stage, x.mb) == (a.stage, a.mb) for x in acts):
+                        assert ("recv", a.stage, a.mb, need) in seen, a
+            elif a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                seen.add(("recv", a.stage, a.mb, a.kind))
+            else:  # a SEND sits in the batch right after the action that produces it
                 want = (F,) if a.kind is ActionKind.SEND_F else (B, I)
-                assert (prev.stage, prev.mb) == (a.stage, a.mb) and prev.kind in want
-    # compute actions keep their relative order; W never gets comm
+                assert (last_compute.stage, last_compute.mb) == (a.stage, a.mb) and last_compute.kind in want
+    # compute actions keep their relative order
     for r in order:
         assert [a for a in lowered[r] if a.kind.is_compute] == [a for a in order[r] if a is not None]
     validate(lowered, num_stages=6, n_microbatches=3)
@@ -94,11 +113,14 @@ def test_skip_links_loop_placement_one_send_per_stage_and_mb() -> None:
     assert table[2] == Peers(recv_f=(1, 0), send_f=(3,), recv_b=(3,), send_b=(1, 0))
     assert table[3] == Peers(recv_f=(2, 0), send_f=(), recv_b=(), send_b=(2,))
     lowered = lower(bfs_order(4, 1, 2), links=links)
-    assert texts(lowered[0]).count("0SEND_F0") == 1
-    assert "0RECV_B0" in texts(lowered[0])
-    assert texts(lowered[3])[:2] == ["3RECV_F0", "3F0"]
+    # one SEND per message, each naming its peer (stage 0 has three remote readers)
+    assert [t for t in texts(lowered[0]) if t.startswith("0SEND_F0")] == ["0SEND_F0>1", "0SEND_F0>2", "0SEND_F0>3"]
+    assert "0RECV_B0<1" in texts(lowered[0]) and "0RECV_B0<2" in texts(lowered[0])
+    assert texts(lowered[3])[0] == "3RECV_F0<0"  # the skip arrives long before 3F0 needs it
     validate(lowered, 4, 2, links=links)
-    # The same per-stage SEND/RECV actions serve the chain: only the peers differ.
+    for sends, recvs in channel_sequences(lowered, links, stage_to_rank(4, 4)).values():
+        assert sends == recvs
+    # Actions without a peer cover every remote peer, so the chain's lowering serves too.
     validate(lower(bfs_order(4, 1, 2)), 4, 2, links=links)
 
 
@@ -129,7 +151,8 @@ def test_skip_links_v_placement_and_same_rank_pairs() -> None:
     rank3 = texts(lowered[3])
     for banned in ("3SEND_F", "4RECV_F", "4SEND_B", "3RECV_B"):
         assert not any(t.startswith(banned) for t in rank3)
-    assert [t for t in texts(lowered[0]) if t.startswith("0SEND_F")] == ["0SEND_F0", "0SEND_F1", "0SEND_F2"]
+    assert [t for t in texts(lowered[0]) if t.startswith("0SEND_F")] == ["0SEND_F0>1", "0SEND_F0>3", "0SEND_F1>1",
+                                                                          "0SEND_F1>3", "0SEND_F2>1", "0SEND_F2>3"]
     validate(lowered, 8, 3, links=links, placement=placement)
     validate(lowered, 8, 3, links=links, placement="v")
 

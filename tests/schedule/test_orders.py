@@ -273,12 +273,15 @@ def test_simulate_lowered_order_waits_for_sends() -> None:
         simulate(missing_send)
 
 
-def test_simulate_lowered_generated_orders_match_compute_only() -> None:
+def test_simulate_lowered_generated_orders_close_to_compute_only() -> None:
+    """Under NCCL's batch rule a send batch holds the rank's next batch until the peer posts
+    its receive, so a lowered order may take a little longer than its compute-only ideal."""
     from pippy_split.schedule.lower import lower
 
     for name, spec in ORDERS.items():
         order = spec.compute_order(4, 8, spec.default_stages_per_rank())
-        assert simulate(lower(order)).makespan == simulate(order).makespan, name
+        ideal, lowered = simulate(order).makespan, simulate(lower(order)).makespan
+        assert ideal <= lowered <= 1.1 * ideal, (name, ideal, lowered)
 
 
 def test_simulation_renders_through_render_module() -> None:
