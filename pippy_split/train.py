@@ -4,8 +4,9 @@ Where this sits: on top of the whole flow split → Pipe → stage → schedule 
 Every rank has the same model (same seed), traced and split with `ps.pipeline`
 (on CPU once, by the launcher, before it forks the ranks), keeps only its own
 stages via `ps.build_schedule`, and steps an AdamW over those stages' parameters.
-At the end the stages' state dicts (keyed by the original FQNs) are gathered on
-rank 0, loaded into a fresh unsplit model, sampled from, and saved as a checkpoint.
+At the end every rank saves its stages and AdamW state with :mod:`pippy_split.checkpoint`
+(keyed by the original FQNs); rank 0 loads that into a fresh unsplit model, samples
+from it, and saves its state dict as ``model.pt``.
 
 With no arguments it trains a character-level TinyGPT on written-out additions
 (``07+45=25``: operands zero-padded, the answer's digits backwards, see
@@ -30,12 +31,14 @@ import socket
 import sys
 import tempfile
 import time
+import warnings
+from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-__all__ = ["build_parser", "main", "run", "worker", "load_factory", "DEFAULT_CHECKPOINT"]
+__all__ = ["build_parser", "main", "run", "worker", "load_factory", "failure_line", "DEFAULT_CHECKPOINT"]
 
 DEFAULT_CHECKPOINT = os.path.join("checkpoints", "tiny_gpt")
 TRAIN_STATE_DIR = "train_state"  # pippy_split.checkpoint of the stages + AdamW, beside model.pt
@@ -176,7 +179,7 @@ def worker(cfg: argparse.Namespace) -> None:
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        _worker(cfg, rank, world, device, ps, simulate, TinyGPT, dist)
+        _worker(cfg, rank, world, device, ps, simulate, TinyGPT)
     finally:
         dist.destroy_process_group()
 
@@ -239,7 +242,7 @@ def _prepare(cfg: argparse.Namespace, world: int, log) -> SimpleNamespace:
                            kwargs=kwargs, target=target, B=B, pipe=pipe)
 
 
-def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, dist) -> None:
+def _worker(cfg, rank, world, device, ps, simulate, TinyGPT) -> None:
     from rich.console import Console
 
     console = Console(stderr=False)
@@ -313,28 +316,23 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT, dist) -> None:
 
     # ---- every rank writes its stages and optimizer state (DCP, original FQNs) for --resume
     ps.checkpoint.save(dcp_dir, sched, opt, extra={"steps": cfg.steps})
-
-    # ---- gather the full state dict (original FQNs) on rank 0
-    local = {}
-    for st in sched.stages:
-        for k_, v in st.module.state_dict().items():
-            local[k_] = v.detach().cpu()
-    gathered = [None] * world if rank == 0 else None
-    dist.gather_object(local, gathered, dst=0)
     if rank != 0:
         return
-    merged: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        merged.update(part)
 
+    # ---- rank 0 reads every stage's weights back into the unsplit model (the save has
+    # returned on every rank, so the checkpoint is complete); no gather of the state dicts
     if corpus is not None:
         fresh = TinyGPT(**gpt_cfg)
     else:
         torch.manual_seed(cfg.seed)
         fresh = unpack_entry(load_factory(cfg.model)())[0]
-    missing, unexpected = fresh.load_state_dict(merged, strict=False)
-    if missing or unexpected:
-        log(f"[yellow]merged state dict vs fresh model: missing {missing}, unexpected {unexpected}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ps.checkpoint.load(dcp_dir, fresh, strict=False, no_dist=True)
+    for w in caught:
+        if issubclass(w.category, UserWarning) and "does not match the model" in str(w.message):
+            log(f"[yellow]stages' checkpoint vs fresh model: {w.message}")
+    merged = {k: v.detach().cpu() for k, v in fresh.state_dict().items()}
     fresh.eval()
     if corpus is not None:
         _sample(cfg, fresh, corpus, log)
@@ -390,6 +388,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def failure_line(error: Any) -> str:
+    """One line naming the failed rank and its root cause, from the launcher's ``ChildFailedError``.
+
+    The launcher reports the first rank it saw fail; its cause is the exception that
+    rank raised (type and the first line of its message), the signal that killed it,
+    or its exit status. For example
+    ``pippy-split train: rank 1 failed: RuntimeError: Numpy is not available``.
+    """
+    rank, failure = error.get_first_failure()
+    message = failure.message
+    if isinstance(message, Mapping):  # the error file's {"message": "Type: text", "extraInfo": ...}
+        message = message.get("message", "")
+    lines = [ln.strip() for ln in str(message or "").splitlines() if ln.strip()]
+    recorded = failure.error_file_data.get("message") not in (None, "<NONE>")  # an exception, in its file
+    if lines and (recorded or failure.exitcode < 0):  # < 0: killed by a signal, which the message names
+        cause = lines[0] + (" ..." if len(lines) > 1 else "")
+    else:  # e.g. SystemExit: the launcher's message would only be a link to its docs
+        cause = f"exit status {failure.exitcode} (its own output above says why)"
+    return f"pippy-split train: rank {rank} failed: {cause}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m pippy_split.train``; returns the exit status."""
     return run(build_parser().parse_args(argv))
@@ -435,6 +454,7 @@ def run(cfg: argparse.Namespace) -> int:
             elastic_launch(config, worker)(cfg)
         except ChildFailedError as e:
             print(f"pippy-split train failed:\n{e.format_msg()}", file=sys.stderr)
+            print(failure_line(e), file=sys.stderr, flush=True)  # last: what to read under the dump
             return 1
         return 0
     finally:
