@@ -1,10 +1,13 @@
 """The one interpreter: runs this rank's lowered action list for one step.
 
-Last step of the flow (… → schedule → **runtime**). A table maps each action
+Last step of the flow (… → schedule → **runtime**). A table maps each compute
 kind to a handler; no schedule has its own loop. Values between stages on the
-same rank are handed over in memory (a detached view: no copy, no message);
-values to other ranks go through the :class:`~pippy_split.stage.transport.P2P`
-transport with one tagged message per edge and microbatch.
+same rank are handed over in memory (a detached view: no copy, no message).
+Each run of consecutive comm actions is one batch, posted at once through the
+:class:`~pippy_split.stage.transport.P2P` transport in list order (one tensor
+per edge, in a key order both ends share), as the lowered order and
+``validate`` describe it; a received tensor is waited for only when the
+action that consumes it runs.
 """
 
 from __future__ import annotations
@@ -13,21 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
 
 from ..split.spec import MODEL_INPUT, TensorSpec
 from ..stage.errors import PipelineError
 from ..stage.stage import InputSlot, PipelineStage, Route
-from ..stage.transport import P2P, Pending
+from ..stage.transport import P2P, Batch, P2POp, Pending
 from .actions import Action, ActionKind
 
 __all__ = ["StepContext", "Interpreter"]
-
-_MB_SLOTS, _OUT_SLOTS = 64, 256
-
-
-def _tag(mb: int, src: int, out: int, dst: int, n: int, kind: int) -> int:
-    """Unique per (microbatch window, edge, direction) between a pair of ranks."""
-    return (((((mb % _MB_SLOTS) * n + dst) * (n + 1) + src + 1) * _OUT_SLOTS + out % _OUT_SLOTS) * 3 + kind)
 
 
 @dataclass
@@ -53,7 +50,7 @@ class Interpreter:
         self.senders: dict[int, list[int]] = {}
         for src, dst, _ in links or []:
             self.senders.setdefault(dst, []).append(src)
-        self._headers_sent: set[tuple[int, int]] = set()
+        self._shapes_known = all(st.pipe is not None for st in self.stages.values())  # hand-built: first step
         self.stage_rank = dict(stage_rank)
         self.rank = rank
         self.p2p = transport
@@ -63,6 +60,9 @@ class Interpreter:
             ActionKind.B: self._backward,
             ActionKind.I: self._backward_input,
             ActionKind.W: self._backward_weight,
+        }
+        # comm kind -> expands one action into its ops (a receive with where its result lands)
+        self.posters: dict[ActionKind, Callable[[Action, StepContext], list[tuple[P2POp, Any]]]] = {
             ActionKind.SEND_F: self._send_forward,
             ActionKind.RECV_F: self._recv_forward,
             ActionKind.SEND_B: self._send_backward,
@@ -72,39 +72,76 @@ class Interpreter:
         self._bwd_inbox: dict[tuple[int, int], dict[int, list[torch.Tensor]]] = {}
         self._outbox: dict[tuple[int, int], list[tuple[Route, torch.Tensor]]] = {}
         self._grad_outbox: dict[tuple[int, int], list[tuple[InputSlot, torch.Tensor]]] = {}
-        self._sends: list[Pending] = []
+        # receives posted but not yet waited for: (stage, mb) -> [(slot or route, Pending)]
+        self._fwd_pending: dict[tuple[int, int], list[tuple[InputSlot, Pending]]] = {}
+        self._bwd_pending: dict[tuple[int, int], list[tuple[Route, Pending]]] = {}
+        self._sends: list[Batch] = []
         self._shapes: dict[int, tuple[int, ...]] = {}
+        self._steps: dict[int, list[Action | list[Action]]] = {}  # id(actions) -> compute actions and batches
 
     def run(self, actions: list[Action], ctx: StepContext) -> None:
         last_backward = {}
         for i, action in enumerate(actions):
             if action.kind in (ActionKind.B, ActionKind.W):
-                last_backward[action.stage] = i
+                last_backward[action.stage] = action
         for st in self.stages.values():
             st.set_grad_sync(False)
         self._shapes.clear()
-        for i, action in enumerate(actions):
-            if last_backward.get(action.stage) == i:
-                self.stages[action.stage].set_grad_sync(True)  # data-parallel sync once, on the last backward
-            self.handlers[action.kind](action, ctx)
+        if not self._shapes_known:
+            self._infer_manual_shapes(ctx)
+            self._shapes_known = True
+        for step in self._grouped(actions):
+            if isinstance(step, list):
+                self._post_batch(step, ctx)
+                continue
+            if last_backward.get(step.stage) is step:
+                self.stages[step.stage].set_grad_sync(True)  # data-parallel sync once, on the last backward
+            self.handlers[step.kind](step, ctx)
             if len(self._sends) > 8:
                 self._prune_sends()
         self.finish()
 
+    def _grouped(self, actions: list[Action]) -> list[Action | list[Action]]:
+        """Compute actions as they are, each maximal run of comm actions as one batch (cached)."""
+        steps = self._steps.get(id(actions))
+        if steps is None:
+            steps = []
+            for a in actions:
+                if a.kind.is_compute:
+                    steps.append(a)
+                elif steps and isinstance(steps[-1], list):
+                    steps[-1].append(a)
+                else:
+                    steps.append([a])
+            self._steps[id(actions)] = steps
+        return steps
+
+    def _post_batch(self, batch: list[Action], ctx: StepContext) -> None:
+        expanded = [item for a in batch for item in self.posters[a.kind](a, ctx)]
+        posted = self.p2p.post([op for op, _ in expanded])
+        if any(op.send for op, _ in expanded):
+            self._sends.append(posted)
+        for op, landing in expanded:
+            if landing is not None:  # a receive: its tensor is waited for by the action that uses it
+                box, key, where, complex_dtype = landing
+                box.setdefault(key, []).append((where, Pending(posted, op.tensor, complex_dtype, op.what)))
+
     def _prune_sends(self) -> None:
         """Release send buffers whose messages are delivered (they would otherwise live to the step's end)."""
         still = []
-        for pending in self._sends:
-            if pending.work.is_completed():
-                self.p2p.wait(pending)  # already complete: surfaces an error without blocking
+        for batch in self._sends:
+            if batch.is_completed():
+                self.p2p.wait(batch)  # already complete: surfaces an error without blocking
             else:
-                still.append(pending)
+                still.append(batch)
         self._sends = still
 
-    def _post_recv(self, spec: TensorSpec, stage: PipelineStage, peer: int, tag: int, what: str,
-                   ctx: StepContext) -> Pending:
-        """Post one receive sized exactly by the spec for this step (never a reused buffer)."""
-        return self.p2p.recv(self._shape(spec, ctx), spec.dtype, stage.device, peer, tag, what)
+    def _recv_op(self, spec: TensorSpec, stage: PipelineStage, peer: int, what: str, ctx: StepContext,
+                 box: dict, key: tuple[int, int], where: Any) -> tuple[P2POp, Any]:
+        """One receive sized exactly by the spec for this step (never a reused buffer); once the
+        batch is posted, its Pending lands in ``box[key]`` next to ``where`` (its slot or route)."""
+        op, complex_dtype = P2P.recv_op(self._shape(spec, ctx), spec.dtype, stage.device, peer, what)
+        return op, (box, key, where, complex_dtype)
 
     def _shape(self, spec: TensorSpec, ctx: StepContext) -> tuple[int, ...]:
         """Concrete shape of a spec for this step (evaluated once per step, not per message)."""
@@ -117,9 +154,16 @@ class Interpreter:
         return shape
 
     def finish(self) -> None:
-        for pending in self._sends:
-            self.p2p.wait(pending)
+        """Wait for every send of the step; a receive nobody consumed is a bug in the order."""
+        for batch in self._sends:
+            self.p2p.wait(batch)
         self._sends.clear()
+        left = sorted(set(self._fwd_pending) | set(self._bwd_pending))
+        if left:
+            self._fwd_pending.clear()
+            self._bwd_pending.clear()
+            raise PipelineError(f"rank {self.rank}: messages for (stage, microbatch) {left} were received but never "
+                                "used by the step's actions")
 
     def reset(self) -> None:
         """Forget everything in flight (after a failure)."""
@@ -127,6 +171,8 @@ class Interpreter:
         self._bwd_inbox.clear()
         self._outbox.clear()
         self._grad_outbox.clear()
+        self._fwd_pending.clear()
+        self._bwd_pending.clear()
         self._sends.clear()
         for st in self.stages.values():
             st.clear()
@@ -142,7 +188,25 @@ class Interpreter:
             t.requires_grad_(True)
         return t
 
+    def _arrived_forward(self, stage: int, mb: int) -> None:
+        """Wait for the posted receives of (stage, mb)'s inputs and file them in the inbox."""
+        pending = self._fwd_pending.pop((stage, mb), None)
+        if pending:
+            box = self._fwd_inbox.setdefault((stage, mb), {})
+            for slot, p in pending:
+                self.p2p.wait(p.batch)
+                box[(slot.src_stage, slot.src_output)] = self._received(p.result(), slot.spec)
+
+    def _arrived_backward(self, stage: int, mb: int) -> None:
+        pending = self._bwd_pending.pop((stage, mb), None)
+        if pending:
+            box = self._bwd_inbox.setdefault((stage, mb), {})
+            for route, p in pending:
+                self.p2p.wait(p.batch)
+                box.setdefault(route.src_index, []).append(p.result())
+
     def _gather(self, stage: PipelineStage, mb: int, ctx: StepContext) -> list[Any]:
+        self._arrived_forward(stage.stage_index, mb)
         inbox = self._fwd_inbox.pop((stage.stage_index, mb), {})
         args = []
         for slot in stage.in_slots:
@@ -173,8 +237,6 @@ class Interpreter:
     # ---- compute -----------------------------------------------------------------
     def _forward(self, a: Action, ctx: StepContext) -> None:
         stage = self.stages[a.stage]
-        if stage.in_slots is None:
-            self._handshake(stage, ctx)
         if stage.pipe is None and stage.is_first:
             args = [_to(x, stage.device) for x in ctx.mb_args[a.mb]]
             kwargs = {k: _to(v, stage.device) for k, v in ctx.mb_kwargs[a.mb].items()}
@@ -182,8 +244,6 @@ class Interpreter:
             args, kwargs = self._gather(stage, a.mb, ctx), None
         target = _to(ctx.targets[a.mb], stage.device) if (stage.is_last and ctx.targets is not None) else None
         outs = stage.forward(a.mb, args, kwargs, train=ctx.train, target=target)
-        if stage.lazy and not stage.routes:
-            _manual_routes(stage, outs)
         if stage.is_last:
             ctx.outputs[a.mb] = stage.model_output(tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs))
         for route in stage.routes:
@@ -201,6 +261,7 @@ class Interpreter:
                 self._outbox.setdefault((a.stage, a.mb), []).append((route, value))
 
     def _output_grads(self, stage: PipelineStage, mb: int) -> dict[int, torch.Tensor]:
+        self._arrived_backward(stage.stage_index, mb)
         box = self._bwd_inbox.pop((stage.stage_index, mb), {})
         return {i: (gs[0] if len(gs) == 1 else torch.stack(gs).sum(0)) for i, gs in box.items()}
 
@@ -227,93 +288,93 @@ class Interpreter:
     def _backward_weight(self, a: Action, ctx: StepContext) -> None:
         self.stages[a.stage].backward_weight(a.mb)
 
-    # ---- communication -----------------------------------------------------------
-    def _send_forward(self, a: Action, ctx: StepContext) -> None:
-        stage = self.stages[a.stage]
-        if stage.lazy:
-            self._send_headers(stage)
-        for route, value in self._outbox.pop((a.stage, a.mb), []):
-            src = MODEL_INPUT if route.from_input else a.stage
-            peer = self.stage_rank[route.dst_stage]
-            tag = _tag(a.mb, src, route.src_index, route.dst_stage, self.num_stages, 0)
-            what = f"stage {a.stage} sending the forward of microbatch {a.mb} to stage {route.dst_stage} on rank {peer}"
-            self._sends.append(self.p2p.send(value, peer, tag, what))
+    # ---- communication: each poster expands one comm action into its ops, in key order ----
+    def _peers(self, a: Action, remote: list[int]) -> list[int]:
+        """The peer stages an action talks to: the one it names, else every remote one, ascending."""
+        return [a.peer] if a.peer is not None else sorted(set(remote))
 
-    def _recv_forward(self, a: Action, ctx: StepContext) -> None:
-        stage = self.stages[a.stage]
-        if stage.in_slots is None:
-            self._handshake(stage, ctx)
-        pendings = []
-        for slot in stage.in_slots:
-            if slot.kind != "edge" or self._local(slot.sender_stage):
-                continue
-            peer = self.stage_rank[slot.sender_stage]
-            tag = _tag(a.mb, slot.src_stage, slot.src_output, a.stage, self.num_stages, 0)
-            what = (f"stage {a.stage} waiting for the forward of microbatch {a.mb} from stage {slot.sender_stage} "
-                    f"on rank {peer}")
-            pendings.append((slot, self._post_recv(slot.spec, stage, peer, tag, what, ctx)))
-        box = self._fwd_inbox.setdefault((a.stage, a.mb), {})
-        for slot, pending in pendings:
-            self.p2p.wait(pending)
-            box[(slot.src_stage, slot.src_output)] = self._received(pending.result(), slot.spec)
-
-    def _send_headers(self, stage: PipelineStage) -> None:
-        by_dst: dict[int, list[Route]] = {}
-        for r in stage.routes:
-            by_dst.setdefault(r.dst_stage, []).append(r)
-        for dst, routes in by_dst.items():
-            if self._local(dst) or (stage.stage_index, dst) in self._headers_sent:
-                continue
+    def _send_forward(self, a: Action, ctx: StepContext) -> list[tuple[P2POp, Any]]:
+        entries = self._outbox.pop((a.stage, a.mb), [])
+        ops = []
+        for dst in self._peers(a, [r.dst_stage for r, _ in entries]):
+            mine = sorted((e for e in entries if e[0].dst_stage == dst),
+                          key=lambda e: (e[0].from_input, e[0].src_index, e[0].dst_input))
             peer = self.stage_rank[dst]
-            tag = _tag(0, stage.stage_index, _OUT_SLOTS - 1, dst, self.num_stages, 2)
-            what = f"stage {stage.stage_index} sending shapes to stage {dst} on rank {peer}"
-            self._sends.append(self.p2p.send(_encode_routes(routes), peer, tag, what))
-            self._headers_sent.add((stage.stage_index, dst))
+            what = f"stage {a.stage} sending the forward of microbatch {a.mb} to stage {dst} on rank {peer}"
+            ops += [(P2P.send_op(value, peer, what), None) for _, value in mine]
+            entries = [e for e in entries if e[0].dst_stage != dst]
+        if entries:  # an action without that peer: keep them for their own SEND
+            self._outbox[(a.stage, a.mb)] = entries
+        return ops
 
-    def _handshake(self, stage: PipelineStage, ctx: StepContext) -> None:
-        """First step of a hand-built stage: learn its inputs' shapes from its senders."""
-        described = []
-        for src in self.senders.get(stage.stage_index, []):
-            if self._local(src):
-                sender = self.stages[src]
-                described += [(src, r.src_index, r.dst_input, r.spec) for r in sender.routes
-                              if r.dst_stage == stage.stage_index]
-                continue
-            peer = self.stage_rank[src]
-            tag = _tag(0, src, _OUT_SLOTS - 1, stage.stage_index, self.num_stages, 2)
-            what = f"stage {stage.stage_index} waiting for the shapes of its inputs from stage {src} on rank {peer}"
-            pending = self.p2p.recv((1 + _HEADER_ROWS * _HEADER_COLS,), torch.int64, torch.device("cpu"), peer, tag,
-                                    what)
-            self.p2p.wait(pending)
-            described += _decode_routes(pending.result(), src)
-        stage.in_slots = _build_slots(stage, described)
-
-    def _send_backward(self, a: Action, ctx: StepContext) -> None:
-        for slot, grad in self._grad_outbox.pop((a.stage, a.mb), []):
-            peer = self.stage_rank[slot.src_stage]
-            tag = _tag(a.mb, slot.src_stage, slot.src_output, a.stage, self.num_stages, 1)
-            what = f"stage {a.stage} sending the gradient of microbatch {a.mb} to stage {slot.src_stage} on rank {peer}"
-            self._sends.append(self.p2p.send(grad, peer, tag, what))
-
-    def _recv_backward(self, a: Action, ctx: StepContext) -> None:
+    def _recv_forward(self, a: Action, ctx: StepContext) -> list[tuple[P2POp, Any]]:
         stage = self.stages[a.stage]
-        pendings = []
-        for route in stage.routes:
-            if route.from_input or self._local(route.dst_stage) or route.spec is None or not route.spec.carries_grad:
-                continue
-            peer = self.stage_rank[route.dst_stage]
-            tag = _tag(a.mb, a.stage, route.src_index, route.dst_stage, self.num_stages, 1)
-            what = (f"stage {a.stage} waiting for the gradient of microbatch {a.mb} from stage {route.dst_stage} "
+        remote = [sl for sl in stage.in_slots if sl.kind == "edge" and not self._local(sl.sender_stage)]
+        ops = []
+        for src in self._peers(a, [sl.sender_stage for sl in remote]):
+            peer = self.stage_rank[src]
+            what = (f"stage {a.stage} waiting for the forward of microbatch {a.mb} from stage {src} "
                     f"on rank {peer}")
-            pendings.append((route, self._post_recv(route.spec, stage, peer, tag, what, ctx)))
-        box = self._bwd_inbox.setdefault((a.stage, a.mb), {})
-        for route, pending in pendings:
-            self.p2p.wait(pending)
-            box.setdefault(route.src_index, []).append(pending.result())
+            for slot in sorted((sl for sl in remote if sl.sender_stage == src),
+                               key=lambda sl: (sl.src_stage == MODEL_INPUT, sl.src_output, sl.index)):
+                ops.append(self._recv_op(slot.spec, stage, peer, what, ctx, self._fwd_pending, (a.stage, a.mb), slot))
+        return ops
+
+    def _send_backward(self, a: Action, ctx: StepContext) -> list[tuple[P2POp, Any]]:
+        entries = self._grad_outbox.pop((a.stage, a.mb), [])
+        ops = []
+        for dst in self._peers(a, [slot.src_stage for slot, _ in entries]):
+            mine = sorted((e for e in entries if e[0].src_stage == dst), key=lambda e: (e[0].src_output, e[0].index))
+            peer = self.stage_rank[dst]
+            what = f"stage {a.stage} sending the gradient of microbatch {a.mb} to stage {dst} on rank {peer}"
+            ops += [(P2P.send_op(grad, peer, what), None) for _, grad in mine]
+            entries = [e for e in entries if e[0].src_stage != dst]
+        if entries:
+            self._grad_outbox[(a.stage, a.mb)] = entries
+        return ops
+
+    def _recv_backward(self, a: Action, ctx: StepContext) -> list[tuple[P2POp, Any]]:
+        stage = self.stages[a.stage]
+        remote = [r for r in stage.routes if not r.from_input and not self._local(r.dst_stage)
+                  and r.spec is not None and r.spec.carries_grad]
+        ops = []
+        for dst in self._peers(a, [r.dst_stage for r in remote]):
+            peer = self.stage_rank[dst]
+            what = (f"stage {a.stage} waiting for the gradient of microbatch {a.mb} from stage {dst} "
+                    f"on rank {peer}")
+            for route in sorted((r for r in remote if r.dst_stage == dst), key=lambda r: (r.src_index, r.dst_input)):
+                ops.append(self._recv_op(route.spec, stage, peer, what, ctx, self._bwd_pending, (a.stage, a.mb),
+                                         route))
+        return ops
+
+    # ---- shapes of hand-built stages, once, before the first step's actions ----------
+    def _infer_manual_shapes(self, ctx: StepContext) -> None:
+        """Every stage in index order works out its outputs' shapes with a fake forward
+        (no compute, no memory) and its rank broadcasts them: a collective sequence that
+        every rank runs identically, so no point-to-point message depends on it."""
+        described: dict[int, list[tuple[int, int, int, TensorSpec]]] = {}
+        device = next(iter(self.stages.values())).device
+        for s in range(self.num_stages):
+            owner = self.stage_rank[s]
+            header = None
+            if owner == self.rank:
+                stage = self.stages[s]
+                if stage.in_slots is None:
+                    stage.in_slots = _build_slots(stage, described.get(s, []))
+                if not stage.routes:
+                    _manual_routes(stage, _fake_outputs(stage, ctx))
+                header = _encode_routes(stage.routes).to(device)
+            if self.p2p is not None:
+                if header is None:
+                    header = torch.empty(1 + _HEADER_ROWS * _HEADER_COLS, dtype=torch.int64, device=device)
+                dist.broadcast(header, group=self.p2p.group, group_src=owner)
+            if header is not None:
+                for src, out, dst_in, spec, dst in _decode_routes(header.cpu(), s):
+                    described.setdefault(dst, []).append((src, out, dst_in, spec))
 
 
 # ---- shape handshake of hand-built stages ----------------------------------------
-_HEADER_ROWS, _HEADER_COLS, _MAX_DIMS = 32, 16, 8
+_HEADER_ROWS, _HEADER_COLS, _MAX_DIMS = 32, 16, 8  # a row: 6 fields + up to 8 dims
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 
@@ -328,21 +389,24 @@ def _encode_routes(routes: list[Route]) -> torch.Tensor:
     for k, r in enumerate(routes):
         if r.spec is None:
             raise PipelineError(f"output {r.src_index} sent to stage {r.dst_stage} is not a tensor")
-        if len(r.spec.shape) > _MAX_DIMS:
-            raise PipelineError(f"output {r.src_index} has more than {_MAX_DIMS} dims")
-        row = [r.src_index, r.dst_input, len(r.spec.shape), _DTYPES.index(r.spec.dtype), int(r.spec.requires_grad),
-               *r.spec.shape]
+        if len(r.spec.shape) > _MAX_DIMS or r.spec.dtype not in _DTYPES:
+            raise PipelineError(f"output {r.src_index} of a hand-built stage has more than {_MAX_DIMS} dims or an "
+                                f"unsupported dtype {r.spec.dtype} (supported: {_DTYPES}); build the stages with "
+                                "pipeline() instead")
+        row = [r.src_index, r.dst_input, r.dst_stage, len(r.spec.shape), _DTYPES.index(r.spec.dtype),
+               int(r.spec.requires_grad), *r.spec.shape]
         header[1 + k * _HEADER_COLS: 1 + k * _HEADER_COLS + len(row)] = torch.tensor(row)
     return header
 
 
-def _decode_routes(header: torch.Tensor, src: int) -> list[tuple[int, int, int, TensorSpec]]:
+def _decode_routes(header: torch.Tensor, src: int) -> list[tuple[int, int, int, TensorSpec, int]]:
+    """``(src stage, src output, dst input, spec, dst stage)`` per route in the header."""
     out = []
     for k in range(int(header[0])):
         row = header[1 + k * _HEADER_COLS: 1 + (k + 1) * _HEADER_COLS].tolist()
-        ndim = row[2]
-        spec = TensorSpec(tuple(row[5:5 + ndim]), _DTYPES[row[3]], bool(row[4]))
-        out.append((src, row[0], row[1], spec))
+        ndim = row[3]
+        spec = TensorSpec(tuple(row[6:6 + ndim]), _DTYPES[row[4]], bool(row[5]))
+        out.append((src, row[0], row[1], spec, row[2]))
     return out
 
 
@@ -361,6 +425,32 @@ def _build_slots(stage: PipelineStage, described: list[tuple[int, int, int, Tens
         src, out, spec = placed[i]
         slots.append(InputSlot(i, "edge", src, out, spec))
     return slots
+
+
+def _fake_outputs(stage: PipelineStage, ctx: StepContext) -> tuple:
+    """The stage's outputs for microbatch 0 under FakeTensorMode: shapes, dtypes and
+    requires-grad of the real ones, without computing anything or touching the real
+    parameters and buffers (BatchNorm statistics stay as they are)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    state = {n: mode.from_tensor(t) for n, t in [*stage.module.named_parameters(), *stage.module.named_buffers()]}
+    if stage.is_first:
+        args = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in ctx.mb_args[0]]
+        kwargs = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in ctx.mb_kwargs[0].items()}
+    else:
+        with mode:
+            args = [torch.empty(slot.spec.shape, dtype=slot.spec.dtype, device=stage.device).requires_grad_(
+                slot.spec.carries_grad) for slot in stage.in_slots]
+        kwargs = {}
+    try:
+        with mode, torch.enable_grad():
+            out = torch.func.functional_call(stage.module, state, tuple(args), kwargs)
+    except Exception as e:
+        raise PipelineError(f"stage {stage.stage_index}: could not work out the shapes of this hand-built stage's "
+                            f"outputs with a fake forward ({type(e).__name__}: {e}); build the stages with "
+                            "pipeline() so the shapes come from the trace") from e
+    return tuple(out) if isinstance(out, tuple) else (out,)
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import zlib
+
 import torch
 import torch.distributed as dist
 
@@ -95,17 +97,40 @@ class PipelineSchedule:
         if any(a is not None and a.kind in (ActionKind.I, ActionKind.W) for acts in order.values() for a in acts):
             for st in self.stages:
                 st.enable_split_backward()
-        lowered = lower(order, self.links, self.placement)
+        given_lowered = any(a is not None and a.kind.is_comm for acts in order.values() for a in acts)
+        lowered = order if given_lowered else lower(order, self.links, self.placement)
         validate(lowered, self.num_stages, self.n_microbatches, links=self.links, placement=self.placement)
         self.order: Order = order
-        self.actions: list[Action] = list(lowered[self.rank])
+        self.lowered: Order = lowered
+        self.actions: list[Action] = [a for a in lowered[self.rank] if a is not None]
         self._eval_actions = self._forward_only(self.n_microbatches)
         self._runtime = Interpreter({s.stage_index: s for s in self.stages}, self.placement, self.rank,
                                     P2P(self.group, timeout) if self.world > 1 else None, self.links)
+        if self.world > 1:
+            self._agree_on_order()
         self._loss: torch.Tensor | None = None
-        self._loss_work: Any = None
 
     # ---- set-up checks ----------------------------------------------------------
+    def _agree_on_order(self) -> None:
+        """Every rank must run the same lowered order (else messages would pair up wrongly).
+        One small all-gather of a fingerprint, also the group's first collective, which
+        NCCL needs before batched point-to-point calls among a subset of ranks."""
+        text = f"{self.n_microbatches}|{self.num_stages}|{sorted(self.links)}|" + ";".join(
+            ",".join(str(a) for a in self.lowered[r] if a is not None) for r in sorted(self.lowered))
+        mine = torch.tensor([zlib.crc32(text.encode()), self.n_microbatches], dtype=torch.int64,
+                            device=self.stages[0].device)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)
+        prints = [tuple(t.tolist()) for t in every]
+        if len(set(prints)) > 1:
+            groups: dict[tuple, list[int]] = {}
+            for r, fp in enumerate(prints):
+                groups.setdefault(fp, []).append(r)
+            detail = "; ".join(f"ranks {rs} (n_microbatches={fp[1]})" for fp, rs in groups.items())
+            raise ScheduleError(f"{type(self).__name__}: the ranks built different schedules: {detail}. Every rank "
+                                "must pass the same schedule class, n_microbatches, order and stage layout",
+                                rank=self.rank)
+
     def _plan(self) -> tuple[Order, dict[int, int]]:
         """The compute order and the placement it needs (the family's generator)."""
         self.spec = get_order_spec(self.order_name)
@@ -259,20 +284,19 @@ class PipelineSchedule:
     @property
     def loss(self) -> torch.Tensor | None:
         """Mean loss of the last step, on every rank (None before the first step)."""
-        if self._loss_work is not None:
-            self._loss_work.wait()
-            self._loss_work = None
         return self._loss
 
     def _share_loss(self, mb_losses: list) -> None:
-        # Asynchronous: ranks need not wait for each other at the end of a step unless they read it.
         known = bool(mb_losses) and all(l is not None for l in mb_losses)
         value = torch.stack(mb_losses).mean().detach() if known else torch.zeros(())
         value = value.to(torch.float32).clone()
-        self._loss, self._loss_work = value, None
+        self._loss = value
         if self.world > 1:
-            self._loss_work = dist.broadcast(value, group=self.group, group_src=self.placement[self.num_stages - 1],
-                                             async_op=True)
+            # Waited for here: a step leaves no work outstanding, so destroy_process_group()
+            # right after the last step() finds nothing in flight.
+            value = value.to(self.stages[0].device)
+            dist.broadcast(value, group=self.group, group_src=self.placement[self.num_stages - 1])
+            self._loss = value
 
     def _sync_shared_grads(self) -> None:
         """Tied parameters held by several stages end the step with the summed gradient."""

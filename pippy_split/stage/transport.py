@@ -1,15 +1,18 @@
 """Point-to-point transport between ranks of one process group.
 
-Sits under the runtime: the interpreter asks it to send/receive one tensor of
-one edge for one microbatch. Tags make every message unique, so sends never
-block (``isend``) and receives match exactly their sender. Complex tensors go
-as real views. Every wait has a timeout whose error says what was awaited.
+Sits under the runtime: the interpreter hands it one *batch* (a run of comm
+actions of the lowered order, expanded to one tensor per edge) and it posts
+the batch at once with ``torch.distributed.batch_isend_irecv``, in the given
+order. Matching is by order, as on NCCL: by default (``ordered=True``) every
+message goes with tag 0 on every backend, so a gloo run that would only be
+right thanks to tags fails here instead of on a cluster. Complex tensors go as
+real views. Every wait has a timeout whose error says what was awaited.
 """
 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,69 +20,115 @@ import torch.distributed as dist
 
 from .errors import PipelineError, PipelineTimeout
 
-__all__ = ["P2P", "message_tag", "Pending"]
-
-MAX_INPUTS = 1024  # per-stage input slots addressable by a tag
+__all__ = ["P2P", "P2POp", "Batch", "Pending"]
 
 
-def message_tag(mb: int, dst_stage: int, dst_input: int, num_stages: int, backward: bool) -> int:
-    """A tag unique to (microbatch, receiving slot, direction), known to both sides."""
-    return ((mb * num_stages + dst_stage) * MAX_INPUTS + dst_input) * 2 + int(backward)
+@dataclass(eq=False)
+class P2POp:
+    """One tensor to send to, or receive from, ``peer`` (a rank of the group)."""
+
+    send: bool
+    tensor: torch.Tensor
+    peer: int
+    what: str  # "stage 2 waiting for the forward of microbatch 5 from stage 0 on rank 0"
+    tag: int = 0
+
+
+@dataclass(eq=False)
+class Batch:
+    """The works of one posted batch; waiting on it waits on every op in it."""
+
+    works: list[Any]
+    what: list[str]
+    done: bool = False
+
+    def is_completed(self) -> bool:
+        return self.done or all(w.is_completed() for w in self.works)
 
 
 @dataclass(eq=False)
 class Pending:
-    work: Any
-    what: str  # "stage 2 waiting for the forward of microbatch 5 from stage 0 on rank 0"
-    buffer: torch.Tensor | None = None
-    complex_dtype: torch.dtype | None = None
+    """A received tensor: valid once its batch is waited for."""
 
-    def result(self) -> torch.Tensor | None:
-        if self.buffer is None:
-            return None
+    batch: Batch
+    buffer: torch.Tensor
+    complex_dtype: torch.dtype | None = None
+    what: str = ""
+
+    def result(self) -> torch.Tensor:
         if self.complex_dtype is not None:
             return torch.view_as_complex(self.buffer)
         return self.buffer
 
 
+@dataclass
 class P2P:
-    """isend/irecv over ``group`` with group-local ranks and a timeout on every wait."""
+    """Batched isend/irecv over ``group`` with group-local ranks and a timeout on every wait.
 
-    def __init__(self, group: Any = None, timeout: float = 300.0) -> None:
-        self.group = group
-        self.timeout = datetime.timedelta(seconds=timeout)
-        self.timeout_s = timeout
+    Args:
+        group: the pipeline's process group (``None``: the default group).
+        timeout: seconds any wait may take before a :class:`PipelineTimeout`.
+        ordered: send every message with tag 0 (NCCL's behaviour, the default);
+            ``False`` uses each op's own tag (gloo honours tags, NCCL ignores them).
 
-    def send(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Pending:
-        if tensor.is_complex():
-            tensor = torch.view_as_real(tensor)
-        tensor = tensor.detach().contiguous()
-        try:
-            work = dist.isend(tensor, group=self.group, group_dst=peer, tag=tag)
-        except Exception as e:
-            raise PipelineError(f"{what}: send failed: {e}") from e
-        return Pending(work, what, tensor)
+    Example:
+        >>> p2p = P2P(group=None, timeout=60)
+        >>> op = P2P.send_op(torch.ones(4), peer=1, what="stage 0 sending mb 0 to stage 1")
+        >>> batch = p2p.post([op]); p2p.wait(batch)  # doctest: +SKIP
+    """
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, peer: int, tag: int,
-             what: str) -> Pending:
+    group: Any = None
+    timeout: float = 300.0
+    ordered: bool = True
+    _delta: datetime.timedelta = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._delta = datetime.timedelta(seconds=self.timeout)
+
+    @staticmethod
+    def recv_op(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, peer: int, what: str,
+                tag: int = 0) -> tuple[P2POp, torch.dtype | None]:
+        """A receive op with a fresh buffer sized exactly ``shape`` (complex as a real view)."""
         complex_dtype = dtype if dtype.is_complex else None
         if complex_dtype is not None:
             buf = torch.empty((*shape, 2), dtype=torch.empty((), dtype=dtype).real.dtype, device=device)
         else:
             buf = torch.empty(shape, dtype=dtype, device=device)
-        try:
-            work = dist.irecv(buf, group=self.group, group_src=peer, tag=tag)
-        except Exception as e:
-            raise PipelineError(f"{what}: receive failed: {e}") from e
-        return Pending(work, what, buf, complex_dtype)
+        return P2POp(False, buf, peer, what, tag), complex_dtype
 
-    def wait(self, pending: Pending) -> None:
+    @staticmethod
+    def send_op(tensor: torch.Tensor, peer: int, what: str, tag: int = 0) -> P2POp:
+        if tensor.is_complex():
+            tensor = torch.view_as_real(tensor)
+        return P2POp(True, tensor.detach().contiguous(), peer, what, tag)
+
+    def post(self, ops: list[P2POp]) -> Batch:
+        """Post ``ops`` together, in order, as one batch."""
+        p2p_ops = [dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, group=self.group,
+                              tag=0 if self.ordered else op.tag, group_peer=op.peer) for op in ops]
         try:
-            ok = pending.work.wait(self.timeout)
+            works = dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
         except Exception as e:
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            if "timed out" in msg.lower() or "timeout" in msg.lower():
-                raise PipelineTimeout(f"{pending.what}: no message within {self.timeout_s:.0f} s ({msg})") from e
-            raise PipelineError(f"{pending.what}: the peer failed or went away ({msg})") from e
-        if ok is False:
-            raise PipelineTimeout(f"{pending.what}: no message within {self.timeout_s:.0f} s")
+            raise PipelineError(f"{ops[0].what}: posting a batch of {len(ops)} message(s) failed: {e}") from e
+        return Batch(list(works or []), [op.what for op in ops])
+
+    def wait(self, batch: Batch) -> None:
+        if batch.done:
+            return
+        for work in batch.works:
+            try:
+                ok = work.wait(self._delta)
+            except Exception as e:
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                if "timed out" in msg.lower() or "timeout" in msg.lower():
+                    raise PipelineTimeout(f"{_describe(batch)}: no message within {self.timeout:.0f} s ({msg})") from e
+                raise PipelineError(f"{_describe(batch)}: the peer failed or went away ({msg})") from e
+            if ok is False:
+                raise PipelineTimeout(f"{_describe(batch)}: no message within {self.timeout:.0f} s")
+        batch.done = True
+
+
+def _describe(batch: Batch) -> str:
+    waiting = [w for w in batch.what if "waiting" in w] or batch.what
+    more = f" (and {len(waiting) - 1} more in the same batch)" if len(waiting) > 1 else ""
+    return waiting[0] + more
