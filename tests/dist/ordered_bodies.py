@@ -46,13 +46,18 @@ def skip_stack_reference(n_mb: int):
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def skip_stack_step(rank: int, world: int, schedule: str, n_mb: int):
+def skip_stack_step(rank: int, world: int, schedule: str, n_mb: int, device: str = "cpu"):
+    """One step of the 8-stage skip model; ``device`` "cuda" puts rank r on cuda:r (NCCL tier)."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
     model, x, y = skip_stack_case()
     pipe = ps.pipeline(model, [f"blocks.{i}" for i in range(1, 8)], (x.chunk(n_mb)[0],))
     assert any(e.is_skip for e in pipe.edges)
-    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=torch.nn.functional.mse_loss)
-    sched.step(x, target=y)
-    grads = {n: p.grad.clone() for st in sched.stages for n, p in st.module.named_parameters() if p.grad is not None}
+    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=torch.nn.functional.mse_loss, device=device)
+    sched.step(x.to(device), target=y.to(device))
+    grads = {n: p.grad.detach().cpu().clone() for st in sched.stages for n, p in st.module.named_parameters()
+             if p.grad is not None}
     return {"loss": float(sched.loss), "grads": grads, "stages": [st.stage_index for st in sched.stages]}
 
 
