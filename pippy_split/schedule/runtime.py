@@ -51,6 +51,7 @@ class Interpreter:
         for src, dst, _ in links or []:
             self.senders.setdefault(dst, []).append(src)
         self._shapes_known = all(st.pipe is not None for st in self.stages.values())  # hand-built: first step
+        self.release_sent = True  # free a sent output's storage once its send buffer is done (see _release_storage)
         self.stage_rank = dict(stage_rank)
         self.rank = rank
         self.p2p = transport
@@ -78,6 +79,13 @@ class Interpreter:
         self._sends: list[Batch] = []
         self._shapes: dict[int, tuple[int, ...]] = {}
         self._steps: dict[int, list[Action | list[Action]]] = {}  # id(actions) -> compute actions and batches
+        self.track_sent_outputs()
+
+    def track_sent_outputs(self) -> None:
+        """Stages whose outputs go to other ranks record what autograd saves (for _release_storage)."""
+        for st in self.stages.values():
+            st.track_saved_storages = self.release_sent and any(
+                not r.from_input and not self._local(r.dst_stage) for r in st.routes)
 
     def run(self, actions: list[Action], ctx: StepContext) -> None:
         last_backward = {}
@@ -90,6 +98,7 @@ class Interpreter:
         if not self._shapes_known:
             self._infer_manual_shapes(ctx)
             self._shapes_known = True
+            self.track_sent_outputs()
         for step in self._grouped(actions):
             if isinstance(step, list):
                 self._post_batch(step, ctx)
@@ -295,16 +304,22 @@ class Interpreter:
 
     def _send_forward(self, a: Action, ctx: StepContext) -> list[tuple[P2POp, Any]]:
         entries = self._outbox.pop((a.stage, a.mb), [])
-        ops = []
+        ops, sent = [], []
         for dst in self._peers(a, [r.dst_stage for r, _ in entries]):
             mine = sorted((e for e in entries if e[0].dst_stage == dst),
                           key=lambda e: (e[0].from_input, e[0].src_index, e[0].dst_input))
             peer = self.stage_rank[dst]
             what = f"stage {a.stage} sending the forward of microbatch {a.mb} to stage {dst} on rank {peer}"
             ops += [(P2P.send_op(value, peer, what), None) for _, value in mine]
+            sent += [value for route, value in mine if not route.from_input]
             entries = [e for e in entries if e[0].dst_stage != dst]
-        if entries:  # an action without that peer: keep them for their own SEND
+        if entries:  # messages for other peers: kept for their own SEND
             self._outbox[(a.stage, a.mb)] = entries
+        if self.release_sent:  # a value read by several stages: only after its last send
+            stage = self.stages[a.stage]
+            for value in sent:
+                if all(value is not v for _, v in entries) and stage.may_release(a.mb, value):
+                    _release_storage(value)
         return ops
 
     def _recv_forward(self, a: Action, ctx: StepContext) -> list[tuple[P2POp, Any]]:
@@ -451,6 +466,19 @@ def _fake_outputs(stage: PipelineStage, ctx: StepContext) -> tuple:
                             f"outputs with a fake forward ({type(e).__name__}: {e}); build the stages with "
                             "pipeline() so the shapes come from the trace") from e
     return tuple(out) if isinstance(out, tuple) else (out,)
+
+
+def _release_storage(value: Any) -> None:
+    """Let an output that went to another rank give its memory back (Megatron's
+    ``deallocate_output_tensor`` idea). Backward needs only its autograd node and its
+    shape: the tensor now points at one element expanded to the same shape, and the
+    old storage lives on only where something else holds it (the send buffer until
+    the send completes, a same-rank hand-off), so nothing that reads the values
+    changes. Outputs whose storage autograd saved (``PipelineStage.may_release``),
+    leaves (parameters, buffers, inputs) and views are left alone."""
+    if not isinstance(value, torch.Tensor) or value.grad_fn is None or value._base is not None:
+        return
+    value.data = torch.empty((), dtype=value.dtype, device=value.device).expand(value.shape)
 
 
 def _to(value: Any, device: torch.device) -> Any:

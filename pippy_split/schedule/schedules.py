@@ -282,6 +282,20 @@ class PipelineSchedule:
         return merge_chunks([ctx.outputs[mb] for mb in range(ctx.n_microbatches)], self.output_merge_spec)
 
     @property
+    def release_sent_outputs(self) -> bool:
+        """Free the memory of a forward output once it is sent to another rank (default True).
+
+        Backward needs only the output's autograd node and shape, so its values are
+        dropped unless autograd saved them; turn off only to compare memory.
+        """
+        return self._runtime.release_sent
+
+    @release_sent_outputs.setter
+    def release_sent_outputs(self, on: bool) -> None:
+        self._runtime.release_sent = bool(on)
+        self._runtime.track_sent_outputs()
+
+    @property
     def loss(self) -> torch.Tensor | None:
         """Mean loss of the last step, on every rank (None before the first step)."""
         return self._loss

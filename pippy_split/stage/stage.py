@@ -60,6 +60,7 @@ class _Saved:
     outputs: tuple
     loss: torch.Tensor | None = None
     weight_work: list = field(default_factory=list)
+    graph_storages: set[int] = field(default_factory=set)  # storages autograd saved for backward
 
 
 class PipelineStage:
@@ -119,6 +120,8 @@ class PipelineStage:
         self._losses: dict[int, torch.Tensor] = {}  # per microbatch, unscaled, kept for the whole step
         self.peak_held_microbatches = 0  # most microbatches held at once during the last step
         self._wplan: WeightGradPlan | None = None
+        # set by the runtime for stages whose outputs go to other ranks (see may_release)
+        self.track_saved_storages = False
 
     # ---- construction from a Pipe ------------------------------------------------
     @classmethod
@@ -175,8 +178,10 @@ class PipelineStage:
     def forward(self, mb: int, args: list[Any], kwargs: Mapping[str, Any] | None = None, *, train: bool = True,
                 target: Any = None) -> tuple:
         """Run the module on one microbatch; keep what backward needs when ``train``."""
+        graph_storages: set[int] = set()
         try:
-            with torch.set_grad_enabled(train), capturing() as sink:
+            with torch.set_grad_enabled(train), capturing() as sink, _recording_saved(
+                    graph_storages, train and self.track_saved_storages):
                 out = self.module(*args, **(kwargs or {}))
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: forward raised {type(e).__name__}: {e}") from e
@@ -184,7 +189,7 @@ class PipelineStage:
             tuple(out) if isinstance(out, tuple) else (out,))
         if not train:
             return outputs
-        saved = _Saved(list(args), outputs)
+        saved = _Saved(list(args), outputs, graph_storages=graph_storages)
         if self._wplan is not None:
             # by capture index; I turns them into (index, tensor, grad)
             saved.weight_work = [sink.get(k) for k in range(self._wplan.num_captures)]
@@ -194,6 +199,13 @@ class PipelineStage:
         self._saved[mb] = saved
         self.peak_held_microbatches = max(self.peak_held_microbatches, len(self._saved))
         return outputs
+
+    def may_release(self, mb: int, value: torch.Tensor) -> bool:
+        """Whether ``value`` (an output of microbatch ``mb`` sent elsewhere) can drop its
+        storage: autograd did not save that storage for this stage's backward."""
+        saved = self._saved.get(mb)
+        return (saved is not None and self.track_saved_storages
+                and value.untyped_storage().data_ptr() not in saved.graph_storages)
 
     def model_output(self, outputs: tuple) -> Any:
         """The last stage's outputs in the structure the model returns."""
@@ -361,6 +373,30 @@ class PipelineStage:
 
     def __repr__(self) -> str:
         return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, device={self.device})"
+
+
+class _recording_saved:
+    """Record the storage of every tensor autograd saves for backward (when ``on``)."""
+
+    def __init__(self, storages: set[int], on: bool) -> None:
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack) if on else None
+        self.storages = storages
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.storages.add(t.untyped_storage().data_ptr())
+        return t
+
+    def __enter__(self) -> None:
+        if self.hooks is not None:
+            self.hooks.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.hooks is not None:
+            self.hooks.__exit__(*exc)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:

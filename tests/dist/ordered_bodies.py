@@ -104,3 +104,30 @@ def clean_exit_worker(out_dir: str, schedule: str) -> None:
     dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.ok"), "w") as f:
         f.write("ok")
+
+
+def released_outputs_step(rank: int, world: int, schedule: str, n_mb: int, release: bool):
+    """tiny GPT on 2 stages; record stage 0's forward outputs: after sending they hold no memory
+    (a block ends in a residual add, which autograd does not save), and the step stays exact."""
+    from pippy_split import zoo
+
+    entry = zoo.get("tiny_gpt")
+    mb = ps.split_args_kwargs(entry.args, entry.kwargs, n_mb)[0][0]
+    pipe = ps.pipeline(entry.model, ["blocks.2"], mb)
+    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn)
+    sched.release_sent_outputs = release
+    outputs = []
+    for st in sched.stages:
+        forward = st.forward
+
+        def recording(*args, _forward=forward, **kwargs):
+            out = _forward(*args, **kwargs)
+            outputs.extend(o for o in out if isinstance(o, torch.Tensor) and o.is_floating_point())
+            return out
+
+        st.forward = recording
+    sched.step(*entry.args, target=entry.target, **entry.kwargs)
+    grads = {n: p.grad.clone() for st in sched.stages for n, p in st.module.named_parameters() if p.grad is not None}
+    held = [o.untyped_storage().nbytes() for o in outputs] if sched.stages[0].stage_index == 0 else []
+    return {"loss": float(sched.loss), "grads": grads, "held_bytes": held,
+            "full_bytes": [o.numel() * o.element_size() for o in outputs] if held else []}

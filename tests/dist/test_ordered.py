@@ -72,3 +72,25 @@ def test_three_ranks_exit_cleanly_after_destroy(tmp_path, schedule):
                               start_method="spawn", run_id=f"clean-exit-{schedule}-{run}")
         elastic_launch(config, clean_exit_worker)(str(out), schedule)  # raises ChildFailedError on SIGABRT
         assert sorted(p.name for p in out.glob("*.ok")) == ["rank0.ok", "rank1.ok", "rank2.ok"]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_sent_outputs_give_their_memory_back(schedule):
+    from .bodies import reference
+    from .ordered_bodies import released_outputs_step
+
+    ref_loss, ref_grads = reference("tiny_gpt", N_MB)
+    for release in (True, False):
+        results = run_ranks(released_outputs_step, 2, schedule, N_MB, release, timeout=150)
+        for r in results:
+            assert abs(r["loss"] - ref_loss) < 1e-5
+            for fqn, g in r["grads"].items():
+                torch.testing.assert_close(g, ref_grads[fqn], atol=1e-5, rtol=0)
+        first = results[0]
+        assert len(first["held_bytes"]) == N_MB
+        if release:  # one element each, down from (mb, T, C)
+            assert all(h <= 4 for h in first["held_bytes"]), first["held_bytes"]
+        else:
+            assert first["held_bytes"] == first["full_bytes"]
