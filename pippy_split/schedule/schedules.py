@@ -245,8 +245,8 @@ class PipelineSchedule:
         """One training step over ``n_microbatches``; the same call on every rank.
 
         Returns the merged model outputs where the last stage lives (None elsewhere);
-        ``losses`` (a list) receives the per-microbatch losses there; ``self.loss`` is
-        the step's mean loss on every rank.
+        ``losses`` (a list) is replaced by this step's per-microbatch losses there;
+        ``self.loss`` is the step's mean loss on every rank.
         """
         ctx = self._context(args, kwargs, target, True, self.n_microbatches)
         for st in self.stages:
@@ -260,7 +260,7 @@ class PipelineSchedule:
         for st in self.stages:
             st.clear()
         if last is not None and losses is not None:
-            losses.extend(mb_losses)
+            losses[:] = mb_losses  # replaced, not appended: a list reused every step holds this step's
         self._share_loss(mb_losses)
         return self._merge(ctx) if last is not None else None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import enum
 import operator
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -99,6 +100,21 @@ def _all_module_paths(node: torch.fx.Node) -> list[str]:
     return list(out)
 
 
+def check_split_spec(split_spec: Any) -> None:
+    """Refuse a malformed ``split_spec`` before anything is traced (see :func:`plan_stages`).
+
+    Example:
+        >>> check_split_spec(["layers.4"]); check_split_spec(4); check_split_spec(None)
+        >>> check_split_spec((torch.ones(2),))
+        Traceback (most recent call last):
+        ...
+        pippy_split.split.errors.SplitError: split_spec entry 0 is a Tensor, not a module FQN ...
+    """
+    if split_spec is None or (isinstance(split_spec, int) and not isinstance(split_spec, bool)):
+        return
+    _normalize_spec(split_spec)
+
+
 def _normalize_spec(split_spec: Any) -> list[tuple[str, SplitPoint]]:
     if isinstance(split_spec, Mapping):
         items = []
@@ -108,11 +124,21 @@ def _normalize_spec(split_spec: Any) -> list[tuple[str, SplitPoint]]:
                     point = SplitPoint[point.upper()]
                 except KeyError:
                     raise SplitError(f"split point for {fqn!r} must be SplitPoint.BEGINNING or END, got {point!r}")
+            elif isinstance(point, enum.Enum) and point.name in SplitPoint.__members__:
+                point = SplitPoint[point.name]  # torch.distributed.pipelining's SplitPoint works too
             if not isinstance(point, SplitPoint):
                 raise SplitError(f"split point for {fqn!r} must be a SplitPoint, got {point!r}")
+            if not isinstance(fqn, str):
+                raise SplitError(f"split_spec key {fqn!r} must be a module FQN string, e.g. 'layers.4'")
             items.append((fqn, point))
         return items
     if isinstance(split_spec, (list, tuple)):
+        for i, fqn in enumerate(split_spec):
+            if not isinstance(fqn, str):
+                hint = (" — it looks like example inputs: the order is pipeline(model, split_spec, example_args)"
+                        if isinstance(fqn, torch.Tensor) else "")
+                raise SplitError(f"split_spec entry {i} is a {type(fqn).__name__}, not a module FQN string such as "
+                                 f"'layers.4'{hint}")
         return [(fqn, SplitPoint.BEGINNING) for fqn in split_spec]
     raise SplitError(
         f"split_spec must be a dict {{fqn: SplitPoint}}, a list of FQNs, an int or None; got {type(split_spec).__name__}"

@@ -13,7 +13,7 @@ import sympy
 import torch
 from torch.utils import _pytree as pytree
 
-from .partition import plan_stages
+from .partition import check_split_spec, plan_stages
 from .spec import MODEL_INPUT, Edge, SymbolSource
 from .stage_graph import StageInfo, build_stages
 from .trace import Traced, trace_model
@@ -187,6 +187,7 @@ def pipeline(
         example_args = (example_args,)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"pipeline() needs an nn.Module, got {type(model).__name__}")
+    check_split_spec(split_spec)  # before tracing: a bad spec costs no export
     traced = trace_model(model, example_args, example_kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
     plan = plan_stages(traced.graph, split_spec, model)
     if split_spec is None and plan.num_stages == 1:

@@ -28,10 +28,22 @@ def _variants(count: int, seed: int = 0) -> list[str]:
     return out
 
 
+def _lowered_variants() -> list[str]:
+    """The lowered 1F1B order as CSV (comm actions included), and one whose receives of
+    mb 0 and mb 1 are swapped on rank 1: NCCL would hand each the other's tensor."""
+    lowered = lower(ps.get_schedule_class("1F1B").compute_order(2, N_MB, 1))
+    swapped = {r: list(acts) for r, acts in lowered.items()}
+    texts = [str(a) for a in swapped[1]]
+    i, j = texts.index("1RECV_F0"), texts.index("1RECV_F1")
+    swapped[1][i], swapped[1][j] = swapped[1][j], swapped[1][i]
+    return [order_to_csv(lowered), order_to_csv(swapped)]
+
+
 def _valid(text: str) -> bool:
     order = order_from_csv(text)
+    lowered = any(a is not None and a.kind.is_comm for acts in order.values() for a in acts)
     try:
-        ps.validate(lower(order), 2, N_MB)
+        ps.validate(order if lowered else lower(order), 2, N_MB)
     except ps.ScheduleError:
         return False
     return True
@@ -40,8 +52,9 @@ def _valid(text: str) -> bool:
 @pytest.mark.dist
 @pytest.mark.timeout(200)
 def test_random_hand_written_orders_run_or_are_rejected_up_front():
-    texts = _variants(12)
+    texts = _variants(12) + _lowered_variants()
     expected_valid = [_valid(t) for t in texts]
+    assert expected_valid[-2:] == [True, False]
     assert any(expected_valid) and not all(expected_valid)  # the sample holds both kinds
     results = run_ranks(run_orders, 2, texts, N_MB, timeout=180)
     ref_loss, _ = reference("mlp_stack", N_MB)

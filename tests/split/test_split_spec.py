@@ -229,3 +229,28 @@ def test_split_at_a_module_inside_no_grad_region():
     assert_same_outputs(pipe(x), model(x))
     assert_same_grads(pipe, model, (x,), {})
     assert_edges_describe_values(pipe, (x,), {})
+
+
+def test_split_spec_checked_before_tracing_names_the_argument_order():
+    import pippy_split as ps
+    from pippy_split.split.errors import SplitError
+
+    class Boom(torch.nn.Module):
+        def forward(self, x):
+            raise AssertionError("traced although the split spec was bad")
+
+    x = torch.ones(2, 3)
+    with pytest.raises(SplitError, match=r"entry 0 is a Tensor.*pipeline\(model, split_spec, example_args\)"):
+        ps.pipeline(Boom(), (x,), {})  # torch.distributed.pipelining's positional order
+
+
+def test_torch_split_point_enum_is_accepted():
+    import pippy_split as ps
+    from torch.distributed.pipelining import SplitPoint as TorchSplitPoint
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    ours = ps.pipeline(model, {"2": ps.SplitPoint.BEGINNING}, (x,))
+    theirs = ps.pipeline(model, {"2": TorchSplitPoint.BEGINNING}, (x,))
+    assert ours.num_stages == theirs.num_stages == 2
+    torch.testing.assert_close(theirs(x), model(x))
