@@ -130,10 +130,10 @@ class Interpreter:
         posted = self.p2p.post([op for op, _ in expanded])
         if any(op.send for op, _ in expanded):
             self._sends.append(posted)
-        for op, landing in expanded:
+        for index, (op, landing) in enumerate(expanded):
             if landing is not None:  # a receive: its tensor is waited for by the action that uses it
                 box, key, where, complex_dtype = landing
-                box.setdefault(key, []).append((where, Pending(posted, op.tensor, complex_dtype, op.what)))
+                box.setdefault(key, []).append((where, Pending(posted, index, op.tensor, complex_dtype, op.what)))
 
     def _prune_sends(self) -> None:
         """Release send buffers whose messages are delivered (they would otherwise live to the step's end)."""
@@ -203,7 +203,7 @@ class Interpreter:
         if pending:
             box = self._fwd_inbox.setdefault((stage, mb), {})
             for slot, p in pending:
-                self.p2p.wait(p.batch)
+                self.p2p.wait_recv(p)
                 box[(slot.src_stage, slot.src_output)] = self._received(p.result(), slot.spec)
 
     def _arrived_backward(self, stage: int, mb: int) -> None:
@@ -211,7 +211,7 @@ class Interpreter:
         if pending:
             box = self._bwd_inbox.setdefault((stage, mb), {})
             for route, p in pending:
-                self.p2p.wait(p.batch)
+                self.p2p.wait_recv(p)
                 box.setdefault(route.src_index, []).append(p.result())
 
     def _gather(self, stage: PipelineStage, mb: int, ctx: StepContext) -> list[Any]:

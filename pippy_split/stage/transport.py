@@ -36,21 +36,27 @@ class P2POp:
 
 @dataclass(eq=False)
 class Batch:
-    """The works of one posted batch; waiting on it waits on every op in it."""
+    """The works of one posted batch: one per op (gloo), or one for all (NCCL coalesces)."""
 
     works: list[Any]
     what: list[str]
     done: bool = False
+    waited: set[int] = field(default_factory=set)  # a gloo work must be waited for once only
 
     def is_completed(self) -> bool:
         return self.done or all(w.is_completed() for w in self.works)
 
+    def work_of(self, index: int) -> list[int]:
+        """Indices of the works to wait on for op ``index`` alone."""
+        return [index] if len(self.works) == len(self.what) else list(range(len(self.works)))
+
 
 @dataclass(eq=False)
 class Pending:
-    """A received tensor: valid once its batch is waited for."""
+    """A received tensor (op ``index`` of ``batch``): valid once waited for."""
 
     batch: Batch
+    index: int
     buffer: torch.Tensor
     complex_dtype: torch.dtype | None = None
     what: str = ""
@@ -113,22 +119,34 @@ class P2P:
         return Batch(list(works or []), [op.what for op in ops])
 
     def wait(self, batch: Batch) -> None:
-        if batch.done:
-            return
-        for work in batch.works:
+        """Wait for every op of ``batch``."""
+        if not batch.done:
+            self._wait(batch, range(len(batch.works)), _describe(batch.what))
+            batch.done = True
+
+    def wait_recv(self, pending: Pending) -> None:
+        """Wait for one received tensor (not for the sends posted beside it, where the backend allows)."""
+        if not pending.batch.done:
+            self._wait(pending.batch, pending.batch.work_of(pending.index), pending.what)
+
+    def _wait(self, batch: Batch, indices: Any, what: str) -> None:
+        for i in indices:
+            if i in batch.waited:
+                continue
+            batch.waited.add(i)
+            work = batch.works[i]
             try:
                 ok = work.wait(self._delta)
             except Exception as e:
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
                 if "timed out" in msg.lower() or "timeout" in msg.lower():
-                    raise PipelineTimeout(f"{_describe(batch)}: no message within {self.timeout:.0f} s ({msg})") from e
-                raise PipelineError(f"{_describe(batch)}: the peer failed or went away ({msg})") from e
+                    raise PipelineTimeout(f"{what}: no message within {self.timeout:.0f} s ({msg})") from e
+                raise PipelineError(f"{what}: the peer failed or went away ({msg})") from e
             if ok is False:
-                raise PipelineTimeout(f"{_describe(batch)}: no message within {self.timeout:.0f} s")
-        batch.done = True
+                raise PipelineTimeout(f"{what}: no message within {self.timeout:.0f} s")
 
 
-def _describe(batch: Batch) -> str:
-    waiting = [w for w in batch.what if "waiting" in w] or batch.what
+def _describe(what: list[str]) -> str:
+    waiting = [w for w in what if "waiting" in w] or what
     more = f" (and {len(waiting) - 1} more in the same batch)" if len(waiting) > 1 else ""
     return waiting[0] + more
