@@ -72,10 +72,10 @@ def _body(rank: int, world: int, tool: str, schedule: str, d: int, n_mb: int, re
         # Only this rank's stages are allocated, initialised by their modules' reset_parameters().
         runner = common.build_ours(entry, schedule, n_mb, device="cpu")
         tool = "ours"
-    elif tool in ("ours", "ours_keep"):
+    elif tool in ("ours", "ours_release"):
         runner = common.build_ours(entry, schedule, n_mb)
-        if tool == "ours_keep":  # before issue 10: sent outputs kept their storage until backward
-            runner.sched.release_sent_outputs = False
+        if tool == "ours_release":  # sent outputs give their memory back (the default on GPUs only)
+            runner.sched.release_sent_outputs = True
             tool = "ours"
     else:
         runner = common.build_peer(entry, schedule, n_mb, rank, world)
@@ -114,9 +114,9 @@ def measure(schedule: str, d: int = 256, n_mb: int = 8, reps: int = 5,
         row["ours_over_peer"] = row["ours"]["step_peak_mb"]["median"] / row["peer"]["step_peak_mb"]["median"]
         row["above_start_ours_over_peer"] = (row["ours"]["step_peak_above_start_mb"]["median"]
                                              / row["peer"]["step_peak_above_start_mb"]["median"])
-        if "ours_keep" in row:  # the same tool with sent outputs kept: what freeing them saves
-            row["released_over_kept_above_start"] = (row["ours"]["step_peak_above_start_mb"]["median"]
-                                                     / row["ours_keep"]["step_peak_above_start_mb"]["median"])
+        if "ours_release" in row:  # the same tool freeing sent outputs: what that saves
+            row["released_over_kept_above_start"] = (row["ours_release"]["step_peak_above_start_mb"]["median"]
+                                                     / row["ours"]["step_peak_above_start_mb"]["median"])
         if "ours_meta" in row:
             row["meta_over_peer"] = row["ours_meta"]["step_peak_mb"]["median"] / row["peer"]["step_peak_mb"]["median"]
         ranks.append(row)
@@ -128,16 +128,16 @@ def run(mode: str = "full", reps: int = 5) -> dict:
     """1F1B (with the meta-device variant in full mode) and GPipe; quick, smoke: 1F1B only."""
     if mode != "full":
         return {"rows": [measure("1F1B", reps=reps)]}
-    return {"rows": [measure("1F1B", reps=reps, tools=("ours", "peer", "ours_meta", "ours_keep")),
-                     measure("GPipe", reps=reps, tools=("ours", "peer", "ours_keep"))]}
+    return {"rows": [measure("1F1B", reps=reps, tools=("ours", "peer", "ours_meta", "ours_release")),
+                     measure("GPipe", reps=reps, tools=("ours", "peer", "ours_release"))]}
 
 
 def _report(row: dict) -> None:
     for r, x in enumerate(row["ranks"]):
         kept = ""
-        if "ours_keep" in x:
-            kept = (f"; above start: released {x['ours']['step_peak_above_start_mb']['median']:.0f} MB vs kept "
-                    f"{x['ours_keep']['step_peak_above_start_mb']['median']:.0f} MB "
+        if "ours_release" in x:
+            kept = (f"; above start: released {x['ours_release']['step_peak_above_start_mb']['median']:.0f} MB vs "
+                    f"kept {x['ours']['step_peak_above_start_mb']['median']:.0f} MB "
                     f"-> {x['released_over_kept_above_start']:.2f}x")
         print(f"{row['schedule']:5s} rank {r}: ours {x['ours']['step_peak_mb']['median']:.0f} MB "
               f"peer {x['peer']['step_peak_mb']['median']:.0f} MB -> {x['ours_over_peer']:.2f}x; held "

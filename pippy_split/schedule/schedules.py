@@ -282,17 +282,23 @@ class PipelineSchedule:
         return merge_chunks([ctx.outputs[mb] for mb in range(ctx.n_microbatches)], self.output_merge_spec)
 
     @property
-    def release_sent_outputs(self) -> bool:
-        """Free the memory of a forward output once it is sent to another rank (default True).
+    def release_sent_outputs(self) -> bool | None:
+        """Free the memory of a forward output once it is sent to another rank.
 
         Backward needs only the output's autograd node and shape, so its values are
-        dropped unless autograd saved them; turn off only to compare memory.
+        dropped unless autograd saved them. ``None`` (default): on accelerators
+        (CUDA's caching allocator makes it free), not on CPU, where handing the pages
+        back costs more time than it saves (see README, performance). ``True`` /
+        ``False`` force it.
+
+        Example:
+            >>> sched.release_sent_outputs = True   # also on CPU: less memory, slower steps
         """
         return self._runtime.release_sent
 
     @release_sent_outputs.setter
-    def release_sent_outputs(self, on: bool) -> None:
-        self._runtime.release_sent = bool(on)
+    def release_sent_outputs(self, on: bool | None) -> None:
+        self._runtime.release_sent = None if on is None else bool(on)
         self._runtime.track_sent_outputs()
 
     @property

@@ -55,6 +55,7 @@ def skip_stack_step(rank: int, world: int, schedule: str, n_mb: int, device: str
     pipe = ps.pipeline(model, [f"blocks.{i}" for i in range(1, 8)], (x.chunk(n_mb)[0],))
     assert any(e.is_skip for e in pipe.edges)
     sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=torch.nn.functional.mse_loss, device=device)
+    sched.release_sent_outputs = True  # the default on GPUs, forced here so CPU runs check it too
     sched.step(x.to(device), target=y.to(device))
     grads = {n: p.grad.detach().cpu().clone() for st in sched.stages for n, p in st.module.named_parameters()
              if p.grad is not None}
