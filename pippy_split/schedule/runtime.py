@@ -33,6 +33,7 @@ class StepContext:
 
     n_microbatches: int
     train: bool
+    loss_divisor: float = 1.0  # the last stage's loss is divided by this (mean over microbatches or items)
     flat_inputs: list[list[Any]] | None = None  # per mb, on the rank holding stage 0 (traced stages)
     mb_args: list[tuple] | None = None  # per mb, manual stage 0
     mb_kwargs: list[dict] | None = None
@@ -289,12 +290,12 @@ class Interpreter:
 
     def _backward(self, a: Action, ctx: StepContext) -> None:
         stage = self.stages[a.stage]
-        grads = stage.backward(a.mb, self._output_grads(stage, a.mb), ctx.n_microbatches)
+        grads = stage.backward(a.mb, self._output_grads(stage, a.mb), ctx.loss_divisor)
         self._deliver_grads(stage, a.mb, grads)
 
     def _backward_input(self, a: Action, ctx: StepContext) -> None:
         stage = self.stages[a.stage]
-        grads = stage.backward_input(a.mb, self._output_grads(stage, a.mb), ctx.n_microbatches)
+        grads = stage.backward_input(a.mb, self._output_grads(stage, a.mb), ctx.loss_divisor)
         self._deliver_grads(stage, a.mb, grads)
 
     def _backward_weight(self, a: Action, ctx: StepContext) -> None:

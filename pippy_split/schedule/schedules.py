@@ -48,6 +48,14 @@ class PipelineSchedule:
         loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage.
         scale_grads: divide each microbatch's loss by ``n_microbatches`` so gradients
             equal those of a mean loss over the whole batch (turn off for sum losses).
+        loss_count: ``loss_count(target_mb) -> number of items`` (e.g. valid tokens,
+            ``lambda t: (t != -100).sum()``). With it, ``loss_fn`` returns each
+            microbatch's loss *sum*, and the step's loss is the sum over all
+            microbatches divided by the items of the whole batch (counted before the
+            first backward), so gradients equal the unsplit model's mean over all
+            items even when microbatches hold different numbers of them. Gradients
+            of several ``step()`` calls without ``zero_grad`` add up (each step
+            normalised by its own count), as with ``loss.backward()`` per batch.
         timeout: seconds any blocking wait may take before a named error.
         args_chunk_spec / kwargs_chunk_spec: how to split ``step()``'s inputs.
         output_merge_spec: how to merge the last stage's outputs.
@@ -62,8 +70,10 @@ class PipelineSchedule:
     def __init__(self, stage_or_stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
                  loss_fn: Callable | None = None, *, scale_grads: bool = True, timeout: float = 300.0,
                  args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None, output_merge_spec: Any = None,
-                 on_nonfinite: str = "warn", placement: str | None = None) -> None:
+                 on_nonfinite: str = "warn", placement: str | None = None,
+                 loss_count: Callable[[Any], Any] | None = None) -> None:
         self._placement_style = placement
+        self.loss_count = loss_count
         if on_nonfinite not in ("warn", "raise", "ignore"):
             raise ValueError(f"on_nonfinite must be 'warn', 'raise' or 'ignore', got {on_nonfinite!r}")
         stages = [stage_or_stages] if isinstance(stage_or_stages, PipelineStage) else list(stage_or_stages)
@@ -92,7 +102,6 @@ class PipelineSchedule:
                                  f"{self.placement.get(st.stage_index)}, not rank {self.rank}; this rank should hold "
                                  f"stages {mine}")
             st.loss_fn = loss_fn
-            st.scale_grads = scale_grads
             st.on_nonfinite = on_nonfinite
         if any(a is not None and a.kind in (ActionKind.I, ActionKind.W) for acts in order.values() for a in acts):
             for st in self.stages:
@@ -223,9 +232,42 @@ class PipelineSchedule:
                 raise PipelineError(f"rank {self.rank} holds the last stage ({last.stage_index}) and needs target= in "
                                     "step()")
             ctx.targets = [t[0][0] for t in split_args_kwargs((target,), {}, n, names=["target"])]
+        if train and self.loss_count is not None:
+            ctx.loss_divisor = self._shared_item_count(ctx.targets if last is not None else None)
+        elif last is not None and train:
+            ctx.loss_divisor = float(self.n_microbatches) if self.scale_grads else 1.0
         if pipe is not None and pipe.symbols:
             ctx.bindings = self._share_symbols(pipe, ctx)
         return ctx
+
+    def _shared_item_count(self, targets: list | None) -> float:
+        """The batch's item count (``loss_count`` over every microbatch's target), worked out
+        where the last stage lives and shared with every rank before the first action, so
+        that a bad count stops every rank with the same error instead of leaving them waiting."""
+        last_stage = self.num_stages - 1
+        counts: list[float] = []
+        failure = ""
+        if targets is not None:
+            for mb, t in enumerate(targets):
+                try:
+                    counts.append(float(self.loss_count(t)))
+                except Exception as e:  # reported on every rank below
+                    failure = f"microbatch {mb}: loss_count raised {type(e).__name__}: {e}"
+                    break
+        total = torch.tensor([float("nan") if failure else sum(counts)], dtype=torch.float64)
+        if self.world > 1:
+            total = total.to(self.stages[0].device)
+            dist.broadcast(total, group=self.group, group_src=self.placement[last_stage])
+        value = float(total.item())
+        where = f"stage {last_stage} (rank {self.placement[last_stage]})"
+        if value != value:  # NaN: loss_count failed there
+            raise PipelineError(f"{where}: {failure or 'loss_count failed on that rank (see its error)'}")
+        if not value > 0:
+            per_mb = f" (per microbatch: {counts})" if counts else ""
+            raise PipelineError(f"{where}: loss_count gives {value:g} items for the whole batch{per_mb}; there is "
+                                "nothing to average the loss over — check the padding value it looks for, or drop "
+                                "loss_count for a mean over microbatches")
+        return value
 
     def _share_symbols(self, pipe: Any, ctx: StepContext) -> dict:
         values = torch.zeros(len(pipe.symbols), dtype=torch.int64)
@@ -261,7 +303,7 @@ class PipelineSchedule:
             st.clear()
         if last is not None and losses is not None:
             losses[:] = mb_losses  # replaced, not appended: a list reused every step holds this step's
-        self._share_loss(mb_losses)
+        self._share_loss(mb_losses, ctx.loss_divisor if self.loss_count is not None else None)
         return self._merge(ctx) if last is not None else None
 
     def eval(self, *args: Any, **kwargs: Any) -> Any:
@@ -303,12 +345,19 @@ class PipelineSchedule:
 
     @property
     def loss(self) -> torch.Tensor | None:
-        """Mean loss of the last step, on every rank (None before the first step)."""
+        """The last step's loss, on every rank (None before the first step): the mean over
+        microbatches, or with ``loss_count`` the loss sum over the batch's item count."""
         return self._loss
 
-    def _share_loss(self, mb_losses: list) -> None:
+    def _share_loss(self, mb_losses: list, items: float | None) -> None:
+        """The step's loss on every rank: the mean over microbatches, or the sum over items."""
         known = bool(mb_losses) and all(l is not None for l in mb_losses)
-        value = torch.stack(mb_losses).mean().detach() if known else torch.zeros(())
+        if not known:
+            value = torch.zeros(())
+        elif items is None:
+            value = torch.stack(mb_losses).mean().detach()
+        else:
+            value = torch.stack(mb_losses).sum().detach() / items
         value = value.to(torch.float32).clone()
         self._loss = value
         if self.world > 1:

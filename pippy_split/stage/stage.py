@@ -114,7 +114,6 @@ class PipelineStage:
         self.in_slots: list[InputSlot] | None = None if stage_index > 0 else []
         self.routes: list[Route] = []  # filled after the first forward for lazy stages
         self.loss_fn: Callable | None = None
-        self.scale_grads = True
         self.on_nonfinite = "warn"  # "warn" | "raise" | "ignore": a NaN/inf loss
         self._saved: dict[int, _Saved] = {}
         self._losses: dict[int, torch.Tensor] = {}  # per microbatch, unscaled, kept for the whole step
@@ -233,13 +232,12 @@ class PipelineStage:
         return self._losses.get(mb)
 
     # ---- backward ------------------------------------------------------------------
-    def _roots(self, mb: int, saved: _Saved, output_grads: Mapping[int, torch.Tensor], n_microbatches: int):
+    def _roots(self, mb: int, saved: _Saved, output_grads: Mapping[int, torch.Tensor], loss_divisor: float):
         if self.is_last:
             if saved.loss is None:
                 raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: backward needs a loss; pass loss_fn "
                                     "to the schedule and target= to step()")
-            scale = n_microbatches if self.scale_grads else 1
-            return [saved.loss / scale], [None]
+            return [saved.loss / loss_divisor], [None]
         tensors, grads = [], []
         for i, g in output_grads.items():
             out = saved.outputs[i]
@@ -252,10 +250,14 @@ class PipelineStage:
         return [(i, a) for i, a in enumerate(saved.inputs)
                 if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf]
 
-    def backward(self, mb: int, output_grads: Mapping[int, torch.Tensor], n_microbatches: int) -> dict[int, torch.Tensor]:
-        """Full backward (B): returns ``{input_index: grad}`` and accumulates ``.grad`` on parameters."""
+    def backward(self, mb: int, output_grads: Mapping[int, torch.Tensor], loss_divisor: float) -> dict[int, torch.Tensor]:
+        """Full backward (B): returns ``{input_index: grad}`` and accumulates ``.grad`` on parameters.
+
+        ``loss_divisor`` divides the last stage's loss (the schedule's rule: microbatches, or
+        the batch's item count with ``loss_count``); other stages ignore it.
+        """
         saved = self._pop(mb)
-        tensors, grads = self._roots(mb, saved, output_grads, n_microbatches)
+        tensors, grads = self._roots(mb, saved, output_grads, loss_divisor)
         if tensors:
             try:
                 torch.autograd.backward(tensors, grads)
@@ -269,12 +271,12 @@ class PipelineStage:
             out[i] = a.grad if a.grad is not None else torch.zeros_like(a)
         return out
 
-    def backward_input(self, mb: int, output_grads: Mapping[int, torch.Tensor], n_microbatches: int) -> dict[int, torch.Tensor]:
+    def backward_input(self, mb: int, output_grads: Mapping[int, torch.Tensor], loss_divisor: float) -> dict[int, torch.Tensor]:
         """Input-gradient half (I) of a split backward; :meth:`backward_weight` finishes it."""
         saved = self._saved.get(mb)
         if saved is None:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: input-grad backward before forward")
-        tensors, grads = self._roots(mb, saved, output_grads, n_microbatches)
+        tensors, grads = self._roots(mb, saved, output_grads, loss_divisor)
         leaves = self._grad_inputs(saved)
         plan = self._wplan
         captures = [(k, c) for k, c in enumerate(saved.weight_work)

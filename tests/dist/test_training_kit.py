@@ -1,0 +1,47 @@
+"""The training kit against the unsplit model on the same batch: token-normalised losses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pippy_split.testing import run_ranks
+
+from .training_bodies import token_reference, token_step, zero_items_step
+
+SCHEDULES = {"1F1B": 4, "Interleaved1F1B": 2, "ZBVZeroBubble": 2, "DualPipeV": 2}  # tiny GPT: 4 stages
+
+
+def _assert_grads(results, ref_grads, scale=1.0):
+    seen = set()
+    for r in results:
+        for fqn, g in r["grads"].items():
+            torch.testing.assert_close(g, scale * ref_grads[fqn], atol=1e-5, rtol=0, msg=lambda m, f=fqn: f"{f}: {m}")
+            seen.add(fqn)
+    assert seen == set(ref_grads)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_loss_count_gives_the_mean_over_valid_tokens(schedule):
+    ref_loss, ref_grads = token_reference()
+    results = run_ranks(token_step, SCHEDULES[schedule], schedule, timeout=150)
+    for r in results:
+        assert abs(r["loss"] - ref_loss) < 1e-5, (r["loss"], ref_loss)
+    _assert_grads(results, ref_grads)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+def test_loss_count_accumulates_over_steps():
+    _, ref_grads = token_reference()
+    _assert_grads(run_ranks(token_step, 2, "ZBVZeroBubble", 2, timeout=150), ref_grads, scale=2.0)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_loss_count_of_zero_is_named():
+    errors = run_ranks(zero_items_step, 4, timeout=100)  # every rank raises, none waits
+    for text in errors:
+        assert text is not None and "stage 3 (rank 3): loss_count gives 0 items for the whole batch" in text, errors

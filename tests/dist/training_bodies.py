@@ -1,0 +1,58 @@
+"""Rank bodies for the training-kit dist tests: token-normalised losses, gradient clipping."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import pippy_split as ps
+from pippy_split import zoo
+
+N_MB = 4
+
+
+def padded_batch():
+    """tiny GPT batch whose microbatches hold very different numbers of valid tokens."""
+    entry = zoo.get("tiny_gpt")
+    x, target = entry.args[0], entry.target.clone()
+    valid = [32, 3, 17, 0, 25, 32, 1, 9]  # per sample; microbatch 1 (samples 2, 3) has 17 tokens
+    for i, n in enumerate(valid):
+        target[i, n:] = -100
+    return entry, x, target
+
+
+def sum_loss(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+
+
+def valid_tokens(target):
+    return (target != -100).sum()
+
+
+def token_reference():
+    entry, x, target = padded_batch()
+    loss = F.cross_entropy(entry.model(x).flatten(0, 1), target.flatten(), ignore_index=-100)  # mean over valid
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in entry.model.named_parameters()}
+
+
+def token_step(rank: int, world: int, schedule: str, steps: int = 1):
+    entry, x, target = padded_batch()
+    pipe = ps.pipeline(entry.model, entry.split_spec, (x[:2],))
+    sched = ps.build_schedule(pipe, schedule, N_MB, loss_fn=sum_loss, loss_count=valid_tokens)
+    for _ in range(steps):
+        sched.step(x, target=target)
+    grads = {n: p.grad.clone() for st in sched.stages for n, p in st.module.named_parameters() if p.grad is not None}
+    return {"loss": float(sched.loss), "grads": grads}
+
+
+def zero_items_step(rank: int, world: int):
+    entry, x, target = padded_batch()
+    target[:] = -100
+    pipe = ps.pipeline(entry.model, entry.split_spec, (x[:2],))
+    sched = ps.build_schedule(pipe, "1F1B", N_MB, loss_fn=sum_loss, loss_count=valid_tokens)
+    try:
+        sched.step(x, target=target)
+    except ps.PipelineError as e:
+        return str(e)
+    return None
