@@ -45,3 +45,27 @@ def test_loss_count_of_zero_is_named():
     errors = run_ranks(zero_items_step, 4, timeout=100)  # every rank raises, none waits
     for text in errors:
         assert text is not None and "stage 3 (rank 3): loss_count gives 0 items for the whole batch" in text, errors
+
+
+CLIP_CASES = [("tied_lm", "1F1B", 2), ("tied_lm", "GPipe", 2), ("tiny_gpt", "ZBVZeroBubble", 2),
+              ("tiny_gpt", "Interleaved1F1B", 2), ("tiny_gpt", "DualPipeV", 2), ("fan_out_skip", "1F1B", 3),
+              ("tiny_llama", "1F1B", 4)]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+@pytest.mark.parametrize("name,schedule,world", CLIP_CASES)
+def test_clip_grad_norm_equals_the_unsplit_model(name, schedule, world, norm_type):
+    from .training_bodies import clip_reference, clip_step
+
+    n_mb = 4
+    total, max_norm, clipped = clip_reference(name, n_mb, 0.3, norm_type)
+    results = run_ranks(clip_step, world, name, schedule, n_mb, max_norm, norm_type, timeout=150)
+    seen = set()
+    for r in results:
+        assert r["total"] == pytest.approx(total, rel=1e-6), (r["total"], total)
+        for fqn, g in r["grads"].items():
+            torch.testing.assert_close(g, clipped[fqn], atol=1e-6, rtol=1e-5, msg=lambda m, f=fqn: f"{f}: {m}")
+            seen.add(fqn)
+    assert seen == set(clipped)

@@ -56,3 +56,32 @@ def zero_items_step(rank: int, world: int):
     except ps.PipelineError as e:
         return str(e)
     return None
+
+
+def clip_reference(name: str, n_mb: int, max_norm_frac: float, norm_type: float):
+    """The unsplit model's total norm and clipped gradients (max_norm = frac x the norm)."""
+    from .bodies import reference
+
+    model = zoo.get(name).model  # zoo.get builds the same seeded model every time
+    _, grads = reference(name, n_mb)
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied: both names, one tensor
+    for n, g in grads.items():
+        params[n].grad = g.clone()
+    unique = list(model.parameters())  # tied weights once, as torch counts them
+    norm = torch.nn.utils.get_total_norm([p.grad for p in unique], norm_type)
+    max_norm = max_norm_frac * float(norm)
+    total = torch.nn.utils.clip_grad_norm_(unique, max_norm, norm_type)
+    return float(total), max_norm, {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def clip_step(rank: int, world: int, name: str, schedule: str, n_mb: int, max_norm: float, norm_type: float):
+    from .bodies import _mb_example
+
+    entry = zoo.get(name)
+    pipe = ps.pipeline(entry.model, entry.split_spec, *_mb_example(entry, n_mb))
+    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn)
+    sched.step(*entry.args, target=entry.target, **entry.kwargs)
+    total = ps.clip_grad_norm_(sched, max_norm, norm_type)
+    grads = {n: p.grad.clone() for st in sched.stages
+             for n, p in st.module.named_parameters(remove_duplicate=False) if p.grad is not None}
+    return {"total": float(total), "grads": grads}

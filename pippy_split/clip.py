@@ -1,0 +1,98 @@
+"""Gradient clipping over a whole pipeline: one norm across every stage of every rank.
+
+Sits after the runtime (a step has left each rank's stages with their gradients, tied
+parameters already summed across stages) and before the optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["clip_grad_norm_"]
+
+
+def clip_grad_norm_(sched: Any, max_norm: float, norm_type: float = 2.0, *,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip the gradients of every rank's stages to one total norm, like
+    ``torch.nn.utils.clip_grad_norm_`` on the unsplit model.
+
+    The norm runs over all stages of all ranks of the schedule's group (a
+    parameter shared by several stages, such as tied embeddings, counts once),
+    sharded gradients of ``fully_shard`` stages included over their data-parallel
+    group. Call it on every rank after ``step()``; every rank gets the same total.
+
+    Args:
+        sched: a schedule after ``step()``.
+        max_norm: the largest total norm allowed.
+        norm_type: p of the p-norm; ``float("inf")`` for the largest absolute value.
+        error_if_nonfinite: raise (on every rank) when the total norm is NaN or inf.
+
+    Returns:
+        The total norm before clipping (a scalar tensor, fp32), the same on every rank.
+
+    Example:
+        >>> sched.step(x, target=y)
+        >>> total = ps.clip_grad_norm_(sched, max_norm=1.0)
+        >>> optimizer.step()
+    """
+    norm_type = float(norm_type)
+    counted, scaled = _parameters(sched)
+    device = sched.stages[0].device
+    norms = [_norm(p.grad, norm_type) for p in counted]
+    if norm_type == float("inf"):
+        local = torch.stack(norms).max() if norms else torch.zeros((), device=device)
+        op = dist.ReduceOp.MAX
+    else:
+        local = torch.stack([n ** norm_type for n in norms]).sum() if norms else torch.zeros((), device=device)
+        op = dist.ReduceOp.SUM
+    total = local.to(device=device, dtype=torch.float32)
+    if sched.world > 1:
+        dist.all_reduce(total, op=op, group=sched.group)
+    if norm_type != float("inf"):
+        total = total ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the pipeline's gradients is {total.item()}; "
+                           "pass error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in scaled:
+        p.grad.mul_(coef.to(p.grad.device))
+    return total
+
+
+def _norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    norm = torch.linalg.vector_norm(grad, norm_type)
+    full = getattr(norm, "full_tensor", None)  # a sharded (DTensor) gradient: reduce over its mesh
+    norm = full() if full is not None else norm
+    return norm.to(torch.float32)
+
+
+def _parameters(sched: Any) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """(parameters whose gradients count towards the norm, parameters to scale) on this rank.
+
+    A parameter shared by several stages counts only where its first holder lives;
+    every local copy is scaled. One object held by two local stages is taken once.
+    """
+    pipe = sched.stages[0].pipe
+    skip: set[int] = set()
+    if pipe is not None:
+        for holders in pipe.shared_parameters.values():
+            first = holders[0][0]
+            for stage_index, names in holders:
+                if stage_index == first:
+                    continue
+                st = next((s for s in sched.stages if s.stage_index == stage_index), None)
+                if st is not None:
+                    skip |= {id(st.module.get_parameter(n)) for n in names}
+    counted, scaled, seen = [], [], set()
+    for st in sched.stages:
+        for p in st.module.parameters():
+            if p.grad is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            scaled.append(p)
+            if id(p) not in skip:
+                counted.append(p)
+    return counted, scaled
