@@ -66,6 +66,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint: weights and AdamW state")
     p.add_argument("--data", default=None, help="train on this text file (vocabulary: its characters)")
     p.add_argument("--samples", type=int, default=8, help="lines to sample at the end")
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
+                   help="clip the gradients of all stages of all ranks to this total 2-norm (ps.clip_grad_norm_)")
     return p
 
 
@@ -300,6 +302,8 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT) -> None:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
             sched.step(*a, target=y.to(device), **k)
+            if cfg.clip_grad_norm is not None:
+                ps.clip_grad_norm_(sched, cfg.clip_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
             if rank != 0:
