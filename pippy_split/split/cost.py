@@ -1,18 +1,20 @@
-"""Per-node cost estimates (FLOPs from the traced shapes) for balancing and summaries.
+"""Per-node cost estimates for balancing and summaries (part of the partition step).
 
-Shapes come from the fake tensors export already attached to every node
-(``node.meta["val"]``); dynamic dims use the example's values (their hints).
+FLOPs, parameter bytes and training-memory bytes come from the fake tensors export
+already attached to every node (``node.meta["val"]``); dynamic dims use the
+example's values (their hints). Measured time lives in ``profile.py``.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["node_flops", "hint_int"]
+__all__ = ["node_flops", "hint_int", "is_view", "value_bytes", "BALANCE_METRICS", "node_costs"]
 
 aten = torch.ops.aten
 
@@ -41,10 +43,42 @@ def _shape(x: Any) -> Any:
     return x
 
 
+def is_view(node: torch.fx.Node) -> bool:
+    """True for an op that only re-describes its input (view, permute, slice, getitem):
+    it computes nothing and allocates nothing."""
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or schema.is_mutable or not schema.returns:
+        return False
+    return all(r.alias_info is not None for r in schema.returns)
+
+
+def value_bytes(val: Any) -> int:
+    """Bytes of a traced value (a tensor, or a tuple/list of them); 0 for anything else."""
+    if isinstance(val, torch.Tensor):
+        return _numel(val) * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(value_bytes(v) for v in val)
+    return 0
+
+
 def node_flops(node: torch.fx.Node) -> int:
-    """Estimated forward FLOPs of one call_function node."""
+    """Estimated forward FLOPs of one call_function node (0 for views; the ops inside
+    a higher-order op's region, e.g. a ``torch.no_grad()`` block, summed).
+
+    Example:
+        >>> [node_flops(n) for n in ep.graph.nodes if n.op == "call_function"]
+        [2048, 0, 64, ...]
+    """
+    if is_view(node):
+        return 0
     val = node.meta.get("val")
     target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        from .calls import region_nodes
+
+        return sum(node_flops(n) for n in region_nodes(node))
     if target is aten.linear.default:
         x, w = _shape(node.args[0]), _shape(node.args[1])
         return 2 * math.prod(x) * w[0]
@@ -67,3 +101,55 @@ def node_flops(node: torch.fx.Node) -> int:
         except Exception:  # a formula that does not fit this overload: fall back
             pass
     return _numel(val)  # elementwise-ish: one op per output element
+
+
+BALANCE_METRICS = ("flops", "params", "time", "memory")
+
+# Training state per parameter byte: the weight, its gradient, and Adam's two moments.
+PARAM_STATE_FACTOR = 4
+
+
+def node_costs(ops: list[torch.fx.Node], metric: str, param_tensors: dict[str, torch.Tensor],
+               requires_grad: dict[torch.fx.Node, bool] | None = None) -> list[float]:
+    """The cost of each op in ``ops`` under ``metric`` ("flops", "params" or "memory";
+    measured "time" comes from ``profile.node_times``).
+
+    Args:
+        ops: the graph's call nodes, in order.
+        metric: "flops": forward FLOPs; "params": bytes of the parameters and buffers an op
+            is the first to read (a tensor read by several ops, like a tied embedding or a
+            layer called many times, counts once); "memory": training bytes, i.e. the
+            activation an op keeps for backward (its output, if it needs a gradient and is
+            not a view) plus 4x the bytes of the parameters it first reads (weight,
+            gradient, two Adam moments) and 1x its buffers.
+        param_tensors: graph placeholder name -> the model's tensor, for parameters and buffers.
+        requires_grad: which nodes carry a gradient (``grad.infer_requires_grad``); for "memory".
+
+    Returns:
+        One float per op.
+
+    Example:
+        >>> node_costs(ops, "params", {"p_fc_weight": model.fc.weight})
+        [0.0, 4096.0, 0.0]
+    """
+    if metric == "flops":
+        return [float(node_flops(op)) for op in ops]
+    if metric not in ("params", "memory"):
+        raise ValueError(f"no static cost for balance={metric!r}; choose one of {BALANCE_METRICS}")
+    seen: set[int] = set()
+    out = []
+    for op in ops:
+        cost = 0.0
+        for a in op.all_input_nodes:
+            t = param_tensors.get(a.name) if a.op == "placeholder" else None
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            size = t.numel() * t.element_size()
+            if metric == "memory":
+                size *= PARAM_STATE_FACTOR if isinstance(t, torch.nn.Parameter) and t.requires_grad else 1
+            cost += size
+        if metric == "memory" and not is_view(op) and (requires_grad or {}).get(op, False):
+            cost += value_bytes(op.meta.get("val"))
+        out.append(cost)
+    return out

@@ -11,17 +11,22 @@ import bisect
 import difflib
 import enum
 import operator
+import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from .cost import node_flops
+from .balance import BalanceReport, balance_warning, cut_positions
+from .calls import all_module_paths as _all_module_paths
+from .calls import call_tree, module_paths
+from .cost import BALANCE_METRICS, node_costs
 from .errors import SplitError
+from .grad import infer_requires_grad
 from .markers import PIPE_SPLIT_OP, SplitPoint
-from .trace import ROOT_PREFIX
+from .trace import Traced
 
-__all__ = ["Cut", "Plan", "plan_stages", "module_paths"]
+__all__ = ["Cut", "Plan", "plan_stages", "module_paths", "check_balance", "op_costs"]
 
 
 @dataclass(frozen=True)
@@ -39,65 +44,11 @@ class Plan:
     ops: list[torch.fx.Node]
     cuts: list[Cut]
     stage_of: dict[torch.fx.Node, int]
+    balance: BalanceReport | None = None  # each stage's cost under the balance metric
 
     @property
     def num_stages(self) -> int:
         return len(self.cuts) + 1
-
-
-# Export's placeholder stack for nodes it made outside any module (e.g. sym_size).
-_NO_STACK = "_empty_nn_module_stack"
-
-
-def _stack_paths(node: torch.fx.Node) -> list[str]:
-    stack = node.meta.get("nn_module_stack") or {}
-    out = []
-    for path, _cls in stack.values():
-        path = path.split("@")[0]
-        if path.startswith(ROOT_PREFIX):
-            out.append(path[len(ROOT_PREFIX):])
-        elif path not in ("", "mod") and not path.startswith(_NO_STACK):
-            out.append(path)
-    return out
-
-
-def _region_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The ops inside a higher-order op's subgraph (e.g. a ``torch.no_grad()`` region,
-    which export wraps in ``wrap_with_set_grad_enabled``); [] for an ordinary op."""
-    owner = node.graph.owning_module
-    if owner is None:
-        return []
-    out = []
-    for a in node.args:
-        if isinstance(a, torch.fx.Node) and a.op == "get_attr":
-            sub = getattr(owner, a.target, None)
-            if isinstance(sub, torch.fx.GraphModule):
-                out.extend(n for n in sub.graph.nodes if n.op == "call_function")
-    return out
-
-
-def module_paths(node: torch.fx.Node) -> list[str]:
-    """User FQNs of the modules a node was traced inside, outermost first ('' excluded).
-
-    A higher-order op carries no module stack of its own; it takes the stack of
-    the first op inside its region.
-    """
-    out = _stack_paths(node)
-    if not out:
-        for inner in _region_nodes(node):
-            out = _stack_paths(inner)
-            if out:
-                break
-    return out
-
-
-def _all_module_paths(node: torch.fx.Node) -> list[str]:
-    """Every module a node runs code of: its own stack, plus, for a higher-order op,
-    the stacks of all the ops inside its region."""
-    out = dict.fromkeys(_stack_paths(node))
-    for inner in _region_nodes(node):
-        out.update(dict.fromkeys(_stack_paths(inner)))
-    return list(out)
 
 
 def check_split_spec(split_spec: Any) -> None:
@@ -169,84 +120,98 @@ def _fqn_cuts(ops: list[torch.fx.Node], spec: list[tuple[str, SplitPoint]], mode
     return sorted(cuts, key=lambda c: c.index)
 
 
-def _cost_groups(ops: list[torch.fx.Node], n: int) -> list[tuple[int, float]]:
-    """Runs of ops inside the same module at the shallowest depth giving enough runs.
+def check_balance(balance: Any) -> None:
+    """Refuse an unknown ``balance=`` before anything is traced.
 
-    Returns ``[(start_index, cost), ...]``; a cut may only fall on a run boundary.
+    Example:
+        >>> check_balance("time")
+        >>> check_balance("speed")
+        Traceback (most recent call last):
+        ...
+        ValueError: balance must be one of 'flops', 'params', 'time', 'memory'; got 'speed'
     """
-    flops = [node_flops(op) if op.op == "call_function" else 0 for op in ops]
-    param_bytes = [0.0] * len(ops)
-    for i, op in enumerate(ops):
-        for a in op.all_input_nodes:
-            if a.op == "placeholder" and a.name.startswith(("p_", "b_")):
-                val = a.meta.get("val")
-                if isinstance(val, torch.Tensor):
-                    param_bytes[i] += val.numel() * val.element_size()
-    total_f = sum(flops) or 1
-    total_p = sum(param_bytes) or 1
-    # Half time, half memory: both normalised so neither dominates by units.
-    cost = [f / total_f + p / total_p for f, p in zip(flops, param_bytes)]
-    paths = [module_paths(op) for op in ops]
-    max_depth = max((len(p) for p in paths), default=0)
-    groups: list[tuple[int, float]] = []
-    for depth in range(1, max_depth + 1):
-        groups = []
-        prev = object()
-        for i, p in enumerate(paths):
-            key = p[depth - 1] if len(p) >= depth else (p[-1] if p else "")
-            if key != prev:
-                groups.append((i, 0.0))
-                prev = key
-            start, c = groups[-1]
-            groups[-1] = (start, c + cost[i])
-        if len([g for g in groups if g[1] > 0]) >= 2 * n:
-            break
-    return groups
+    if balance not in BALANCE_METRICS:
+        raise ValueError(f"balance must be one of {', '.join(map(repr, BALANCE_METRICS))}; got {balance!r}")
 
 
-def _balanced_cuts(ops: list[torch.fx.Node], n: int) -> list[Cut]:
+def op_costs(ops: list[torch.fx.Node], balance: str, model: torch.nn.Module, traced: Traced | None = None,
+             flat_inputs: Sequence[Any] | None = None) -> list[float]:
+    """One cost per op of ``ops`` under ``balance`` (see :func:`pippy_split.pipeline`).
+
+    "flops" needs only the graph; "params" and "memory" need ``traced`` (which graph
+    input is which tensor); "time" also needs the example's ``flat_inputs`` and runs
+    the graph once on the model's device.
+
+    Example:
+        >>> traced = trace_model(model, (x,))
+        >>> ops = [n for n in traced.graph.nodes if n.op == "call_function"]
+        >>> sum(op_costs(ops, "params", model, traced)) == sum(p.nbytes for p in model.parameters())
+        True
+    """
+    check_balance(balance)
+    if balance == "flops":
+        return node_costs(ops, "flops", {})
+    if traced is None:
+        raise ValueError(f"balance={balance!r} needs the traced model (traced=)")
+    from .profile import graph_tensors, node_times
+
+    if balance == "time":
+        if flat_inputs is None:
+            raise ValueError("balance='time' needs the example inputs (flat_inputs=)")
+        times = node_times(traced, model, flat_inputs)
+        return [t if not _is_free(op) else 0.0 for op, t in zip(ops, times)]
+    tensors = graph_tensors(traced, model)
+    rg = None
+    if balance == "memory":
+        seed = {name: t.requires_grad for name, t in tensors.items()}
+        seed.update(traced.requires_grad_inputs)
+        rg = infer_requires_grad(traced.graph, seed)
+    return node_costs(ops, balance, tensors, rg)
+
+
+def _is_free(op: torch.fx.Node) -> bool:
+    return op.target is operator.getitem or op.target is PIPE_SPLIT_OP
+
+
+def _balanced_cuts(ops: list[torch.fx.Node], n: int, costs: list[float], metric: str) -> tuple[list[Cut], BalanceReport]:
     if n < 1:
         raise SplitError(f"split_spec as an int must be >= 1, got {n}")
     if n == 1:
-        return []
-    groups = _cost_groups(ops, n)
-    if len(groups) < n:
-        raise SplitError(f"cannot balance into {n} stages: the graph has only {len(groups)} module-level pieces")
-    costs = [c for _, c in groups]
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    g = len(groups)
-    INF = float("inf")
-    # best[k][j]: least max-stage cost splitting groups[:j] into k stages.
-    best = [[INF] * (g + 1) for _ in range(n + 1)]
-    back = [[0] * (g + 1) for _ in range(n + 1)]
-    best[0][0] = 0.0
-    for k in range(1, n + 1):
-        for j in range(k, g - (n - k) + 1):
-            for i in range(k - 1, j):
-                v = max(best[k - 1][i], prefix[j] - prefix[i])
-                if v < best[k][j]:
-                    best[k][j], back[k][j] = v, i
-    bounds = []
-    j = g
-    for k in range(n, 0, -1):
-        i = back[k][j]
-        bounds.append(i)
-        j = i
-    starts = sorted(b for b in bounds if b > 0)
-    return [Cut(groups[b][0], f"balanced cut {k + 1}") for k, b in enumerate(starts)]
+        return [], BalanceReport(metric, (float(sum(costs)),), 1.0)
+    tree = call_tree(ops)
+    positions, report = cut_positions(ops, n, costs, [_is_real(op) for op in ops], tree, metric)
+    warning = balance_warning(report, n, tree.num_blocks(costs))
+    if warning:
+        warnings.warn(warning, stacklevel=4)
+    return [Cut(p, f"balanced cut {k + 1}") for k, p in enumerate(positions)], report
 
 
-def plan_stages(graph: torch.fx.Graph, split_spec: Any, model: torch.nn.Module) -> Plan:
-    """Assign every call node of ``graph`` to a stage according to ``split_spec``."""
+def _stage_costs(plan: Plan, costs: list[float], metric: str) -> BalanceReport:
+    out = [0.0] * plan.num_stages
+    for op, c in zip(plan.ops, costs):
+        out[plan.stage_of[op]] += c
+    return BalanceReport(metric, tuple(out))
+
+
+def plan_stages(graph: torch.fx.Graph, split_spec: Any, model: torch.nn.Module, *, balance: str = "flops",
+                traced: Traced | None = None, flat_inputs: Sequence[Any] | None = None) -> Plan:
+    """Assign every call node of ``graph`` to a stage according to ``split_spec``.
+
+    An int ``split_spec`` is balanced by the ``balance`` cost model (see :func:`op_costs`);
+    every plan carries each stage's cost under that model (``plan.balance``).
+    """
     ops = [n for n in graph.nodes if n.op == "call_function"]
+    int_spec = isinstance(split_spec, int) and not isinstance(split_spec, bool)
+    costs = None
+    if int_spec or balance == "flops" or traced is not None:
+        costs = op_costs(ops, balance, model, traced, flat_inputs)
+    report = None
     if split_spec is None:
         cuts = [Cut(i, f"pipe_split() #{k}") for k, i in enumerate(i for i, op in enumerate(ops) if op.target is PIPE_SPLIT_OP)]
     elif isinstance(split_spec, bool):
         raise SplitError("split_spec must be a dict, a list of FQNs, an int or None, not a bool")
     elif isinstance(split_spec, int):
-        cuts = _balanced_cuts(ops, split_spec)
+        cuts, report = _balanced_cuts(ops, split_spec, costs, balance)
     else:
         cuts = _fqn_cuts(ops, _normalize_spec(split_spec), model)
     positions = [c.index for c in cuts]
@@ -257,6 +222,10 @@ def plan_stages(graph: torch.fx.Graph, split_spec: Any, model: torch.nn.Module) 
             stage_of[op] = stage_of[op.args[0]]
     plan = Plan(ops=ops, cuts=cuts, stage_of=stage_of)
     _check_no_empty_stage(plan)
+    if costs is not None:
+        stage_costs = _stage_costs(plan, costs, balance)
+        plan.balance = BalanceReport(balance, stage_costs.stage_costs, *(
+            (report.best_ratio, report.indivisible) if report is not None else ()))
     return plan
 
 

@@ -13,7 +13,7 @@ import sympy
 import torch
 from torch.utils import _pytree as pytree
 
-from .partition import check_split_spec, plan_stages
+from .partition import check_balance, check_split_spec, plan_stages
 from .spec import MODEL_INPUT, Edge, SymbolSource
 from .stage_graph import StageInfo, build_stages
 from .trace import Traced, trace_model
@@ -30,6 +30,8 @@ class Pipe:
         shared_parameters: ``{fqn: [(stage, [names in that stage]), ...]}`` for tensors
             held by several stages (tied weights); their gradients must be summed.
         symbols: dynamic-shape symbols and the input dims they are read from.
+        balance: each stage's cost under ``pipeline(balance=...)`` (a ``BalanceReport``:
+            ``.shares``, ``.ratio``), or None.
     """
 
     def __init__(self, traced: Traced, stages: list[StageInfo], edges: list[Edge], symbols: list[SymbolSource],
@@ -42,6 +44,7 @@ class Pipe:
         self.shared_parameters = shared_parameters
         self.model_name = model_name
         self._model: torch.nn.Module | None = None  # the traced model (not modified); set by pipeline()
+        self.balance = None  # BalanceReport; set by pipeline()
 
     @property
     def num_stages(self) -> int:
@@ -103,8 +106,11 @@ class Pipe:
 
     # ---- building stages for ranks -------------------------------------------------
     def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: Any = None, *,
-                    state_dict: Any = None, seed: int = 0):
+                    state_dict: Any = None, seed: int = 0, activation_checkpoint: str | None = None):
         """The :class:`pippy_split.PipelineStage` for one stage, its module moved to ``device``.
+
+        ``activation_checkpoint="full"`` recomputes the stage before its backward
+        instead of keeping its activations (see :class:`pippy_split.PipelineStage`).
 
         For a model built on the ``meta`` device, only this stage's tensors are
         allocated, filled from ``state_dict`` (original FQNs) or by the owning
@@ -122,7 +128,8 @@ class Pipe:
         elif state_dict is not None:
             keys = module.state_dict().keys()
             module.load_state_dict({k: state_dict[k] for k in keys if k in state_dict}, strict=False)
-        return PipelineStage.from_pipe(self, stage_index, device=device, group=group)
+        return PipelineStage.from_pipe(self, stage_index, device=device, group=group,
+                                       activation_checkpoint=activation_checkpoint)
 
     # ---- summaries ---------------------------------------------------------------
     def __repr__(self) -> str:
@@ -151,19 +158,27 @@ def pipeline(
     strict: bool = False,
     mb_args: tuple | None = None,
     mb_kwargs: dict | None = None,
+    balance: str = "flops",
 ) -> Pipe:
     """Trace ``model`` with ``torch.export`` and cut it into a :class:`Pipe`.
 
     Args:
         model: any ``nn.Module``; it is not modified.
         split_spec: ``{fqn: SplitPoint.BEGINNING | END}``, a list of FQNs (split at the
-            beginning of each), an int N (balance N stages by FLOPs and parameter bytes),
-            or None (cut at ``pipe_split()`` calls in forward).
+            beginning of each), an int N (N stages balanced by ``balance``, cut between any
+            two module calls at any depth, preferring repeated-block boundaries), or None
+            (cut at ``pipe_split()`` calls in forward).
         example_args / example_kwargs: one microbatch of inputs (``mb_args``/``mb_kwargs``
             are accepted as aliases, as in torch.distributed.pipelining).
         dynamic_shapes: passed to ``torch.export``; declared dynamic dims become sympy
             symbols in edge shapes and may change from batch to batch.
         strict: use export's strict (TorchDynamo) mode.
+        balance: the cost an int ``split_spec`` evens out, and the one ``print(pipe)`` shows
+            each stage's share of (``pipe.balance``): "flops" (forward FLOPs), "params"
+            (parameter bytes), "time" (each op's forward + backward time, measured once
+            on the model's device) or "memory" (activation + parameter + gradient + Adam
+            state bytes). A warning names the best reachable ratio when the costliest
+            stage exceeds 1.15x an even one.
 
     Returns:
         The Pipe.
@@ -172,6 +187,8 @@ def pipeline(
         >>> pipe = pipeline(model, ["blocks.2"], (x,))
         >>> pipe.num_stages, [str(e) for e in pipe.edges]
         >>> torch.testing.assert_close(pipe(x), model(x))
+        >>> pipe = pipeline(model, 4, (x,), balance="time")
+        >>> pipe.balance.shares, pipe.balance.ratio      # ((0.26, 0.25, 0.24, 0.25), 1.04)
     """
     if mb_args is not None:
         if example_args is not None:
@@ -188,12 +205,15 @@ def pipeline(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"pipeline() needs an nn.Module, got {type(model).__name__}")
     check_split_spec(split_spec)  # before tracing: a bad spec costs no export
+    check_balance(balance)
     traced = trace_model(model, example_args, example_kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
-    plan = plan_stages(traced.graph, split_spec, model)
+    flat = traced.flatten_inputs(example_args, example_kwargs or {}) if balance == "time" else None
+    plan = plan_stages(traced.graph, split_spec, model, balance=balance, traced=traced, flat_inputs=flat)
     if split_spec is None and plan.num_stages == 1:
         pass  # a single stage is a valid (if pointless) pipe
     built = build_stages(traced, plan, model)
     pipe = Pipe(traced, built.stages, built.edges, built.symbols, built.output_leaves, built.shared_parameters,
                 type(model).__name__)
     pipe._model = model
+    pipe.balance = plan.balance
     return pipe

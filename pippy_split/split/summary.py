@@ -12,7 +12,7 @@ from rich.text import Text
 if TYPE_CHECKING:
     from .pipe import Pipe
 
-__all__ = ["pipe_text", "pipe_rich", "pipe_html", "imbalance_warning"]
+__all__ = ["pipe_text", "pipe_rich", "pipe_html", "imbalance_warning", "stage_shares"]
 
 
 def _human(n: float) -> str:
@@ -42,6 +42,22 @@ def imbalance_warning(pipe: "Pipe") -> str | None:
     return None
 
 
+def stage_shares(pipe: "Pipe") -> tuple[str, list[float]]:
+    """``(metric, each stage's fraction of the total cost)``: under the pipe's balance
+    metric (``pipeline(balance=...)``), else by FLOPs.
+
+    Example:
+        >>> stage_shares(ps.pipeline(model, 2, (x,)))
+        ('flops', [0.49, 0.51])
+    """
+    report = getattr(pipe, "balance", None)
+    if report is not None and report.total > 0 and len(report.stage_costs) == pipe.num_stages:
+        return report.metric, list(report.shares)
+    flops = [st.flops for st in pipe.stages]
+    total = sum(flops)
+    return "flops", [f / total if total else 0.0 for f in flops]
+
+
 def _peers(pipe: "Pipe", s: int) -> tuple[str, str]:
     recv = sorted({("in" if e.from_input else str(e.src_stage)) + ("*" if e.is_skip else "") for e in pipe.edges if e.dst_stage == s})
     send = sorted({str(e.dst_stage) + ("*" if e.is_skip else "") for e in pipe.edges if e.src_stage == s})
@@ -51,12 +67,18 @@ def _peers(pipe: "Pipe", s: int) -> tuple[str, str]:
 def pipe_rich(pipe: "Pipe") -> Group:
     """Stages table, edges table and warnings as a rich renderable."""
     stages = Table(title=f"Pipe of {pipe.model_name}: {pipe.num_stages} stages", title_justify="left")
-    for col in ("stage", "modules", "params", "bytes", "FLOPs/mb", "receives from", "sends to"):
-        stages.add_column(col, justify="right" if col in ("params", "bytes", "FLOPs/mb") else "left")
-    for st in pipe.stages:
+    metric, shares = stage_shares(pipe)
+    share_col = f"{metric} share"
+    for col in ("stage", "modules", "params", "bytes", "FLOPs/mb", share_col, "receives from", "sends to"):
+        stages.add_column(col, justify="right" if col in ("params", "bytes", "FLOPs/mb", share_col) else "left")
+    for st, share in zip(pipe.stages, shares):
         recv, send = _peers(pipe, st.index)
         stages.add_row(str(st.index), _module_range(st.modules), _human(st.num_params), _human(st.param_bytes) + "B",
-                       _human(st.flops), recv, send)
+                       _human(st.flops), f"{share:.0%}", recv, send)
+    if pipe.num_stages > 1 and max(shares) > 0:
+        stages.caption = (f"costliest stage: {max(shares) * pipe.num_stages:.2f}x an even one "
+                          f"(total / {pipe.num_stages}) by {metric}")
+        stages.caption_justify = "left"
     edges = Table(title="Edges (* = skip over at least one stage)", title_justify="left")
     for col in ("from", "to", "value", "shape", "dtype", "grad"):
         edges.add_column(col)
