@@ -459,12 +459,16 @@ def get_schedule_class(name: str) -> type[PipelineSchedule]:
 
 
 def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_microbatches: int,
-                   loss_fn: Callable | None = None, group: Any = None, device: Any = None,
-                   **kwargs: Any) -> PipelineSchedule:
+                   loss_fn: Callable | None = None, group: Any = None, device: Any = None, *,
+                   activation_checkpoint: str | None = None, **kwargs: Any) -> PipelineSchedule:
     """Build this rank's stages of ``pipe`` with the schedule's placement and return the schedule.
 
+    ``activation_checkpoint`` goes to every stage (``None`` or ``"full"``); other
+    keywords go to the schedule class (``loss_count=``, ``placement=``, ...).
+
     Example:
-        >>> sched = build_schedule(pipe, "ZBVZeroBubble", 8, loss_fn=F.cross_entropy)
+        >>> sched = build_schedule(pipe, "ZBVZeroBubble", 8, loss_fn=F.cross_entropy,
+        ...                        activation_checkpoint="full")
         >>> sched.step(x, target=y); print(sched.loss)
     """
     cls = get_schedule_class(name_or_class) if isinstance(name_or_class, str) else name_or_class
@@ -473,5 +477,5 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
     if pipe.num_stages % world:
         raise ValueError(f"{pipe.num_stages} stages cannot be spread over {world} ranks")
     mine = rank_to_stages(pipe.num_stages, world, kwargs.get("placement") or spec.placement)[rank]
-    stages = [pipe.build_stage(s, device, group) for s in mine]
+    stages = [pipe.build_stage(s, device, group, activation_checkpoint=activation_checkpoint) for s in mine]
     return cls(stages, n_microbatches, loss_fn, **kwargs)

@@ -61,6 +61,7 @@ class _Saved:
     loss: torch.Tensor | None = None
     weight_work: list = field(default_factory=list)
     graph_storages: set[int] = field(default_factory=set)  # storages autograd saved for backward
+    recompute: Any = None  # activation checkpointing: (kwargs, target, RNG state) until recomputed
 
 
 class PipelineStage:
@@ -78,6 +79,10 @@ class PipelineStage:
             stage's remaining outputs in order.
         outputs_to: ``{output_idx: [(stage, input_idx), ...]}`` for outputs that go
             elsewhere than the next stage.
+        activation_checkpoint: ``None`` (keep every activation) or ``"full"``: the
+            forward keeps only the stage's inputs, and the stage is recomputed (same
+            RNG state) right before its backward; with the zero-bubble I/W split the
+            recompute happens once, before I, and W reuses it.
 
     Shapes of hand-built stages are inferred on the first step from the real first
     microbatch (one small metadata message per sender, then cached).
@@ -90,9 +95,15 @@ class PipelineStage:
     def __init__(self, module: torch.nn.Module, stage_index: int, num_stages: int,
                  device: torch.device | str | None = None, group: Any = None,
                  inputs_from: Mapping[int, tuple[int, int]] | None = None,
-                 outputs_to: Mapping[int, Sequence[tuple[int, int]]] | None = None) -> None:
+                 outputs_to: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+                 activation_checkpoint: str | None = None) -> None:
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index {stage_index} out of range for {num_stages} stages")
+        if activation_checkpoint not in (None, "full"):
+            raise ValueError(f"stage {stage_index}: activation_checkpoint={activation_checkpoint!r}: supported are "
+                             "None and 'full' (recompute the whole stage right before its backward); per-module "
+                             "patterns are not supported yet")
+        self.activation_checkpoint = activation_checkpoint
         self.module = module
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -124,12 +135,14 @@ class PipelineStage:
 
     # ---- construction from a Pipe ------------------------------------------------
     @classmethod
-    def from_pipe(cls, pipe: Any, stage_index: int, device: Any = None, group: Any = None) -> "PipelineStage":
+    def from_pipe(cls, pipe: Any, stage_index: int, device: Any = None, group: Any = None,
+                  activation_checkpoint: str | None = None) -> "PipelineStage":
         info = pipe.stages[stage_index]
         module = info.module
         if device is not None:
             module = module.to(device)
-        stage = cls(module, stage_index, pipe.num_stages, device=device, group=group)
+        stage = cls(module, stage_index, pipe.num_stages, device=device, group=group,
+                    activation_checkpoint=activation_checkpoint)
         stage.pipe = pipe
         stage.lazy = False
         slots = []
@@ -178,18 +191,22 @@ class PipelineStage:
                 target: Any = None) -> tuple:
         """Run the module on one microbatch; keep what backward needs when ``train``."""
         graph_storages: set[int] = set()
+        recompute = train and self.activation_checkpoint == "full"
+        rng = _rng_state(self.device) if recompute else None
         try:
-            with torch.set_grad_enabled(train), capturing() as sink, _recording_saved(
+            # full checkpointing: forward without a graph now, again with one right before backward
+            with torch.set_grad_enabled(train and not recompute), capturing() as sink, _recording_saved(
                     graph_storages, train and self.track_saved_storages):
                 out = self.module(*args, **(kwargs or {}))
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: forward raised {type(e).__name__}: {e}") from e
-        outputs = tuple(out) if isinstance(out, (tuple, list)) and self.pipe is not None else (
-            tuple(out) if isinstance(out, tuple) else (out,))
+        outputs = self._as_outputs(out)
         if not train:
             return outputs
         saved = _Saved(list(args), outputs, graph_storages=graph_storages)
-        if self._wplan is not None:
+        if recompute:
+            saved.recompute = (dict(kwargs or {}), target, rng)
+        elif self._wplan is not None:
             # by capture index; I turns them into (index, tensor, grad)
             saved.weight_work = [sink.get(k) for k in range(self._wplan.num_captures)]
         if self.is_last and self.loss_fn is not None and target is not None:
@@ -198,6 +215,28 @@ class PipelineStage:
         self._saved[mb] = saved
         self.peak_held_microbatches = max(self.peak_held_microbatches, len(self._saved))
         return outputs
+
+    def _as_outputs(self, out: Any) -> tuple:
+        if isinstance(out, (tuple, list)) and self.pipe is not None:
+            return tuple(out)
+        return tuple(out) if isinstance(out, tuple) else (out,)
+
+    def _recompute(self, mb: int, saved: _Saved) -> None:
+        """Activation checkpointing: rebuild microbatch ``mb``'s graph from its saved inputs
+        (same RNG state as its forward), once, before its backward (B, or I; W reuses it)."""
+        kwargs, target, rng = saved.recompute
+        saved.recompute = None
+        try:
+            with _restored_rng(self.device, rng), torch.enable_grad(), capturing() as sink:
+                outputs = self._as_outputs(self.module(*saved.inputs, **kwargs))
+        except Exception as e:
+            raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: recomputing the forward for activation "
+                                f"checkpointing raised {type(e).__name__}: {e}") from e
+        saved.outputs = outputs
+        if self._wplan is not None:
+            saved.weight_work = [sink.get(k) for k in range(self._wplan.num_captures)]
+        if self.is_last and saved.loss is not None:
+            saved.loss = self.compute_loss(mb, outputs, target)
 
     def may_release(self, mb: int, value: torch.Tensor) -> bool:
         """Whether ``value`` (an output of microbatch ``mb`` sent elsewhere) can drop its
@@ -257,6 +296,8 @@ class PipelineStage:
         the batch's item count with ``loss_count``); other stages ignore it.
         """
         saved = self._pop(mb)
+        if saved.recompute is not None:
+            self._recompute(mb, saved)
         tensors, grads = self._roots(mb, saved, output_grads, loss_divisor)
         if tensors:
             try:
@@ -276,6 +317,8 @@ class PipelineStage:
         saved = self._saved.get(mb)
         if saved is None:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: input-grad backward before forward")
+        if saved.recompute is not None:
+            self._recompute(mb, saved)
         tensors, grads = self._roots(mb, saved, output_grads, loss_divisor)
         leaves = self._grad_inputs(saved)
         plan = self._wplan
@@ -399,6 +442,28 @@ class _recording_saved:
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _rng_state(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+class _restored_rng:
+    """Run with the RNG state saved at forward time (dropout draws the same masks), then put it back."""
+
+    def __init__(self, device: torch.device, state: tuple) -> None:
+        self.device, self.state = device, state
+        self.fork = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+    def __enter__(self) -> None:
+        self.fork.__enter__()
+        torch.set_rng_state(self.state[0])
+        if self.state[1] is not None:
+            torch.cuda.set_rng_state(self.state[1], self.device)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.fork.__exit__(*exc)
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:

@@ -85,3 +85,24 @@ def clip_step(rank: int, world: int, name: str, schedule: str, n_mb: int, max_no
     grads = {n: p.grad.clone() for st in sched.stages
              for n, p in st.module.named_parameters(remove_duplicate=False) if p.grad is not None}
     return {"total": float(total), "grads": grads}
+
+
+def ac_step(rank: int, world: int, name: str, schedule: str, n_mb: int):
+    """One step with activation_checkpoint="full"; also counts each stage module's calls."""
+    from .bodies import _mb_example
+
+    entry = zoo.get(name)
+    pipe = ps.pipeline(entry.model, entry.split_spec, *_mb_example(entry, n_mb))
+    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn, activation_checkpoint="full")
+    calls = {}
+    for st in sched.stages:
+        calls[st.stage_index] = 0
+
+        def count(module, args, out, s=st.stage_index):
+            calls[s] += 1
+
+        st.module.register_forward_hook(count)
+    sched.step(*entry.args, target=entry.target, **entry.kwargs)
+    grads = {n: p.grad.clone() for st in sched.stages
+             for n, p in st.module.named_parameters(remove_duplicate=False) if p.grad is not None}
+    return {"loss": float(sched.loss), "grads": grads, "calls": calls}
