@@ -1,0 +1,109 @@
+"""What the training kit costs and saves: activation checkpointing (issue 11).
+
+Run: ``python -m benchmarks.training_kit [--reps N]``. Tiny GPT d=256, 8 blocks, batch 32,
+seq 128, 8 microbatches, 2 gloo ranks (one thread each), 1F1B on 2 stages and
+ZBVZeroBubble on 4. In the same rank processes, the schedule without and with
+``activation_checkpoint="full"`` take turns step by step; per step and rank:
+
+    activation peak   the most bytes autograd holds for backward at once during the step
+                      (distinct storages saved through ``saved_tensors_hooks``, parameters
+                      left out), counted while they live: what checkpointing trades for
+                      recompute (RSS cannot show it: the allocator keeps freed pages)
+    step time         wall clock, fenced by a barrier (the same on both ranks)
+
+Figures are medians of per-step values; the ratio is checkpointed / plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from pippy_split.testing import run_ranks
+
+from . import common
+
+
+class _SavedBytes:
+    """Live bytes of the storages autograd saves (each storage once), and their peak."""
+
+    def __init__(self, skip: set[int]) -> None:
+        self.skip, self.refs, self.sizes = skip, {}, {}
+        self.live = self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> "_Held":
+        return _Held(self, t)
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda held: held.t)
+
+
+class _Held:
+    __slots__ = ("owner", "t", "ptr")
+
+    def __init__(self, owner: _SavedBytes, t: torch.Tensor) -> None:
+        self.owner, self.t = owner, t
+        storage = t.untyped_storage()
+        self.ptr = storage.data_ptr()
+        if self.ptr in owner.skip:
+            self.ptr = None
+            return
+        owner.refs[self.ptr] = owner.refs.get(self.ptr, 0) + 1
+        if owner.refs[self.ptr] == 1:
+            owner.sizes[self.ptr] = storage.nbytes()
+            owner.live += storage.nbytes()
+            owner.peak = max(owner.peak, owner.live)
+
+    def __del__(self) -> None:
+        o, ptr = self.owner, self.ptr
+        if ptr is not None:
+            o.refs[ptr] -= 1
+            if o.refs[ptr] == 0:
+                del o.refs[ptr]
+                o.live -= o.sizes.pop(ptr)
+
+
+def _body(rank: int, world: int, schedule: str, num_stages: int, reps: int) -> dict:
+    runners = {ac: common.build_ours(common.gpt(256, num_stages=num_stages), schedule, 8) for ac in ("plain", "full")}
+    for st in runners["full"].stages:
+        st.activation_checkpoint = "full"
+    out: dict[str, dict[str, list[float]]] = {ac: {"peak_mb": [], "s": []} for ac in runners}
+    for r in runners.values():
+        r.step()  # warm-up
+    for _ in range(reps):
+        for ac, r in runners.items():  # timed without the counting hooks
+            dist.barrier()
+            t = time.perf_counter()
+            r.step()
+            dist.barrier()
+            out[ac]["s"].append(time.perf_counter() - t)
+        for ac, r in runners.items():
+            params = {p.untyped_storage().data_ptr() for st in r.stages for p in st.module.parameters()}
+            counter = _SavedBytes(params)
+            with counter.hooks():
+                r.step()
+            out[ac]["peak_mb"].append(counter.peak / 2**20)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    for schedule, stages in (("1F1B", 2), ("ZBVZeroBubble", 4)):
+        ranks = run_ranks(_body, 2, schedule, stages, args.reps, timeout=900)
+        t = {ac: statistics.median(ranks[0][ac]["s"]) for ac in ("plain", "full")}
+        for rank, res in enumerate(ranks):
+            peak = {ac: statistics.median(res[ac]["peak_mb"]) for ac in ("plain", "full")}
+            print(f"{schedule:14s} rank {rank}: activation peak plain {peak['plain']:.1f} MiB, "
+                  f"full AC {peak['full']:.1f} MiB -> {peak['full'] / peak['plain']:.2f}x")
+        print(f"{schedule:14s} step time plain {t['plain']:.2f} s, full AC {t['full']:.2f} s -> "
+              f"{t['full'] / t['plain']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
