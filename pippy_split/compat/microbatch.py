@@ -1,0 +1,156 @@
+"""``torch.distributed.pipelining.microbatch``'s names over :mod:`pippy_split.microbatch`.
+
+Part of the drop-in (:mod:`pippy_split.compat`): the same split/merge helpers
+under the peer's names, argument order and return shapes.
+
+- ``TensorChunkSpec(split_dim)`` (with ``.split_dim``, ``from_tuple``, ``from_dict``)
+  is a :class:`pippy_split.TensorChunkSpec`, so it works in our schedules too.
+- ``split_args_kwargs_into_chunks`` returns ``(args_chunks, kwargs_chunks)``, two
+  lists, and chunks every tensor on its own (``torch.tensor_split``): tensors of
+  different batch sizes are fine, uneven batches give chunks that differ by one,
+  and a tensor smaller than ``chunks`` gives that many chunks.
+- ``merge_chunks(chunks, chunk_spec)`` is ours (``None`` = concatenate on dim 0).
+
+Example:
+    >>> args, kwargs = split_args_kwargs_into_chunks((torch.ones(4, 2),), {"m": torch.ones(6)}, 2)
+    >>> [a[0].shape[0] for a in args], [k["m"].shape[0] for k in kwargs]
+    ([2, 2], [3, 3])
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import microbatch as _core
+from ..microbatch import MicrobatchError, Replicate
+
+__all__ = ["TensorChunkSpec", "split_args_kwargs_into_chunks", "merge_chunks"]
+
+
+class TensorChunkSpec(_core.TensorChunkSpec):
+    """Chunk tensors along ``split_dim`` (the peer's spelling of :class:`pippy_split.TensorChunkSpec`).
+
+    Example:
+        >>> TensorChunkSpec.from_tuple((0, 1))
+        (TensorChunkSpec(0), TensorChunkSpec(1))
+    """
+
+    def __init__(self, split_dim: int) -> None:
+        super().__init__(split_dim)
+
+    @property
+    def split_dim(self) -> int:
+        return self.dim
+
+    def __repr__(self) -> str:
+        return f"TensorChunkSpec({self.dim})"
+
+    __str__ = __repr__
+
+    @staticmethod
+    def from_tuple(chunk_dims: tuple[int, ...]) -> tuple["TensorChunkSpec", ...]:
+        """One spec per positional argument: ``(0, 1)`` -> ``(TensorChunkSpec(0), TensorChunkSpec(1))``."""
+        return tuple(TensorChunkSpec(d) for d in chunk_dims)
+
+    @staticmethod
+    def from_dict(chunk_dims: dict[str, int]) -> dict[str, "TensorChunkSpec"]:
+        """One spec per keyword argument: ``{"y": 0}`` -> ``{"y": TensorChunkSpec(0)}``."""
+        return {k: TensorChunkSpec(d) for k, d in chunk_dims.items()}
+
+
+def split_args_kwargs_into_chunks(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    chunks: int,
+    args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
+    kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
+) -> tuple[list[tuple], list[dict]]:
+    """Split a step's arguments into microbatches, each tensor on its own.
+
+    Args:
+        args: positional arguments.
+        kwargs: keyword arguments (``None`` = none).
+        chunks: number of microbatches wanted.
+        args_chunk_spec: one spec per positional argument (a spec, or a pytree of
+            specs matching the argument); default ``TensorChunkSpec(0)`` for tensors.
+        kwargs_chunk_spec: ``{name: spec}``; missing names use the default.
+
+    Returns:
+        ``(args_split, kwargs_split)``: a list of argument tuples and a list of
+        keyword dicts, one per microbatch. Fewer than ``chunks`` when a chunked
+        tensor is smaller than ``chunks`` along its dimension. Non-tensors (and
+        0-dim tensors) are the same object in every microbatch.
+
+    Raises:
+        MicrobatchError: a spec that does not fit its argument, or a dimension a
+            tensor does not have.
+
+    Example:
+        >>> a, k = split_args_kwargs_into_chunks((torch.ones(5, 3), "relu"), None, 2)
+        >>> [c[0].shape[0] for c in a], a[1][1], k
+        ([3, 2], 'relu', [{}, {}])
+    """
+    kwargs = {} if kwargs is None else kwargs
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise MicrobatchError(f"chunks must be an int >= 1, got {chunks!r}")
+    if args_chunk_spec is not None and len(args_chunk_spec) != len(args):
+        raise MicrobatchError(f"args_chunk_spec has {len(args_chunk_spec)} entries but {len(args)} positional "
+                              "arguments were given")
+    arg_specs = [None if args_chunk_spec is None else args_chunk_spec[i] for i in range(len(args))]
+    kw_specs = {k: (kwargs_chunk_spec or {}).get(k) for k in kwargs}
+    dims: list[tuple[str, torch.Tensor, int]] = []  # every chunked tensor: (where, tensor, dim)
+    arg_trees = tuple(_leaf_specs(a, s, f"args[{i}]", dims) for i, (a, s) in enumerate(zip(args, arg_specs)))
+    kw_trees = {k: _leaf_specs(v, kw_specs[k], f"kwargs[{k!r}]", dims) for k, v in kwargs.items()}
+    n = min([chunks] + [t.shape[d] for _, t, d in dims])
+    mbs = _core.split_args_kwargs(tuple(args), dict(kwargs), max(n, 1), arg_trees, kw_trees)
+    return [a for a, _ in mbs], [k for _, k in mbs]
+
+
+def _leaf_specs(value: Any, spec: Any, where: str, dims: list) -> Any:
+    """A spec tree shaped like ``value``: a per-tensor chunker at each chunked tensor,
+    ``Replicate`` elsewhere (our splitter then never compares batch sizes)."""
+    leaves, treespec = pytree.tree_flatten(value)
+    if spec is None or spec is Replicate or isinstance(spec, _core.TensorChunkSpec):
+        specs = [spec] * len(leaves)
+    else:
+        specs = pytree.tree_leaves(spec, is_leaf=lambda s: s is None or isinstance(s, _core.TensorChunkSpec))
+        if len(specs) != len(leaves):
+            raise MicrobatchError(f"chunk spec for {where} has {len(specs)} entries but the argument has "
+                                  f"{len(leaves)} values")
+    out = []
+    for k, (leaf, s) in enumerate(zip(leaves, specs)):
+        if not isinstance(leaf, torch.Tensor) or s is Replicate or (s is None and leaf.dim() == 0):
+            out.append(Replicate)
+            continue
+        dim = 0 if s is None else s.dim
+        if not -leaf.dim() <= dim < leaf.dim():
+            raise MicrobatchError(f"{where} (value {k}) has shape {tuple(leaf.shape)}, cannot chunk along dim {dim}")
+        dims.append((where, leaf, dim))
+        out.append(functools.partial(_chunk, dim=dim))
+    return pytree.tree_unflatten(out, treespec) if treespec.num_leaves else Replicate
+
+
+def _chunk(t: torch.Tensor, n: int, *, dim: int) -> list[torch.Tensor]:
+    return list(torch.tensor_split(t, n, dim=dim))
+
+
+def merge_chunks(chunks: list[Any], chunk_spec: Any) -> Any:
+    """Merge per-microbatch values into one (:func:`pippy_split.merge_chunks`).
+
+    Args:
+        chunks: one value per microbatch, in order.
+        chunk_spec: ``None`` (tensors concatenated on dim 0), a ``TensorChunkSpec``,
+            or a tuple/dict of them shaped like the values.
+
+    Returns:
+        The merged value, in the values' own structure.
+
+    Example:
+        >>> merge_chunks([torch.ones(2, 1), torch.zeros(2, 1)], TensorChunkSpec(1)).shape
+        torch.Size([2, 2])
+    """
+    return _core.merge_chunks(chunks, chunk_spec)

@@ -1,0 +1,135 @@
+"""``torch.distributed.pipelining.stage``'s names: ``PipelineStage`` and ``build_stage``.
+
+Part of the drop-in (:mod:`pippy_split.compat`). ``PipelineStage`` is our
+:class:`pippy_split.PipelineStage` with the peer's constructor, ``.submod``,
+``.group_rank`` / ``.group_size`` and ``dw_builder``; it runs in our schedules and
+in :mod:`pippy_split.compat.schedules` alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..stage import PipelineStage as _CoreStage
+
+__all__ = ["PipelineStage", "build_stage"]
+
+
+class PipelineStage(_CoreStage):
+    """One stage of a hand-split model, with torch.distributed.pipelining's signature.
+
+    Args:
+        submodule: the stage's module; it gets the previous stage's outputs as
+            positional inputs (stage 0: the step's inputs).
+        stage_index / num_stages: this stage and the total.
+        device: where it runs.
+        input_args / output_args / output_grads / input_grads: example values; accepted
+            for compatibility and not needed: shapes are learnt on the first step.
+        group: the pipeline's process group (default: the world).
+        dw_builder: ``() -> runner``; with it, the weight-gradient half of a split
+            backward (``W``) calls ``runner()`` instead of autograd, and a full
+            backward calls it right after the input gradients (as in the peer).
+        get_mesh: DTensor metadata inference; not supported (``NotImplementedError``).
+        **options: pippy_split's own stage options (``inputs_from``, ``outputs_to``,
+            ``activation_checkpoint``, ...), passed through.
+
+    Example:
+        >>> stage = PipelineStage(model.layers[rank], rank, world, torch.device("cpu"))
+        >>> stage.submod is model.layers[rank]
+        True
+    """
+
+    def __init__(self, submodule: torch.nn.Module, stage_index: int, num_stages: int, device: torch.device | None,
+                 input_args: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+                 output_args: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+                 output_grads: torch.Tensor | tuple[torch.Tensor | None, ...] | None = None,
+                 input_grads: torch.Tensor | tuple[torch.Tensor | None, ...] | None = None,
+                 group: dist.ProcessGroup | None = None,
+                 dw_builder: Callable[[], Callable[..., None]] | None = None,
+                 get_mesh: Any = None, **options: Any) -> None:
+        if get_mesh is not None:
+            raise NotImplementedError("PipelineStage(get_mesh=...): DTensor metadata inference is not supported by "
+                                      "pippy_split; pass plain tensors across stages")
+        super().__init__(submodule, stage_index, num_stages, device, group, **options)
+        self.dw_builder = dw_builder
+        self._dw_runners: dict[int, Callable[..., None]] = {}
+
+    @property
+    def submod(self) -> torch.nn.Module:
+        """The stage's module (``self.module``)."""
+        return self.module
+
+    @property
+    def group_rank(self) -> int:
+        """This process's rank in the stage's group (0 without a process group)."""
+        return dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
+
+    @property
+    def group_size(self) -> int:
+        """Ranks in the stage's group (1 without a process group)."""
+        return dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+
+    # ---- dw_builder: the weight half of backward runs the user's runner ------------
+    def backward(self, mb: int, *args: Any, **kwargs: Any) -> dict[int, torch.Tensor]:
+        grads = super().backward(mb, *args, **kwargs)
+        if self.dw_builder is not None:
+            self.dw_builder()()
+        return grads
+
+    def backward_input(self, mb: int, *args: Any, **kwargs: Any) -> dict[int, torch.Tensor]:
+        if self.dw_builder is None:
+            return super().backward_input(mb, *args, **kwargs)
+        grads = super().backward(mb, *args, **kwargs)  # autograd through the module; the runner does the weights
+        self._dw_runners[mb] = self.dw_builder()
+        return grads
+
+    def backward_weight(self, mb: int, *args: Any, **kwargs: Any) -> None:
+        if self.dw_builder is None:
+            return super().backward_weight(mb, *args, **kwargs)
+        self._dw_runners.pop(mb)()
+
+    def clear(self) -> None:
+        super().clear()
+        self._dw_runners.clear()
+
+
+def adopt(stage: _CoreStage) -> PipelineStage:
+    """The same stage (all its state, shared) as a compat :class:`PipelineStage`."""
+    out = PipelineStage.__new__(PipelineStage)
+    out.__dict__.update(stage.__dict__)
+    out.dw_builder = None
+    out._dw_runners = {}
+    return out
+
+
+def build_stage(stage_module: torch.nn.Module, stage_index: int, pipe_info: Any, device: torch.device | None,
+                group: dist.ProcessGroup | None = None) -> PipelineStage:
+    """The stage ``stage_index`` of a traced pipe, from ``pipe.info()`` (as the peer's ``build_stage``).
+
+    Args:
+        stage_module: the stage's module, normally ``pipe.get_stage_module(stage_index)``
+            (a wrapped copy of it, e.g. by DDP, is run in its place).
+        stage_index: which stage.
+        pipe_info: ``pipe.info()`` of a :func:`pippy_split.compat.pipeline` pipe.
+        device: where the stage runs.
+        group: the pipeline's process group (default: the world).
+
+    Returns:
+        The :class:`PipelineStage`, with the traced edges (skip connections included).
+
+    Example:
+        >>> stage = build_stage(pipe.get_stage_module(rank), rank, pipe.info(), torch.device("cpu"))
+    """
+    pipe = getattr(pipe_info, "pipe", None)
+    if pipe is None:
+        raise TypeError(f"build_stage needs the PipeInfo of a pippy_split.compat pipe (pipe.info()), got "
+                        f"{type(pipe_info).__name__}")
+    if not 0 <= stage_index < pipe.num_stages:
+        raise ValueError(f"Invalid stage index {stage_index}: the pipe has {pipe.num_stages} stages")
+    stage = adopt(pipe.build_stage(stage_index, device, group))
+    if stage_module is not pipe.get_stage_module(stage_index):
+        stage.module = stage_module
+    return stage
