@@ -356,8 +356,9 @@ def merge_chunks(chunks: Sequence[Any], spec: Any = None) -> Any:
         chunks: one output per microbatch, all with the same structure
             (tensors, None, numbers, and tuple/list/dict/pytree containers such
             as Hugging Face ``ModelOutput``; containers are rebuilt as the same type).
-        spec: ``None`` (concatenate tensors along dim 0; scalars and other values
-            must be equal in every microbatch), ``TensorChunkSpec(dim)``,
+        spec: ``None`` (concatenate tensors along dim 0; a floating-point 0-dim
+            tensor, such as a model's own loss, is averaged over microbatches; other
+            scalars and values must be equal in every microbatch), ``TensorChunkSpec(dim)``,
             ``Replicate``, ``"sum"``, ``"mean"``, a callable over the list of
             values, or a container of these matching the output (prefix rules).
 
@@ -431,6 +432,10 @@ def _merge_tree(values: list, spec: Any, path: str) -> Any:
     if isinstance(first, torch.Tensor) and (first.dim() > 0 or spec is not None):
         dim = 0 if spec is None else spec.dim
         return _cat(values, dim, path)
+    if spec is None and isinstance(first, torch.Tensor) and first.is_floating_point():
+        # a per-microbatch scalar such as an HF model's own `loss`: the batch's value is the
+        # mean over microbatches (the same rule the schedule's gradients follow)
+        return _reduce(values, "mean", path)
     return _same(values, path)
 
 
@@ -467,6 +472,7 @@ def _same(values: list, path: str) -> Any:
             raise MicrobatchError(
                 f"{path} differs between microbatches (microbatch 0: {first!r}, microbatch "
                 f"{i}: {v!r}); pass merge spec \"sum\", \"mean\" or a callable for it"
+                + (" (the schedule's output_merge_spec=)" if path.startswith("output") else "")
             )
     return first
 

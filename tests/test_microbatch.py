@@ -305,9 +305,14 @@ def test_merge_reductions_and_none() -> None:
     assert merge_chunks([1.0, 2.0], lambda vs: max(vs)) == 2.0
 
 
-def test_merge_scalars_must_agree_by_default() -> None:
-    with pytest.raises(MicrobatchError, match=r"output\[1\] differs between microbatches.*\"sum\", \"mean\""):
-        merge_chunks([(torch.ones(2), torch.tensor(1.0)), (torch.ones(2), torch.tensor(2.0))])
+def test_merge_scalars_by_default() -> None:
+    # a floating 0-dim tensor (an HF model's own loss) is averaged over microbatches
+    merged = merge_chunks([(torch.ones(2), torch.tensor(1.0)), (torch.ones(2), torch.tensor(2.0))])
+    assert merged[1].item() == 1.5
+    # other scalars must agree; the error names the schedule's option
+    with pytest.raises(MicrobatchError, match=r"output\[1\] differs between microbatches.*\"sum\", \"mean\".*"
+                                              r"output_merge_spec="):
+        merge_chunks([(torch.ones(2), torch.tensor(1)), (torch.ones(2), torch.tensor(2))])
     assert merge_chunks([(torch.ones(1), 5), (torch.ones(1), 5)])[1] == 5
 
 

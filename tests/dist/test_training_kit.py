@@ -99,3 +99,18 @@ def test_full_activation_checkpointing_is_exact_and_recomputes_once(name, schedu
         assert abs(r["loss"] - ref_loss) < 1e-5
         assert all(n == 2 * 4 for n in r["calls"].values()), r["calls"]  # forward + one recompute per mb
     _assert_grads(results, ref_grads)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule,world", [("1F1B", 2), ("1F1B", 4), ("GPipe", 4)])
+def test_moe_aux_loss_from_every_layer_trains_exactly(schedule, world):
+    from .training_bodies import moe_reference, moe_step
+
+    ref_loss, ref_grads = moe_reference(4)
+    results = run_ranks(moe_step, world, schedule, 4, timeout=280)
+    if world == 4:  # router logits of layers 0-1 skip to the last stage, with gradients
+        assert results[0]["skips"] > 0
+    for r in results:
+        assert abs(r["loss"] - ref_loss) < 1e-5, (r["loss"], ref_loss)
+    _assert_grads(results, ref_grads)

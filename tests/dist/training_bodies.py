@@ -106,3 +106,42 @@ def ac_step(rank: int, world: int, name: str, schedule: str, n_mb: int):
     grads = {n: p.grad.clone() for st in sched.stages
              for n, p in st.module.named_parameters(remove_duplicate=False) if p.grad is not None}
     return {"loss": float(sched.loss), "grads": grads, "calls": calls}
+
+
+def moe_case():
+    """A tiny HF Mixtral whose router logits from every layer feed the auxiliary loss."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        output_router_logits=True, router_aux_loss_coef=0.1, max_position_embeddings=64)
+    return MixtralForCausalLM(cfg), torch.randint(0, 64, (8, 16))
+
+
+def model_loss(out, _target):
+    return out.loss  # the model's own: cross entropy + router_aux_loss_coef * load-balancing loss
+
+
+def moe_reference(n_mb: int):
+    model, x = moe_case()
+    total = 0.0
+    for xm in x.chunk(n_mb):
+        out = model(input_ids=xm, labels=xm)
+        assert out.aux_loss is not None and out.aux_loss.item() > 0
+        (out.loss / n_mb).backward()
+        total += out.loss.item() / n_mb
+    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def moe_step(rank: int, world: int, schedule: str, n_mb: int):
+    model, x = moe_case()
+    mb = x.chunk(n_mb)[0]
+    split = {2: ["model.layers.2"], 4: ["model.layers.1", "model.layers.2", "model.layers.3"]}[world]
+    pipe = ps.pipeline(model, split, (), {"input_ids": mb, "labels": mb})
+    router_edges = [e for e in pipe.edges if e.dst_stage == pipe.num_stages - 1 and e.spec.carries_grad
+                    and e.sender_stage < pipe.num_stages - 2]
+    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=model_loss)
+    sched.step(input_ids=x, labels=x, target=x)
+    grads = {n: p.grad.clone() for st in sched.stages for n, p in st.module.named_parameters() if p.grad is not None}
+    return {"loss": float(sched.loss), "grads": grads, "skips": len(router_edges)}
