@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from ..microbatch import merge_chunks, split_args_kwargs
 from ..split import Pipe as _CorePipe
 from ..split import SplitPoint, pipe_split
 from ..split import pipeline as _core_pipeline
@@ -44,11 +45,18 @@ class Pipe(torch.nn.Module):
     FQNs), ``pipe(*args)`` runs them in this process and returns the model's
     outputs as a flat tuple, ``core_pipe`` is the :class:`pippy_split.Pipe` with
     edges, summary and everything else. Build one with :func:`pipeline`.
+
+    Args:
+        core_pipe: the split model.
+        example_batch: the traced microbatch's batch size (dim 0 of its tensors): a
+            call with k times as many rows runs as k microbatches, merged on dim 0
+            (the peer runs the whole batch through graphs traced on one microbatch).
     """
 
-    def __init__(self, core_pipe: _CorePipe) -> None:
+    def __init__(self, core_pipe: _CorePipe, example_batch: int | None = None) -> None:
         super().__init__()
         self.core_pipe = core_pipe
+        self.example_batch = example_batch
         self.split_gm = torch.nn.Module()
         for i in range(core_pipe.num_stages):
             self.split_gm.add_module(f"submod_pp_{i}", core_pipe.get_stage_module(i))
@@ -61,7 +69,19 @@ class Pipe(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple:
         """All stages in this process; the model's outputs flattened into a tuple."""
-        return tuple(pytree.tree_leaves(self.core_pipe(*args, **kwargs)))
+        k = self._microbatches_in(args, kwargs)
+        if k == 1:
+            return tuple(pytree.tree_leaves(self.core_pipe(*args, **kwargs)))
+        outs = [self.core_pipe(*a, **kw) for a, kw in split_args_kwargs(args, kwargs, k)]
+        return tuple(pytree.tree_leaves(merge_chunks(outs)))
+
+    def _microbatches_in(self, args: tuple, kwargs: dict) -> int:
+        """k when every batched input has k times the traced batch size, else 1."""
+        sizes = _batch_sizes((args, kwargs))
+        if self.example_batch is None or len(sizes) != 1:
+            return 1
+        size = sizes.pop()
+        return size // self.example_batch if size > self.example_batch and size % self.example_batch == 0 else 1
 
     def get_stage_module(self, stage_idx: int) -> torch.nn.Module:
         """The module of stage ``stage_idx``."""
@@ -122,4 +142,10 @@ def pipeline(module: torch.nn.Module, mb_args: tuple[Any, ...], mb_kwargs: dict[
                                   "a list of FQNs, or an int N to balance N stages by cost")
     if not isinstance(mb_args, tuple):
         mb_args = (mb_args,)
-    return Pipe(_core_pipeline(module, split_spec, mb_args=mb_args, mb_kwargs=mb_kwargs))
+    sizes = _batch_sizes((mb_args, mb_kwargs))
+    return Pipe(_core_pipeline(module, split_spec, mb_args=mb_args, mb_kwargs=mb_kwargs),
+                sizes.pop() if len(sizes) == 1 else None)
+
+
+def _batch_sizes(tree: Any) -> set[int]:
+    return {t.shape[0] for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() > 0}

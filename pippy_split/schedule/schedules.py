@@ -460,11 +460,13 @@ def get_schedule_class(name: str) -> type[PipelineSchedule]:
 
 def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_microbatches: int,
                    loss_fn: Callable | None = None, group: Any = None, device: Any = None, *,
-                   activation_checkpoint: str | None = None, **kwargs: Any) -> PipelineSchedule:
+                   activation_checkpoint: str | None = None, mixed_precision: torch.dtype | None = None,
+                   **kwargs: Any) -> PipelineSchedule:
     """Build this rank's stages of ``pipe`` with the schedule's placement and return the schedule.
 
-    ``activation_checkpoint`` goes to every stage (``None`` or ``"full"``); other
-    keywords go to the schedule class (``loss_count=``, ``placement=``, ...).
+    ``activation_checkpoint`` (``None`` or ``"full"``) and ``mixed_precision``
+    (``None``, ``torch.bfloat16``, ``torch.float16``) go to every stage; other keywords
+    go to the schedule class (``loss_count=``, ``placement=``, ...).
 
     Example:
         >>> sched = build_schedule(pipe, "ZBVZeroBubble", 8, loss_fn=F.cross_entropy,
@@ -477,5 +479,6 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
     if pipe.num_stages % world:
         raise ValueError(f"{pipe.num_stages} stages cannot be spread over {world} ranks")
     mine = rank_to_stages(pipe.num_stages, world, kwargs.get("placement") or spec.placement)[rank]
-    stages = [pipe.build_stage(s, device, group, activation_checkpoint=activation_checkpoint) for s in mine]
+    stages = [pipe.build_stage(s, device, group, activation_checkpoint=activation_checkpoint,
+                               mixed_precision=mixed_precision) for s in mine]
     return cls(stages, n_microbatches, loss_fn, **kwargs)

@@ -115,8 +115,9 @@ class CallTree:
 
     def num_blocks(self, costs: list[float] | None = None) -> int:
         """How many repeated blocks the model runs, counted at the class of block whose
-        runs hold the most cost (op count without ``costs``): ``layers.*`` of a
-        transformer, encoder and decoder blocks together for T5."""
+        runs hold the most cost (op count without ``costs``), the finest such level if
+        several hold about as much: ``layers.*`` of a transformer, encoder and decoder
+        blocks together for T5, the BasicBlocks (not layer1..4) of a ResNet."""
         weight: dict[str, float] = {}
         count: dict[str, int] = {}
         for run in self.runs:
@@ -124,7 +125,12 @@ class CallTree:
             count[cls] = count.get(cls, 0) + len(run)
             weight[cls] = weight.get(cls, 0.0) + sum(
                 sum(costs[c.first:c.last + 1]) if costs is not None else c.last + 1 - c.first for c in run)
-        return count[max(weight, key=weight.__getitem__)] if weight else 0
+        if not weight:
+            return 0
+        heaviest = max(weight.values())
+        # Nested levels hold about the same cost (ResNet's layer1..4 and their BasicBlocks):
+        # count the finer one.
+        return max(count[cls] for cls, w in weight.items() if w >= 0.9 * heaviest)
 
     def open_calls(self, position: int) -> list[Call]:
         """The calls a cut before op ``position`` would split (begun before it, going on after)."""

@@ -17,6 +17,9 @@ from torch.utils.flop_counter import flop_registry
 __all__ = ["node_flops", "hint_int", "is_view", "value_bytes", "BALANCE_METRICS", "node_costs"]
 
 aten = torch.ops.aten
+# Export's training IR keeps these composite ops; torch's flop formulas cover only aten.convolution.
+_CONVS = {aten.conv1d, aten.conv2d, aten.conv3d}
+_CONV_TRANSPOSES = {aten.conv_transpose1d, aten.conv_transpose2d, aten.conv_transpose3d}
 
 
 def hint_int(d: Any) -> int:
@@ -85,11 +88,19 @@ def node_flops(node: torch.fx.Node) -> int:
     if target is aten.matmul.default:
         a = _shape(node.args[0])
         return 2 * _numel(val) * (a[-1] if len(a) else 1)
+    packet = getattr(target, "overloadpacket", None)
+    if packet in _CONVS:
+        # weight (C_out, C_in / groups, *kernel): each output element is a dot product of that size
+        w = _shape(node.args[1])
+        return 2 * _numel(val) * math.prod(w[1:])
+    if packet in _CONV_TRANSPOSES:
+        # weight (C_in, C_out / groups, *kernel): each input element is spread over that many outputs
+        x, w = _shape(node.args[0]), _shape(node.args[1])
+        return 2 * math.prod(x) * math.prod(w[1:])
     if target is aten.scaled_dot_product_attention.default:
         q, k = _shape(node.args[0]), _shape(node.args[1])
         # QK^T and PV: 2 matmuls of (.., T, D) x (.., D, S)
         return 4 * math.prod(q[:-1]) * k[-2] * q[-1]
-    packet = getattr(target, "overloadpacket", None)
     if packet in flop_registry:
         try:
             args = [_shape(a) for a in node.args]

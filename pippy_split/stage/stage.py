@@ -17,6 +17,7 @@ import torch
 from ..split.spec import MODEL_INPUT, TensorSpec
 from .backward import WeightGradPlan, capturing, plan_weight_grads
 from .errors import PipelineError
+from .mixed_precision import autocast_edge_specs, check_mixed_precision
 
 __all__ = ["PipelineStage", "InputSlot", "Route"]
 
@@ -83,6 +84,9 @@ class PipelineStage:
             forward keeps only the stage's inputs, and the stage is recomputed (same
             RNG state) right before its backward; with the zero-bubble I/W split the
             recompute happens once, before I, and W reuses it.
+        mixed_precision: ``None``, ``torch.bfloat16`` or ``torch.float16``: forward (and
+            recompute) under ``torch.autocast``, the loss in fp32; for a stage of a Pipe
+            the edges' specs say the dtype autocast gives them (``pipe.build_stage``).
 
     Shapes of hand-built stages are inferred on the first step from the real first
     microbatch (one small metadata message per sender, then cached).
@@ -96,7 +100,7 @@ class PipelineStage:
                  device: torch.device | str | None = None, group: Any = None,
                  inputs_from: Mapping[int, tuple[int, int]] | None = None,
                  outputs_to: Mapping[int, Sequence[tuple[int, int]]] | None = None,
-                 activation_checkpoint: str | None = None) -> None:
+                 activation_checkpoint: str | None = None, mixed_precision: torch.dtype | None = None) -> None:
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index {stage_index} out of range for {num_stages} stages")
         if activation_checkpoint not in (None, "full"):
@@ -104,6 +108,8 @@ class PipelineStage:
                              "None and 'full' (recompute the whole stage right before its backward); per-module "
                              "patterns are not supported yet")
         self.activation_checkpoint = activation_checkpoint
+        check_mixed_precision(mixed_precision, f"stage {stage_index}")
+        self.mixed_precision = mixed_precision
         self.module = module
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -136,13 +142,16 @@ class PipelineStage:
     # ---- construction from a Pipe ------------------------------------------------
     @classmethod
     def from_pipe(cls, pipe: Any, stage_index: int, device: Any = None, group: Any = None,
-                  activation_checkpoint: str | None = None) -> "PipelineStage":
+                  activation_checkpoint: str | None = None,
+                  mixed_precision: torch.dtype | None = None) -> "PipelineStage":
         info = pipe.stages[stage_index]
         module = info.module
         if device is not None:
             module = module.to(device)
         stage = cls(module, stage_index, pipe.num_stages, device=device, group=group,
-                    activation_checkpoint=activation_checkpoint)
+                    activation_checkpoint=activation_checkpoint, mixed_precision=mixed_precision)
+        spec_of = (lambda e: e.spec) if mixed_precision is None else (
+            lambda e, specs=autocast_edge_specs(pipe, mixed_precision, stage.device.type): specs[id(e)])
         stage.pipe = pipe
         stage.lazy = False
         slots = []
@@ -151,13 +160,13 @@ class PipelineStage:
                 slots.append(InputSlot(i, "model", MODEL_INPUT, src.index))
             elif src.kind == "edge":
                 e = src.edge
-                slots.append(InputSlot(i, "edge", e.src_stage, e.src_output, e.spec))
+                slots.append(InputSlot(i, "edge", e.src_stage, e.src_output, spec_of(e)))
             else:
                 slots.append(InputSlot(i, "symbol", expr=src.expr))
         stage.in_slots = slots
         for e in pipe.edges:
             if e.src_stage == stage_index or (e.from_input and stage_index == 0):
-                stage.routes.append(Route(e.src_output, e.dst_stage, e.dst_input, e.spec, from_input=e.from_input))
+                stage.routes.append(Route(e.src_output, e.dst_stage, e.dst_input, spec_of(e), from_input=e.from_input))
         return stage
 
     @property
@@ -196,7 +205,7 @@ class PipelineStage:
         try:
             # full checkpointing: forward without a graph now, again with one right before backward
             with torch.set_grad_enabled(train and not recompute), capturing() as sink, _recording_saved(
-                    graph_storages, train and self.track_saved_storages):
+                    graph_storages, train and self.track_saved_storages), self._autocast():
                 out = self.module(*args, **(kwargs or {}))
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: forward raised {type(e).__name__}: {e}") from e
@@ -216,6 +225,9 @@ class PipelineStage:
         self.peak_held_microbatches = max(self.peak_held_microbatches, len(self._saved))
         return outputs
 
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=self.mixed_precision, enabled=self.mixed_precision is not None)
+
     def _as_outputs(self, out: Any) -> tuple:
         if isinstance(out, (tuple, list)) and self.pipe is not None:
             return tuple(out)
@@ -227,7 +239,7 @@ class PipelineStage:
         kwargs, target, rng = saved.recompute
         saved.recompute = None
         try:
-            with _restored_rng(self.device, rng), torch.enable_grad(), capturing() as sink:
+            with _restored_rng(self.device, rng), torch.enable_grad(), capturing() as sink, self._autocast():
                 outputs = self._as_outputs(self.module(*saved.inputs, **kwargs))
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: recomputing the forward for activation "
@@ -252,8 +264,12 @@ class PipelineStage:
         return outputs[0] if len(outputs) == 1 else outputs
 
     def compute_loss(self, mb: int, outputs: tuple, target: Any) -> torch.Tensor:
+        if self.mixed_precision is not None:  # the loss in fp32, whatever autocast made of the outputs
+            outputs = tuple(o.float() if isinstance(o, torch.Tensor) and o.dtype == self.mixed_precision else o
+                            for o in outputs)
         try:
-            loss = self.loss_fn(self.model_output(outputs), target)
+            with torch.autocast(self.device.type, enabled=False):
+                loss = self.loss_fn(self.model_output(outputs), target)
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: loss_fn raised {type(e).__name__}: {e}") from e
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -145,3 +145,33 @@ def moe_step(rank: int, world: int, schedule: str, n_mb: int):
     sched.step(input_ids=x, labels=x, target=x)
     grads = {n: p.grad.clone() for st in sched.stages for n, p in st.module.named_parameters() if p.grad is not None}
     return {"loss": float(sched.loss), "grads": grads, "skips": len(router_edges)}
+
+
+def bf16_reference(name: str, n_mb: int):
+    """The unsplit model under the same autocast (bf16), its loss in fp32."""
+    entry = zoo.get(name)
+    mbs = ps.split_args_kwargs(entry.args, entry.kwargs, n_mb)
+    tgts = ps.split_args_kwargs((entry.target,), {}, n_mb)
+    total = 0.0
+    for (a, k), (t, _) in zip(mbs, tgts):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = entry.model(*a, **k)
+        out = out.float() if isinstance(out, torch.Tensor) else out
+        loss = entry.loss_fn(out, t[0]) / n_mb
+        loss.backward()
+        total += loss.item()
+    return total, {n: p.grad.clone() for n, p in entry.model.named_parameters(remove_duplicate=False)
+                   if p.grad is not None}
+
+
+def bf16_step(rank: int, world: int, name: str, schedule: str, n_mb: int):
+    from .bodies import _mb_example
+
+    entry = zoo.get(name)
+    pipe = ps.pipeline(entry.model, entry.split_spec, *_mb_example(entry, n_mb))
+    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn, mixed_precision=torch.bfloat16)
+    sched.step(*entry.args, target=entry.target, **entry.kwargs)
+    dtypes = sorted({str(r.spec.dtype) for st in sched.stages for r in st.routes if r.spec is not None})
+    grads = {n: p.grad.clone() for st in sched.stages
+             for n, p in st.module.named_parameters(remove_duplicate=False) if p.grad is not None}
+    return {"loss": float(sched.loss), "grads": grads, "edge_dtypes": dtypes}

@@ -1,0 +1,110 @@
+"""Mixed precision: which dtype each edge carries when stages run under ``torch.autocast``.
+
+Sits between the Pipe (whose edge specs were traced in the model's own precision) and the
+stages built with ``mixed_precision=``: every stage is run once under autocast on fake
+tensors (no compute, no memory), in stage order, so the specs of the edges it sends say
+the dtype autocast really produces there (a matmul's bf16 output, an fp32 norm). Every
+rank works this out alike from the same Pipe, so senders and receivers agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw as hint_int
+
+from ..split.spec import TensorSpec
+from .errors import PipelineError
+
+__all__ = ["check_mixed_precision", "autocast_edge_specs", "relax_dtype_checks"]
+
+_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_mixed_precision(dtype: Any, where: str) -> None:
+    """Refuse anything but ``None``, ``torch.bfloat16`` or ``torch.float16``."""
+    if dtype is not None and dtype not in _AUTOCAST_DTYPES:
+        raise ValueError(f"{where}: mixed_precision={dtype!r} is not an autocast dtype; use torch.bfloat16 or "
+                         "torch.float16 (or None for the model's own precision)")
+
+
+def autocast_edge_specs(pipe: Any, dtype: torch.dtype, device_type: str) -> dict[int, TensorSpec]:
+    """``{id(edge): spec}`` for every edge of ``pipe`` under ``torch.autocast(device_type, dtype)``.
+
+    Example:
+        >>> specs = autocast_edge_specs(pipe, torch.bfloat16, "cpu")
+        >>> {specs[id(e)].dtype for e in pipe.edges if not e.from_input}  # doctest: +SKIP
+        {torch.bfloat16}
+    """
+    cache = pipe.__dict__.setdefault("_autocast_specs", {})
+    key = (dtype, device_type)
+    if key in cache:
+        return cache[key]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    inputs, bindings = _example_inputs(pipe)
+    specs: dict[int, TensorSpec] = {id(e): e.spec for e in pipe.edges}
+    for info in pipe.stages:
+        relax_dtype_checks(info.module)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            args = [_fake_arg(src, inputs, specs, bindings) for src in info.inputs]
+        state = {n: mode.from_tensor(t) for n, t in [*info.module.named_parameters(), *info.module.named_buffers()]}
+        try:
+            with mode, torch.autocast(device_type, dtype=dtype):
+                outs = torch.func.functional_call(info.module, state, tuple(args))
+        except Exception as e:
+            raise PipelineError(f"stage {info.index}: could not run under torch.autocast({device_type!r}, {dtype}) "
+                                f"to learn its edges' dtypes ({type(e).__name__}: {e})") from e
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        for e in pipe.edges:
+            if e.src_stage == info.index:
+                out = outs[e.src_output]
+                specs[id(e)] = TensorSpec(e.spec.shape, out.dtype, e.spec.requires_grad)
+    cache[key] = specs
+    return specs
+
+
+def relax_dtype_checks(module: torch.nn.Module) -> None:
+    """Drop export's dtype assertions (``aten._assert_tensor_metadata``) from a traced stage:
+    they pin each checked value to its traced dtype, which autocast changes on purpose
+    (a ``.to(torch.float32)`` after them still converts). Shapes are checked by the runtime."""
+    if not isinstance(module, torch.fx.GraphModule):
+        return
+    target = torch.ops.aten._assert_tensor_metadata.default
+    asserts = [n for n in module.graph.nodes if n.op == "call_function" and n.target is target]
+    for node in asserts:
+        module.graph.erase_node(node)
+    if asserts:
+        module.recompile()
+
+
+def _example_inputs(pipe: Any) -> tuple[list[Any], dict]:
+    """The traced example's flat inputs as (shape hints, dtype), and each symbol's example value."""
+    nodes = {n.name: n for n in pipe._traced.graph.nodes if n.op == "placeholder"}
+    inputs = []
+    for name in pipe._traced.user_inputs:
+        val = nodes[name].meta.get("val")
+        if isinstance(val, torch.Tensor):
+            inputs.append(((tuple(hint_int(d) for d in val.shape)), val.dtype))
+        else:
+            inputs.append(val if not isinstance(val, torch.SymInt) else hint_int(val))
+    bindings = {}
+    for sym in pipe.symbols:
+        shape = inputs[sym.input_index][0]
+        bindings[sym.symbol] = shape[sym.dim]
+    return inputs, bindings
+
+
+def _fake_arg(src: Any, inputs: list[Any], specs: dict[int, TensorSpec], bindings: dict) -> Any:
+    if src.kind == "input":
+        value = inputs[src.index]
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.dtype):
+            return torch.empty(value[0], dtype=value[1])
+        return value
+    if src.kind == "symbol":
+        return int(src.expr.xreplace(bindings))
+    spec = specs[id(src.edge)]
+    shape = spec.concrete_shape(bindings) if spec.is_dynamic else spec.shape
+    return torch.empty(shape, dtype=spec.dtype).requires_grad_(spec.carries_grad)
