@@ -66,6 +66,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint: weights and AdamW state")
     p.add_argument("--data", default=None, help="train on this text file (vocabulary: its characters)")
     p.add_argument("--samples", type=int, default=8, help="lines to sample at the end")
+    p.add_argument("--activation-checkpoint", action="store_true",
+                   help="recompute each stage right before its backward instead of keeping its activations")
+    p.add_argument("--bf16", action="store_true", help="run the stages under torch.autocast(bfloat16), loss in fp32")
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
                    help="clip the gradients of all stages of all ranks to this total 2-norm (ps.clip_grad_norm_)")
     return p
@@ -254,7 +257,9 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT) -> None:
     args, kwargs, target, B = prep.args, prep.kwargs, prep.target, prep.B
     M, T = cfg.microbatches, cfg.seq_len
     data_gen = torch.Generator().manual_seed(cfg.seed)  # same stream on every rank -> same batches
-    sched = ps.build_schedule(pipe, cfg.schedule, M, loss_fn=prep.loss_fn, device=device)
+    sched = ps.build_schedule(pipe, cfg.schedule, M, loss_fn=prep.loss_fn, device=device,
+                              activation_checkpoint="full" if cfg.activation_checkpoint else None,
+                              mixed_precision=torch.bfloat16 if cfg.bf16 else None)
     params = list({id(p): p for st in sched.stages for p in st.module.parameters()}.values())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
     dcp_dir = os.path.join(cfg.checkpoint, TRAIN_STATE_DIR)

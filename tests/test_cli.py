@@ -97,7 +97,7 @@ def test_inspect_zoo_rich_and_json():
 def test_train_small_run_writes_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     out = _ok(_cli("train", "--steps", "3", "--ranks", "2", "--checkpoint", str(ckpt), "--samples", "2",
-                   "--clip-grad-norm", "1.0", cwd=tmp_path))
+                   "--clip-grad-norm", "1.0", "--activation-checkpoint", "--bf16", cwd=tmp_path))
     assert "first loss" in out and "last loss" in out
     assert "correct sums" in out
     saved = torch.load(ckpt / "model.pt", weights_only=False)
