@@ -313,7 +313,7 @@ def _describe(tree: CallTree, lo: int, hi: int, ops: list[torch.fx.Node]) -> str
     if common:
         call = tree.calls[common[-1]]
         repeat = call.key.rsplit("@", 1)[1] if "@" in call.key else ""
-        return call.path + (f" (call {int(repeat) + 1})" if repeat.isdigit() else "")
+        return f"module {call.path!r}" + (f" (call {int(repeat) + 1})" if repeat.isdigit() else "")
     names = [op.name for op in ops[lo:hi]]
     return "top-level ops " + ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
 
