@@ -83,3 +83,12 @@ def test_spec_that_does_not_fit_is_named():
         split_args_kwargs_into_chunks((torch.ones(4), torch.ones(4)), {}, 2, (TensorChunkSpec(0),))
     with pytest.raises(ps.microbatch.MicrobatchError, match=r"kwargs\['m'\].*dim 3"):
         split_args_kwargs_into_chunks((), {"m": torch.ones(4)}, 2, None, {"m": TensorChunkSpec(3)})
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from pippy_split.compat import microbatch
+
+    failures, attempted = doctest.testmod(microbatch)
+    assert attempted and not failures
