@@ -108,10 +108,10 @@ def legal_cuts(ops: list[torch.fx.Node]) -> tuple[list[bool], list[float]]:
     graph = ops[0].graph if ops else None
     for node in graph.nodes if graph is not None else ():
         val = node.meta.get("val") if node.op == "placeholder" else None
-        if isinstance(val, torch.Tensor):
-            known |= {s for d in val.shape if isinstance(d, torch.SymInt) for s in sympy.sympify(d.node.expr).free_symbols}
-        elif isinstance(val, torch.SymInt):
-            known |= sympy.sympify(val.node.expr).free_symbols
+        dims = val.shape if isinstance(val, torch.Tensor) else (val,) if isinstance(val, torch.SymInt) else ()
+        for d in dims:
+            if isinstance(d, torch.SymInt):
+                known |= sympy.sympify(d.node.expr).free_symbols
     bad = [0] * (n + 2)
     crossing = [0.0] * (n + 2)
 

@@ -23,7 +23,7 @@ from .calls import call_tree, module_paths
 from .cost import BALANCE_METRICS, node_costs
 from .errors import SplitError
 from .grad import infer_requires_grad
-from .markers import PIPE_SPLIT_OP, SplitPoint
+from .markers import SplitPoint, is_split_marker
 from .trace import Traced
 
 __all__ = ["Cut", "Plan", "plan_stages", "module_paths", "check_balance", "op_costs"]
@@ -170,12 +170,11 @@ def op_costs(ops: list[torch.fx.Node], balance: str, model: torch.nn.Module, tra
 
 
 def _is_free(op: torch.fx.Node) -> bool:
-    return op.target is operator.getitem or op.target is PIPE_SPLIT_OP
+    return op.target is operator.getitem or is_split_marker(op.target)
 
 
-def _balanced_cuts(ops: list[torch.fx.Node], n: int, costs: list[float], metric: str) -> tuple[list[Cut], BalanceReport]:
-    if n < 1:
-        raise SplitError(f"split_spec as an int must be >= 1, got {n}")
+def _balanced_cuts(ops: list[torch.fx.Node], n: int, costs: list[float],
+                   metric: str) -> tuple[list[Cut], BalanceReport]:
     if n == 1:
         return [], BalanceReport(metric, (float(sum(costs)),), 1.0)
     tree = call_tree(ops)
@@ -186,11 +185,11 @@ def _balanced_cuts(ops: list[torch.fx.Node], n: int, costs: list[float], metric:
     return [Cut(p, f"balanced cut {k + 1}") for k, p in enumerate(positions)], report
 
 
-def _stage_costs(plan: Plan, costs: list[float], metric: str) -> BalanceReport:
+def _stage_costs(plan: Plan, costs: list[float]) -> tuple[float, ...]:
     out = [0.0] * plan.num_stages
     for op, c in zip(plan.ops, costs):
         out[plan.stage_of[op]] += c
-    return BalanceReport(metric, tuple(out))
+    return tuple(out)
 
 
 def plan_stages(graph: torch.fx.Graph, split_spec: Any, model: torch.nn.Module, *, balance: str = "flops",
@@ -202,12 +201,14 @@ def plan_stages(graph: torch.fx.Graph, split_spec: Any, model: torch.nn.Module, 
     """
     ops = [n for n in graph.nodes if n.op == "call_function"]
     int_spec = isinstance(split_spec, int) and not isinstance(split_spec, bool)
+    if int_spec and split_spec < 1:
+        raise SplitError(f"split_spec as an int must be >= 1, got {split_spec}")
     costs = None
     if int_spec or balance == "flops" or traced is not None:
         costs = op_costs(ops, balance, model, traced, flat_inputs)
     report = None
     if split_spec is None:
-        cuts = [Cut(i, f"pipe_split() #{k}") for k, i in enumerate(i for i, op in enumerate(ops) if op.target is PIPE_SPLIT_OP)]
+        cuts = [Cut(i, f"pipe_split() #{k}") for k, i in enumerate(i for i, op in enumerate(ops) if is_split_marker(op.target))]
     elif isinstance(split_spec, bool):
         raise SplitError("split_spec must be a dict, a list of FQNs, an int or None, not a bool")
     elif isinstance(split_spec, int):
@@ -222,15 +223,14 @@ def plan_stages(graph: torch.fx.Graph, split_spec: Any, model: torch.nn.Module, 
             stage_of[op] = stage_of[op.args[0]]
     plan = Plan(ops=ops, cuts=cuts, stage_of=stage_of)
     _check_no_empty_stage(plan)
-    if costs is not None:
-        stage_costs = _stage_costs(plan, costs, balance)
-        plan.balance = BalanceReport(balance, stage_costs.stage_costs, *(
-            (report.best_ratio, report.indivisible) if report is not None else ()))
+    if costs is not None:  # what the stages hold (getitems moved), with the search's findings
+        plan.balance = BalanceReport(balance, _stage_costs(plan, costs), report and report.best_ratio,
+                                     report and report.indivisible)
     return plan
 
 
 def _is_real(op: torch.fx.Node) -> bool:
-    return op.target is not PIPE_SPLIT_OP and isinstance(op.meta.get("val"), (torch.Tensor, tuple, list))
+    return not is_split_marker(op.target) and isinstance(op.meta.get("val"), (torch.Tensor, tuple, list))
 
 
 def _check_no_empty_stage(plan: Plan) -> None:
