@@ -14,7 +14,7 @@ import enum
 
 import torch
 
-__all__ = ["SplitPoint", "pipe_split", "PIPE_SPLIT_OP"]
+__all__ = ["SplitPoint", "pipe_split", "PIPE_SPLIT_OP", "is_split_marker"]
 
 
 class SplitPoint(enum.Enum):
@@ -41,6 +41,25 @@ def _pipe_split_fake() -> None:
 PIPE_SPLIT_OP = torch.ops.pippy_split.pipe_split.default
 # Without a side effect the op has no users and export's dead-code pass drops it.
 torch.fx.node.has_side_effect(PIPE_SPLIT_OP)
+
+
+# torch.distributed.pipelining's marker (``pippy::_pipe_split``), matched by name so that a
+# model written for it splits here too without this library importing it.
+_OTHER_MARKERS = frozenset({"pippy::_pipe_split"})
+
+
+def is_split_marker(target: object) -> bool:
+    """Whether a graph node's target is a stage-boundary marker (ours or torch's).
+
+    Example:
+        >>> is_split_marker(PIPE_SPLIT_OP), is_split_marker(torch.ops.aten.add.Tensor)
+        (True, False)
+    """
+    if target is PIPE_SPLIT_OP:
+        return True
+    name = getattr(target, "name", None)
+    return callable(name) and getattr(target, "namespace", None) == "pippy" and \
+        target.name().split(".")[0] in _OTHER_MARKERS
 
 
 def pipe_split() -> None:

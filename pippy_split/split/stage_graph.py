@@ -20,7 +20,7 @@ from torch.fx import GraphModule
 from .cost import node_flops
 from .errors import SplitError
 from .grad import infer_requires_grad
-from .markers import PIPE_SPLIT_OP
+from .markers import is_split_marker
 from .partition import Plan, module_paths
 from .spec import MODEL_INPUT, Edge, SymbolSource, TensorSpec
 from .trace import Traced
@@ -192,7 +192,7 @@ class _Builder:
     def build(self) -> Built:
         stage_ops: list[list[torch.fx.Node]] = [[] for _ in range(self.n)]
         for op in self.plan.ops:
-            if op.target is not PIPE_SPLIT_OP:
+            if not is_split_marker(op.target):
                 stage_ops[self.plan.stage_of[op]].append(op)
         # Values each stage reads from outside itself, in first-use order.
         reads: list[list[torch.fx.Node]] = []

@@ -119,8 +119,6 @@ def test_split_policy_is_refused_with_the_alternative():
         compat.pipeline(_model(MLP), (torch.randn(2, D),), split_policy=lambda gm: gm)
 
 
-@pytest.mark.xfail(strict=True, reason="needs pippy_split/split to cut at torch's pippy::_pipe_split op too "
-                                       "(partition.py / stage_graph.py test only PIPE_SPLIT_OP)")
 def test_torch_pipe_split_marks_a_stage():
     x = torch.randn(BATCH, D)
     pipe = compat.pipeline(_model(TorchMarked), (x,))
