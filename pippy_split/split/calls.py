@@ -132,10 +132,6 @@ class CallTree:
         # count the finer one.
         return max(count[cls] for cls, w in weight.items() if w >= 0.9 * heaviest)
 
-    def open_calls(self, position: int) -> list[Call]:
-        """The calls a cut before op ``position`` would split (begun before it, going on after)."""
-        return [c for c in self.calls.values() if c.first < position <= c.last]
-
     def cut_penalties(self) -> list[float]:
         """For each cut position 0..n (before op i): 0 where the cut falls on a repeated
         block's boundary and splits nothing but the block's enclosing calls; otherwise
