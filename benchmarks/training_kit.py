@@ -1,9 +1,10 @@
-"""What the training kit costs and saves: activation checkpointing (issue 11).
+"""What the training kit costs and saves: activation checkpointing and bf16 (issue 11).
 
 Run: ``python -m benchmarks.training_kit [--reps N]``. Tiny GPT d=256, 8 blocks, batch 32,
 seq 128, 8 microbatches, 2 gloo ranks (one thread each), 1F1B on 2 stages and
 ZBVZeroBubble on 4. In the same rank processes, the schedule without and with
-``activation_checkpoint="full"`` take turns step by step; per step and rank:
+``activation_checkpoint="full"``, and with ``mixed_precision=torch.bfloat16``, take turns
+step by step; per step and rank:
 
     activation peak   the most bytes autograd holds for backward at once during the step
                       (distinct storages saved through ``saved_tensors_hooks``, parameters
@@ -67,10 +68,19 @@ class _Held:
                 o.live -= o.sizes.pop(ptr)
 
 
+def _build(schedule: str, num_stages: int, **options: object) -> common.Runner:
+    """``ps.pipeline`` + ``ps.build_schedule`` with the training-kit options."""
+    import pippy_split as ps
+
+    entry = common.gpt(256, num_stages=num_stages)
+    pipe = ps.pipeline(entry.model, entry.split_spec, *common.mb_example(entry, 8))
+    sched = ps.build_schedule(pipe, schedule, 8, loss_fn=entry.loss_fn, **options)
+    return common.Runner(lambda: sched.step(*entry.args, target=entry.target, **entry.kwargs), list(sched.stages))
+
+
 def _body(rank: int, world: int, schedule: str, num_stages: int, reps: int) -> dict:
-    runners = {ac: common.build_ours(common.gpt(256, num_stages=num_stages), schedule, 8) for ac in ("plain", "full")}
-    for st in runners["full"].stages:
-        st.activation_checkpoint = "full"
+    options = {"plain": {}, "full": {"activation_checkpoint": "full"}, "bf16": {"mixed_precision": torch.bfloat16}}
+    runners = {v: _build(schedule, num_stages, **options[v]) for v in VARIANTS}
     out: dict[str, dict[str, list[float]]] = {ac: {"peak_mb": [], "s": []} for ac in runners}
     for r in runners.values():
         r.step()  # warm-up
@@ -90,19 +100,22 @@ def _body(rank: int, world: int, schedule: str, num_stages: int, reps: int) -> d
     return out
 
 
+VARIANTS = ("plain", "full", "bf16")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
     for schedule, stages in (("1F1B", 2), ("ZBVZeroBubble", 4)):
         ranks = run_ranks(_body, 2, schedule, stages, args.reps, timeout=900)
-        t = {ac: statistics.median(ranks[0][ac]["s"]) for ac in ("plain", "full")}
+        t = {v: statistics.median(ranks[0][v]["s"]) for v in VARIANTS}
         for rank, res in enumerate(ranks):
-            peak = {ac: statistics.median(res[ac]["peak_mb"]) for ac in ("plain", "full")}
+            peak = {v: statistics.median(res[v]["peak_mb"]) for v in VARIANTS}
             print(f"{schedule:14s} rank {rank}: activation peak plain {peak['plain']:.1f} MiB, "
                   f"full AC {peak['full']:.1f} MiB -> {peak['full'] / peak['plain']:.2f}x")
         print(f"{schedule:14s} step time plain {t['plain']:.2f} s, full AC {t['full']:.2f} s -> "
-              f"{t['full'] / t['plain']:.2f}x")
+              f"{t['full'] / t['plain']:.2f}x, bf16 {t['bf16']:.2f} s -> {t['bf16'] / t['plain']:.2f}x")
 
 
 if __name__ == "__main__":
