@@ -25,10 +25,9 @@ from .actions import Action, ActionKind, Order
 from .deps import DepIndex, Link, chain_links
 from .messages import Message, action_messages, recv_action, send_action
 
-__all__ = ["Simulation", "simulate", "DEFAULT_COSTS"]
+__all__ = ["Simulation", "simulate", "DEFAULT_COSTS", "BatchRun", "run_batches"]
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
-SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
 
 DEFAULT_COSTS: dict[str, float] = {"F": 1.0, "I": 1.0, "W": 1.0}
 
@@ -104,11 +103,12 @@ def _stage_ranks(order: Order) -> dict[int, int]:
 
 
 class _Requirements:
-    """What each action waits for: ``(stage, kind, extra latency)`` triples, the
-    same for every microbatch, so they are worked out once per (stage, kind, rank)."""
+    """What each compute action of a compute-only order waits for: ``(stage, kind, extra
+    latency)`` triples, the same for every microbatch, so they are worked out once per
+    (stage, kind, rank). (Lowered orders run under the batch rule: :func:`run_batches`.)"""
 
-    def __init__(self, index: DepIndex, stage_rank: dict[int, int], lowered: bool, latency: float) -> None:
-        self.index, self.stage_rank, self.lowered, self.latency = index, stage_rank, lowered, latency
+    def __init__(self, index: DepIndex, stage_rank: dict[int, int], latency: float) -> None:
+        self.index, self.stage_rank, self.latency = index, stage_rank, latency
         self.cache: dict[tuple[int, ActionKind, int], tuple[tuple[int, ActionKind, float], ...]] = {}
 
     def _remote(self, stage: int, rank: int) -> bool:
@@ -119,29 +119,10 @@ class _Requirements:
         key = (stage, kind, rank)
         found = self.cache.get(key)
         if found is None:
-            found = self.cache[key] = tuple(self._build(stage, kind, rank))
+            deps = self.index.keys(stage, kind, 0)
+            found = self.cache[key] = tuple((ds, dk, self.latency if self._remote(ds, rank) else 0.0)
+                                            for ds, dk, _ in deps)
         return found
-
-    def _build(self, s: int, kind: ActionKind, rank: int) -> list[tuple[int, ActionKind, float]]:
-        if kind.is_compute and not self.lowered:
-            deps = self.index.keys(s, kind, 0)
-            return [(ds, dk, self.latency if self._remote(ds, rank) else 0.0) for ds, dk, _ in deps]
-        if kind.is_compute:
-            # Lowered: a remote producer's value arrives through this stage's RECV.
-            out: list[tuple[int, ActionKind, float]] = []
-            for ds, dk, _ in self.index.keys(s, kind, 0):
-                if ds != s and self._remote(ds, rank):
-                    ds, dk = s, (RECV_F if kind is F else RECV_B)
-                if (ds, dk, 0.0) not in out:
-                    out.append((ds, dk, 0.0))
-            return out
-        if kind is SEND_F:
-            return [(s, F, 0.0)]
-        if kind is SEND_B:
-            return [(s, I, 0.0)]
-        if kind is RECV_F:
-            return [(src, SEND_F, self.latency) for src in self.index.preds[s] if self._remote(src, rank)]
-        return [(dst, SEND_B, self.latency) for dst in self.index.grad_succs[s] if self._remote(dst, rank)]  # RECV_B
 
 
 def _peak_activations(actions: Iterable[Action | None]) -> int:
@@ -208,7 +189,7 @@ def simulate(
         return _simulate_batches(order, cost, chain_links(num_stages) if links is None else list(links),
                                  num_stages, float(comm_latency))
     index = DepIndex(chain_links(num_stages) if links is None else links, num_stages)
-    reqs = _Requirements(index, _stage_ranks(order), lowered, float(comm_latency))
+    reqs = _Requirements(index, _stage_ranks(order), float(comm_latency))
 
     done: dict[Key, float] = {}
     waiting: dict[Key, list[int]] = {}
@@ -273,21 +254,59 @@ def _simulate_batches(order: Order, cost: dict, links: list[Link], num_stages: i
     """A lowered order under the batch rule (see the module docstring)."""
     from .lower import peer_table
 
-    where = _stage_ranks(order)
-    table = peer_table(num_stages, links, where)
+    run = run_batches(order, peer_table(num_stages, links, _stage_ranks(order)), cost, latency)
+    if run.blocked:
+        lines = []
+        for r in sorted(run.blocked):
+            m, by_sender = run.blocked[r]
+            other = send_action(m, True) if by_sender else recv_action(m, True)
+            lines.append(f"rank {r} step {run.ptr[r]} ({order[r][run.ptr[r]]}) waits for {other}")
+        raise ValueError("schedule deadlocks: no rank can progress; " + "; ".join(lines[:8])
+                         + (f"; ... and {len(lines) - 8} more ranks" if len(lines) > 8 else ""))
+    return _summarize(order, run.timeline, cost)
+
+
+@dataclass
+class BatchRun:
+    """How far every rank got under the batch rule (see :func:`run_batches`)."""
+
+    timeline: dict[int, list[tuple[float, float, Action]]]
+    """Per rank, ``(start, end, action)`` of what ran."""
+    ptr: dict[int, int]
+    """Per rank, the step it stopped at (``len`` of its list when it finished)."""
+    blocked: dict[int, tuple[Message, bool]]
+    """Per stuck rank, the message side it waits for: ``(message, posted by its sender?)``."""
+    posts: dict[tuple[int, int], list[Message]]
+    """``(rank, step) -> messages`` each comm action posts, in posting order."""
+
+
+def run_batches(order: Order, table: dict, cost: Mapping[ActionKind, float] | None = None,
+                latency: float = 0.0) -> BatchRun:
+    """Run a lowered order under NCCL's batch rule, the one event loop that ``simulate``
+    (times) and ``validate`` (deadlocks) share: a rank posts a batch once it reaches it
+    and its previous batch completed; a batch completes once every message in it has its
+    counterpart posted (plus ``latency``); a compute action waits only for the batches
+    that receive what it consumes. Ranks that can never go on are left in ``blocked``.
+
+    Raises:
+        ValueError: a comm action names a peer it does not exchange with (from
+            :func:`~pippy_split.schedule.messages.action_messages`).
+    """
+    cost = cost or {}
     posted: dict[tuple[Message, bool], float] = {}  # (message, by its sender?) -> time posted
     waiting: dict[tuple[Message, bool], list[int]] = {}
     arrival: dict[Message, float] = {}  # completion time of the batch that receives it
+    posts: dict[tuple[int, int], list[Message]] = {}
     ptr = {r: 0 for r in order}
     free = {r: 0.0 for r in order}  # when the rank's compute is free
     stream = {r: 0.0 for r in order}  # when the rank's previous batch completed
     timeline: dict[int, list[tuple[float, float, Action]]] = {r: [] for r in order}
-    blocked_on: dict[int, tuple[Message, bool]] = {}
-    queue = deque(order)
+    blocked: dict[int, tuple[Message, bool]] = {}
+    queue = deque(sorted(order))
     while queue:
         rank = queue.popleft()
         acts, pos = order[rank], ptr[rank]
-        blocked_on.pop(rank, None)
+        blocked.pop(rank, None)
         while pos < len(acts):
             a = acts[pos]
             if a is None:
@@ -297,14 +316,17 @@ def _simulate_batches(order: Order, cost: dict, links: list[Link], num_stages: i
                 start = free[rank]
                 for m in _consumed(a, table):
                     start = max(start, arrival.get(m, start))
-                free[rank] = start + cost[a.kind]
+                free[rank] = start + cost.get(a.kind, 0.0)
                 timeline[rank].append((start, free[rank], a))
                 pos += 1
                 continue
             end, ops = pos, []
             while end < len(acts) and (acts[end] is None or acts[end].kind.is_comm):
                 if acts[end] is not None:
-                    ops += [(m, acts[end].is_send) for m in action_messages(acts[end], table)]
+                    msgs = posts.get((rank, end))
+                    if msgs is None:
+                        msgs = posts[(rank, end)] = action_messages(acts[end], table)
+                    ops += [(m, acts[end].is_send) for m in msgs]
                 end += 1
             t_post = max(free[rank], stream[rank])
             for op in ops:
@@ -314,7 +336,7 @@ def _simulate_batches(order: Order, cost: dict, links: list[Link], num_stages: i
             missing = next(((m, not side) for m, side in ops if (m, not side) not in posted), None)
             if missing is not None:
                 waiting.setdefault(missing, []).append(rank)
-                blocked_on[rank] = missing
+                blocked[rank] = missing
                 break
             done = max([t_post] + [posted[(m, not side)] for m, side in ops]) + latency
             for m, side in ops:
@@ -326,15 +348,7 @@ def _simulate_batches(order: Order, cost: dict, links: list[Link], num_stages: i
                     timeline[rank].append((t_post, t_post, acts[i]))
             pos = end
         ptr[rank] = pos
-    if blocked_on:
-        lines = []
-        for r in sorted(blocked_on):
-            m, by_sender = blocked_on[r]
-            other = send_action(m, True) if by_sender else recv_action(m, True)
-            lines.append(f"rank {r} step {ptr[r]} ({order[r][ptr[r]]}) waits for {other}")
-        raise ValueError("schedule deadlocks: no rank can progress; " + "; ".join(lines[:8])
-                         + (f"; ... and {len(lines) - 8} more ranks" if len(lines) > 8 else ""))
-    return _summarize(order, timeline, cost)
+    return BatchRun(timeline, ptr, blocked, posts)
 
 
 def _consumed(a: Action, table: dict) -> list[Message]:

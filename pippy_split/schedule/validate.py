@@ -346,66 +346,40 @@ class _Checker:
             self._deadlock(ptr, blocked)
 
     def _dry_run_batches(self) -> None:
-        """Lowered orders under NCCL's rule: a rank posts a batch (a run of comm actions)
-        and goes on only once every message in it has its counterpart posted.
-        Compute actions never wait here: their remote inputs were checked to be
-        received earlier in the list, and same-rank producers must already have run."""
+        """Lowered orders under NCCL's rule (:func:`~pippy_split.schedule.simulate.run_batches`):
+        a rank posts a batch (a run of comm actions) and goes on only once every message in
+        it has its counterpart posted. Compute actions take remote inputs from earlier
+        receives (checked in pass 3); same-rank producers must already have run."""
+        from .simulate import run_batches
+
         order, templates, S, M = self.order, self._dep_templates(), self.S, self.M
-        posted: set[tuple[Message, bool]] = set()  # (message, posted by its sender?)
-        waiters: dict[tuple[Message, bool], list[int]] = {}
-        ptr = {r: 0 for r in order}
-        blocked: dict[int, tuple[Message, bool]] = {}
-        ready = deque(sorted(order))
-        while ready:
-            rank = ready.popleft()
-            acts, i = order[rank], ptr[rank]
-            blocked.pop(rank, None)
-            while i < len(acts):
-                a = acts[i]
-                if a is None:
-                    i += 1
+        for rank in sorted(order):  # same-rank producers come earlier in the list
+            for i, a in enumerate(order[rank]):
+                if a is None or a.kind.is_comm:
                     continue
-                if a.kind.is_compute:
-                    code = _CODE[a.kind.value]
-                    for dcode, ds, local in templates[a.stage * 4 + code]:
-                        k = (dcode * S + ds) * M + a.mb
-                        if local and not self.done[k]:
-                            self._runs_later(a, (rank, i), k)
-                    self.done[(code * S + a.stage) * M + a.mb] = 1
-                    if code == _B:
-                        self.done[(_I * S + a.stage) * M + a.mb] = 1
-                    i += 1
-                    continue
-                j = i
-                ops = []
-                while j < len(acts) and (acts[j] is None or acts[j].kind.is_comm):
-                    if acts[j] is not None:
-                        ops += [(m, acts[j].is_send) for m in self.posts[(rank, j)]]
-                    j += 1
-                for op in ops:
-                    if op not in posted:
-                        posted.add(op)
-                        ready.extend(waiters.pop(op, ()))
-                missing = next(((m, not side) for m, side in ops if (m, not side) not in posted), None)
-                if missing is not None:
-                    waiters.setdefault(missing, []).append(rank)
-                    blocked[rank] = missing
-                    break
-                i = j
-            ptr[rank] = i
-        if blocked:
-            stuck = sorted(blocked)
+                code = _CODE[a.kind.value]
+                for dcode, ds, local in templates[a.stage * 4 + code]:
+                    k = (dcode * S + ds) * M + a.mb
+                    if local and not self.done[k]:
+                        self._runs_later(a, (rank, i), k)
+                self.done[(code * S + a.stage) * M + a.mb] = 1
+                if code == _B:
+                    self.done[(_I * S + a.stage) * M + a.mb] = 1
+        run = run_batches(order, self.table)
+        if run.blocked:
+            stuck = sorted(run.blocked)
             lines = []
             for r in stuck:
-                m, by_sender = blocked[r]
+                m, by_sender = run.blocked[r]
                 other = send_action(m, True) if by_sender else recv_action(m, True)
                 peer = self.where[m.sender if by_sender else m.receiver]
-                lines.append(f"  rank {r} at step {ptr[r]} ({order[r][ptr[r]]}) waits for {other} from rank {peer}"
-                             f" ({m})")
+                lines.append(f"  rank {r} at step {run.ptr[r]} ({order[r][run.ptr[r]]}) waits for {other} from rank "
+                             f"{peer} ({m})")
             first = stuck[0]
             reason = (f"deadlock: no rank can advance once a batch of sends/receives waits for its counterparts "
                       f"(NCCL's rule); {len(stuck)} rank(s) stuck:\n" + "\n".join(lines))
-            self.fail(reason, (first, ptr[first]), order[first][ptr[first]], marks={r: ptr[r] for r in stuck})
+            self.fail(reason, (first, run.ptr[first]), order[first][run.ptr[first]],
+                      marks={r: run.ptr[r] for r in stuck})
 
     def _advance(self, rank: int, i: int) -> tuple[int, int | None]:
         """Run ``rank`` from step ``i`` until it ends or blocks: ``(step, awaited key or None)``."""
