@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import os
 import zlib
 
 import torch
@@ -35,6 +36,11 @@ __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterle
 
 def _group_info(group: Any) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
+        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if launched > 1 and group is None:
+            raise PipelineError(f"this process was launched as one of WORLD_SIZE={launched} ranks (torchrun?) but "
+                                "no process group exists: call torch.distributed.init_process_group() before "
+                                "building the schedule, or every rank would run the whole pipeline alone")
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
