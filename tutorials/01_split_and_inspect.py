@@ -57,7 +57,7 @@ for e in pipe.edges:
 # ## Four ways to say where to cut
 #
 # A list of FQNs cuts at the *beginning* of each; a dict chooses the side; an
-# int lets the splitter balance stages by measured FLOPs and parameter bytes;
+# int lets the splitter balance stages (by FLOPs, or `balance="params" | "time" | "memory"`);
 # `None` uses `ps.pipe_split()` calls you put in `forward` (handy when the cut
 # is not at a module boundary). `torch.distributed.pipelining` takes the dict
 # and the marks, plus a `split_policy` callable over the FX graph; the list
