@@ -1,7 +1,8 @@
 """pippy_split: pipeline parallelism for ordinary PyTorch models.
 
-Public API (re-exports only); see DESIGN.md for the flow
-split → Pipe → stage → schedule → runtime.
+Public API (re-exports only). The flow, one direction: split (``pipeline()`` →
+``Pipe``) → stage (``PipelineStage``) → schedule (pure action lists, lowered with
+comms and validated) → runtime (one interpreter); README.md says how to use it.
 """
 
 from . import checkpoint

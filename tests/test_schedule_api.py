@@ -30,3 +30,19 @@ def test_launched_without_a_process_group_is_named(monkeypatch):
     for name in ("1F1B", "Interleaved1F1B"):
         with pytest.raises(ps.PipelineError, match=r"WORLD_SIZE=2 ranks .*init_process_group\(\)"):
             ps.build_schedule(pipe, name, 4, loss_fn=entry.loss_fn)
+
+
+def test_stage_count_rule_in_docstrings_and_errors():
+    import pytest
+
+    assert "Stages: exactly 2 stages per rank" in ps.ScheduleZBVZeroBubble.__doc__
+    assert "Stages: 2 or more stages per rank" in ps.ScheduleInterleaved1F1B.__doc__
+    entry = zoo.get("fan_out_skip")  # 3 stages, one process
+    mb = ps.split_args_kwargs(entry.args, entry.kwargs, 4)[0][0]
+    pipe = ps.pipeline(entry.model, entry.split_spec, mb)
+    with pytest.raises(ValueError, match=r"3 stages on 1 rank: ScheduleGPipe needs exactly 1 stage per rank.*What "
+                                         r"would work: 1 stage on 1 rank .*3 stages on 3 ranks.*another schedule: "
+                                         r"Interleaved1F1B, LoopedBFS, InterleavedZeroBubble"):
+        ps.build_schedule(pipe, "GPipe", 4, loss_fn=entry.loss_fn)
+    with pytest.raises(ValueError, match=r"ScheduleZBVZeroBubble needs exactly 2 stages per rank.*What would work"):
+        ps.build_schedule(pipe, "ZBVZeroBubble", 4, loss_fn=entry.loss_fn)

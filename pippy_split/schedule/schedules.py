@@ -164,14 +164,15 @@ class PipelineSchedule:
     def _check_stages(self) -> None:
         name = type(self).__name__
         per_rank = len(self.stages)
+        rule, instead = self.spec.stage_rule(), self.spec.nearest(self.num_stages, self.world)
         if self.spec.stages_per_rank is not None and per_rank != self.spec.stages_per_rank:
-            raise ValueError(f"{name} needs exactly {self.spec.stages_per_rank} stage(s) per rank, this rank was given "
-                             f"{per_rank} (stages {[s.stage_index for s in self.stages]})")
+            raise ValueError(f"{name} needs {rule}; this rank was given {per_rank} (stages "
+                             f"{[s.stage_index for s in self.stages]}). What would work: {instead}")
         if per_rank < self.spec.min_stages_per_rank:
-            raise ValueError(f"{name} needs at least {self.spec.min_stages_per_rank} stages per rank, got {per_rank}")
+            raise ValueError(f"{name} needs {rule}; got {per_rank}. What would work: {instead}")
         if self.num_stages != per_rank * self.world:
             raise ValueError(f"{name}: {self.num_stages} stages do not match {self.world} ranks x {per_rank} stages "
-                             f"per rank = {self.world * per_rank}")
+                             f"per rank = {self.world * per_rank} ({name} needs {rule}). What would work: {instead}")
 
     def _links(self) -> list[tuple[int, int, bool]]:
         pipe = self.stages[0].pipe
@@ -432,6 +433,9 @@ class ScheduleFromOrder(PipelineSchedule):
 
 
 def _make(name: str, order_name: str, doc: str) -> type[PipelineSchedule]:
+    spec = ORDERS[order_name]
+    doc = (f"{doc}\n\n    Stages: {spec.stage_rule()}; {spec.placement} placement. From {spec.paper}.\n\n"
+           f"    Example:\n        >>> sched = ps.build_schedule(pipe, {order_name!r}, n_microbatches=8, loss_fn=loss_fn)\n")
     cls = type(name, (PipelineSchedule,), {"order_name": order_name, "__doc__": doc})
 
     def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int | None = None) -> Order:
@@ -482,8 +486,9 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
     cls = get_schedule_class(name_or_class) if isinstance(name_or_class, str) else name_or_class
     rank, world = _group_info(group)
     spec = get_order_spec(cls.order_name)
-    if pipe.num_stages % world:
-        raise ValueError(f"{pipe.num_stages} stages cannot be spread over {world} ranks")
+    if not spec.fits(pipe.num_stages, world):
+        raise ValueError(f"{pipe.num_stages} stages on {world} rank{'s' if world > 1 else ''}: {cls.__name__} needs "
+                         f"{spec.stage_rule()}. What would work: {spec.nearest(pipe.num_stages, world)}")
     mine = rank_to_stages(pipe.num_stages, world, kwargs.get("placement") or spec.placement)[rank]
     stages = [pipe.build_stage(s, device, group, activation_checkpoint=activation_checkpoint,
                                mixed_precision=mixed_precision) for s in mine]

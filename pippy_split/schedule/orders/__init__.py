@@ -64,6 +64,46 @@ class OrderSpec:
         """The fixed count, else the minimum."""
         return self.stages_per_rank if self.stages_per_rank is not None else self.min_stages_per_rank
 
+    def stage_rule(self) -> str:
+        """Which stage counts the family accepts, in words.
+
+        Example:
+            >>> get_order_spec("ZBVZeroBubble").stage_rule()
+            'exactly 2 stages per rank (stages = 2 x ranks)'
+        """
+        if self.stages_per_rank is not None:
+            k = self.stages_per_rank
+            return f"exactly {k} stage{'s' if k > 1 else ''} per rank (stages = {k if k > 1 else ''}{' x ' if k > 1 else ''}ranks)"
+        return f"{self.min_stages_per_rank} or more stages per rank, the same on every rank (stages a multiple of ranks)"
+
+    def fits(self, num_stages: int, num_ranks: int) -> bool:
+        """Whether ``num_stages`` stages on ``num_ranks`` ranks follow :meth:`stage_rule`."""
+        if num_ranks < 1 or num_stages % num_ranks:
+            return False
+        per_rank = num_stages // num_ranks
+        if self.stages_per_rank is not None:
+            return per_rank == self.stages_per_rank
+        return per_rank >= self.min_stages_per_rank
+
+    def nearest(self, num_stages: int, num_ranks: int) -> str:
+        """What would work instead of ``num_stages`` stages on ``num_ranks`` ranks, in words."""
+        per = self.default_stages_per_rank()
+        options = [f"{_count(per * num_ranks, 'stage')} on {_count(num_ranks, 'rank')} "
+                   f"(pipeline(model, {per * num_ranks}, ...))"]
+        if num_stages % per == 0 and (self.stages_per_rank is not None or num_stages // per >= 1):
+            ranks = num_stages // per if self.stages_per_rank is not None else max(
+                r for r in range(1, num_stages + 1) if num_stages % r == 0 and num_stages // r >= per)
+            if ranks != num_ranks:
+                options.append(f"{_count(num_stages, 'stage')} on {_count(ranks, 'rank')}")
+        others = [name for name, spec in ORDERS.items() if spec.fits(num_stages, num_ranks)]
+        if others:
+            options.append(f"another schedule: {', '.join(others)}")
+        return "; or ".join(options)
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
 
 def _spec(
     name: str, module: ModuleType, placement: str, stages: int | None, min_stages: int, split: bool, paper: str
