@@ -46,3 +46,36 @@ def test_stage_count_rule_in_docstrings_and_errors():
         ps.build_schedule(pipe, "GPipe", 4, loss_fn=entry.loss_fn)
     with pytest.raises(ValueError, match=r"ScheduleZBVZeroBubble needs exactly 2 stages per rank.*What would work"):
         ps.build_schedule(pipe, "ZBVZeroBubble", 4, loss_fn=entry.loss_fn)
+
+
+def test_eval_of_a_train_mode_trace_is_refused_and_an_eval_trace_matches():
+    import pytest
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 2))
+    x = torch.randn(8, 4)
+    pipe = ps.pipeline(model, ["2"], (x[:4],))
+    sched = ps.build_schedule(pipe, "Interleaved1F1B", 2, loss_fn=torch.nn.functional.mse_loss)
+    stats = model[2].running_mean.clone()
+    with pytest.raises(ps.PipelineError, match=r"eval\(\): stage 0 runs dropout of module 'mod.1' in training mode"
+                                               r".*ps.pipeline\(model.eval\(\), ...\)"):
+        sched.eval(x)
+    torch.testing.assert_close(model[2].running_mean, stats)  # nothing ran
+    model.eval()
+    eval_pipe = ps.pipeline(model, ["2"], (x[:4],))
+    eval_sched = ps.build_schedule(eval_pipe, "Interleaved1F1B", 2, loss_fn=torch.nn.functional.mse_loss)
+    with torch.no_grad():
+        torch.testing.assert_close(eval_sched.eval(x), model(x))
+
+
+def test_a_whole_batch_through_a_microbatch_trace_says_so():
+    import pytest
+
+    entry = zoo.get("tied_lm")
+    mb = ps.split_args_kwargs(entry.args, entry.kwargs, 4)[0][0]
+    pipe = ps.pipeline(entry.model, entry.split_spec, mb)
+    with pytest.raises(ValueError, match=r"traced for shape \(2, \d+\) torch.int64; it looks like a batch of 4 "
+                                         r"microbatches: trace on ONE microbatch") as info:
+        pipe(entry.args[0])
+    assert "* = dynamic" not in str(info.value)

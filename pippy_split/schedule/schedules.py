@@ -314,11 +314,31 @@ class PipelineSchedule:
         return self._merge(ctx) if last is not None else None
 
     def eval(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward only, no gradients; works before the first ``step()``."""
+        """Forward only, no gradients; works before the first ``step()``.
+
+        The stages run the graph they were traced with: a pipe traced in train mode
+        whose graph uses dropout or batch statistics is refused here (on every rank),
+        since it would not give the model's eval behaviour; trace an eval pipe with
+        ``ps.pipeline(model.eval(), ...)`` for it.
+        """
+        self._refuse_train_mode_graph()
         ctx = self._context(args, kwargs, None, False, self.n_microbatches)
         with torch.no_grad():
             self._run(self._eval_actions, ctx)
         return self._merge(ctx) if self._has(lambda s: s.is_last) else None
+
+    def _refuse_train_mode_graph(self) -> None:
+        pipe = self.stages[0].pipe
+        if pipe is None:
+            return  # hand-built stages: their modules' own train()/eval() applies
+        found = train_mode_ops(pipe)
+        if found:
+            stage, op, module = found[0]
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            raise PipelineError(f"eval(): stage {stage} runs {op} of module {module!r} in training mode{more}: the "
+                                "pipe was traced with the model in train mode, so eval() would drop activations and "
+                                "use (and update) batch statistics. Trace an eval pipe for it: "
+                                "ps.pipeline(model.eval(), ...) and build a schedule on that pipe")
 
     def _run(self, actions: list[Action], ctx: StepContext) -> None:
         try:
@@ -395,6 +415,31 @@ class PipelineSchedule:
                 dist.all_reduce(total, group=self.group)
             for p in local.values():
                 p.grad = total.clone() if len(local) > 1 else total
+
+
+_TRAIN_ARG = {"aten.dropout.default": 2, "aten.feature_dropout.default": 2, "aten.alpha_dropout.default": 2,
+              "aten.native_dropout.default": 2, "aten.batch_norm.default": 5,
+              "aten._native_batch_norm_legit_functional.default": 5, "aten._native_batch_norm_legit.default": 5,
+              "aten.instance_norm.default": 5}
+
+
+def train_mode_ops(pipe: Any) -> list[tuple[int, str, str]]:
+    """``(stage, op, module)`` for every op of the pipe's graphs that behaves differently
+    in train mode and was traced in it (dropout with ``train=True``, batch norm with
+    ``training=True``). Empty for a pipe traced in eval mode. Cached on the pipe."""
+    cached = pipe.__dict__.get("_train_mode_ops")
+    if cached is None:
+        cached = []
+        for info in pipe.stages:
+            for node in info.module.graph.nodes:
+                index = _TRAIN_ARG.get(str(node.target)) if node.op == "call_function" else None
+                if index is None or len(node.args) <= index or node.args[index] is not True:
+                    continue
+                stack = node.meta.get("nn_module_stack") or {}
+                module = next(reversed(stack.values()))[0] if stack else "?"
+                cached.append((info.index, str(node.target).split(".")[1], module))
+        pipe.__dict__["_train_mode_ops"] = cached
+    return cached
 
 
 def replace_placement(order: Order, num_stages: int, num_ranks: int, src: str, dst: str) -> Order:

@@ -166,10 +166,27 @@ def _check_input(name: str, x: Any, check: Any) -> None:
         raise TypeError(f"input {name!r} must be a tensor (as when traced), got {type(x).__name__}")
     if x.dtype != dtype or x.dim() != len(dims) or any(d is not None and d != s for d, s in zip(dims, x.shape)):
         want = "(" + ", ".join("*" if d is None else str(d) for d in dims) + ")"
+        legend = " (* = dynamic)" if None in dims else ""
         raise ValueError(
             f"input {name!r} has shape {tuple(x.shape)} {x.dtype}, but the pipeline was traced for shape {want} "
-            f"{dtype} (* = dynamic); pass dynamic_shapes= to pipeline() for dims that vary"
+            f"{dtype}{legend}; {_shape_hint(x, dims, dtype)}"
         )
+
+
+def _shape_hint(x: torch.Tensor, dims: list, dtype: torch.dtype) -> str:
+    """What to do about a call whose shape differs from the trace's."""
+    if x.dtype != dtype or x.dim() != len(dims):
+        return "call it with inputs like the traced example"
+    traced0, got0 = dims[0], x.shape[0] if x.dim() else None
+    same_rest = all(d is None or d == s for d, s in zip(dims[1:], x.shape[1:]))
+    if same_rest and traced0 is not None and got0 is not None and got0 != traced0:
+        if got0 % traced0 == 0:
+            return (f"it looks like a batch of {got0 // traced0} microbatches: trace on ONE microbatch (the schedule "
+                    "splits the batch) or pass dynamic_shapes= to pipeline() for the batch dim")
+        if traced0 % got0 == 0:
+            return ("it looks like a microbatch of a pipe traced on a whole batch: trace on one microbatch "
+                    f"(here {got0} rows) or pass dynamic_shapes= to pipeline() for the batch dim")
+    return "pass dynamic_shapes= to pipeline() for dims that vary"
 
 
 def _example_names(sig: inspect.Signature | None, args: tuple, kwargs: dict) -> tuple[list[str], list[str]]:
