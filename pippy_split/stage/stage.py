@@ -89,7 +89,8 @@ class PipelineStage:
             the edges' specs say the dtype autocast gives them (``pipe.build_stage``).
 
     Shapes of hand-built stages are inferred on the first step from the real first
-    microbatch (one small metadata message per sender, then cached).
+    microbatch: each stage, in index order, runs a fake (FakeTensor) forward, and its
+    rank broadcasts the outputs' shapes (one small collective per stage, then cached).
 
     Example:
         >>> stage = PipelineStage(my_block, stage_index=1, num_stages=4, device="cpu",
@@ -118,7 +119,6 @@ class PipelineStage:
             group = group.get_group()
         self.group = group
         self.pipe = None
-        self.lazy = True  # shapes unknown until the first step's handshake
         self.inputs_from = dict(inputs_from or {})
         self.outputs_to = {k: list(v) for k, v in (outputs_to or {}).items()}
         for idx, (src, _) in self.inputs_from.items():
@@ -129,7 +129,7 @@ class PipelineStage:
                 if not stage_index < dst < num_stages:
                     raise ValueError(f"stage {stage_index}: output {idx} goes to stage {dst}, which is not a later stage")
         self.in_slots: list[InputSlot] | None = None if stage_index > 0 else []
-        self.routes: list[Route] = []  # filled after the first forward for lazy stages
+        self.routes: list[Route] = []  # hand-built stages: filled by the first step's shape pass
         self.loss_fn: Callable | None = None
         self.on_nonfinite = "warn"  # "warn" | "raise" | "ignore": a NaN/inf loss
         self._saved: dict[int, _Saved] = {}
@@ -153,7 +153,6 @@ class PipelineStage:
         spec_of = (lambda e: e.spec) if mixed_precision is None else (
             lambda e, specs=autocast_edge_specs(pipe, mixed_precision, stage.device.type): specs[id(e)])
         stage.pipe = pipe
-        stage.lazy = False
         slots = []
         for i, src in enumerate(info.inputs):
             if src.kind == "input":
