@@ -7,6 +7,7 @@ comms and validated) → runtime (one interpreter); README.md says how to use it
 
 from . import checkpoint
 from .clip import clip_grad_norm_
+from .grad_scaler import PipelineGradScaler
 from .microbatch import Replicate, TensorChunkSpec, merge_chunks, split_args_kwargs
 from .schedule import (Action, PipelineSchedule, Schedule1F1B, ScheduleDualPipeV, ScheduleError, ScheduleGPipe,
                        ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
@@ -15,7 +16,7 @@ from .split import (MODEL_INPUT, Edge, Pipe, SplitError, SplitPoint, SymbolSourc
                     pipe_split, pipeline)
 from .stage import PipelineError, PipelineStage, PipelineTimeout
 
-__all__ = ["checkpoint", "clip_grad_norm_", "MODEL_INPUT", "Edge", "Pipe", "SplitError", "SplitPoint", "SymbolSource", "TensorSpec", "TraceError",
+__all__ = ["checkpoint", "clip_grad_norm_", "PipelineGradScaler", "MODEL_INPUT", "Edge", "Pipe", "SplitError", "SplitPoint", "SymbolSource", "TensorSpec", "TraceError",
            "pipe_split", "pipeline", "PipelineError", "PipelineStage", "PipelineTimeout", "Replicate",
            "TensorChunkSpec", "merge_chunks", "split_args_kwargs", "Action", "PipelineSchedule", "Schedule1F1B",
            "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",

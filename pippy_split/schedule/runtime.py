@@ -34,6 +34,7 @@ class StepContext:
     n_microbatches: int
     train: bool
     loss_divisor: float = 1.0  # the last stage's loss is divided by this (mean over microbatches or items)
+    loss_scale: float = 1.0  # ... and multiplied by this (fp16 loss scaling) before backward
     flat_inputs: list[list[Any]] | None = None  # per mb, on the rank holding stage 0 (traced stages)
     mb_args: list[tuple] | None = None  # per mb, manual stage 0
     mb_kwargs: list[dict] | None = None
@@ -290,12 +291,12 @@ class Interpreter:
 
     def _backward(self, a: Action, ctx: StepContext) -> None:
         stage = self.stages[a.stage]
-        grads = stage.backward(a.mb, self._output_grads(stage, a.mb), ctx.loss_divisor)
+        grads = stage.backward(a.mb, self._output_grads(stage, a.mb), ctx.loss_divisor / ctx.loss_scale)
         self._deliver_grads(stage, a.mb, grads)
 
     def _backward_input(self, a: Action, ctx: StepContext) -> None:
         stage = self.stages[a.stage]
-        grads = stage.backward_input(a.mb, self._output_grads(stage, a.mb), ctx.loss_divisor)
+        grads = stage.backward_input(a.mb, self._output_grads(stage, a.mb), ctx.loss_divisor / ctx.loss_scale)
         self._deliver_grads(stage, a.mb, grads)
 
     def _backward_weight(self, a: Action, ctx: StepContext) -> None:

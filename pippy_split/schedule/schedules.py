@@ -80,6 +80,7 @@ class PipelineSchedule:
                  loss_count: Callable[[Any], Any] | None = None) -> None:
         self._placement_style = placement
         self.loss_count = loss_count
+        self.loss_scale = 1.0  # the loss is multiplied by this in backward (set by PipelineGradScaler)
         if on_nonfinite not in ("warn", "raise", "ignore"):
             raise ValueError(f"on_nonfinite must be 'warn', 'raise' or 'ignore', got {on_nonfinite!r}")
         stages = [stage_or_stages] if isinstance(stage_or_stages, PipelineStage) else list(stage_or_stages)
@@ -243,6 +244,7 @@ class PipelineSchedule:
             ctx.loss_divisor = self._shared_item_count(ctx.targets if last is not None else None)
         elif last is not None and train:
             ctx.loss_divisor = float(self.n_microbatches) if self.scale_grads else 1.0
+        ctx.loss_scale = self.loss_scale
         if pipe is not None and pipe.symbols:
             ctx.bindings = self._share_symbols(pipe, ctx)
         return ctx

@@ -155,3 +155,22 @@ def test_mixed_precision_must_be_an_autocast_dtype():
         ps.build_schedule(pipe, "GPipe", 4, loss_fn=entry.loss_fn, mixed_precision=torch.int8)
     with pytest.raises(ValueError, match=r"activation_checkpoint='blocks\.\*'"):
         ps.build_schedule(pipe, "GPipe", 4, loss_fn=entry.loss_fn, activation_checkpoint="blocks.*")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name,schedule,world", [("fan_out_skip", "1F1B", 3), ("tiny_unet", "ZBVZeroBubble", 2)])
+def test_fp16_loss_scaling_matches_and_every_rank_skips_an_overflow_together(name, schedule, world):
+    """fp16: the scaled, then unscaled gradients equal the unsplit model's under the same autocast and
+    scale (same fp16 ops; atol 1e-5 + rtol 1e-3 for fp16's coarser rounding in reordered sums). An
+    overflow on one rank only (faked on rank 0) makes every rank skip the step and halve the scale."""
+    from .training_bodies import fp16_reference, fp16_step
+
+    ref = fp16_reference(name, 4, 256.0)
+    clean = run_ranks(fp16_step, world, name, schedule, 4, 256.0, -1, timeout=150)
+    for r in clean:
+        assert r["stepped"] and r["changed"] and r["scale"] == 256.0
+        for fqn, g in r["grads"].items():
+            torch.testing.assert_close(g, ref[fqn], atol=1e-5, rtol=1e-3, msg=lambda m, f=fqn: f"{f}: {m}")
+    poisoned = run_ranks(fp16_step, world, name, schedule, 4, 256.0, 0, timeout=150)
+    assert [(r["stepped"], r["changed"], r["scale"]) for r in poisoned] == [(False, False, 128.0)] * world

@@ -175,3 +175,36 @@ def bf16_step(rank: int, world: int, name: str, schedule: str, n_mb: int):
     grads = {n: p.grad.clone() for st in sched.stages
              for n, p in st.module.named_parameters(remove_duplicate=False) if p.grad is not None}
     return {"loss": float(sched.loss), "grads": grads, "edge_dtypes": dtypes}
+
+
+def fp16_reference(name: str, n_mb: int, scale: float):
+    """The unsplit model under fp16 autocast, loss (fp32) x scale, gradients unscaled."""
+    entry = zoo.get(name)
+    mbs = ps.split_args_kwargs(entry.args, entry.kwargs, n_mb)
+    tgts = ps.split_args_kwargs((entry.target,), {}, n_mb)
+    for (a, k), (t, _) in zip(mbs, tgts):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = entry.model(*a, **k)
+        (entry.loss_fn(out.float(), t[0]) * scale / n_mb).backward()
+    return {n: p.grad / scale for n, p in entry.model.named_parameters(remove_duplicate=False) if p.grad is not None}
+
+
+def fp16_step(rank: int, world: int, name: str, schedule: str, n_mb: int, scale: float, poison_rank: int):
+    """One fp16 step with a PipelineGradScaler; ``poison_rank`` (or -1) fakes an overflow there only."""
+    from .bodies import _mb_example
+
+    entry = zoo.get(name)
+    pipe = ps.pipeline(entry.model, entry.split_spec, *_mb_example(entry, n_mb))
+    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn, mixed_precision=torch.float16)
+    scaler = ps.PipelineGradScaler(sched, init_scale=scale)
+    params = [p for st in sched.stages for p in st.module.parameters()]
+    opt = torch.optim.SGD(params, lr=1.0)
+    before = [p.detach().clone() for p in params]
+    sched.step(*entry.args, target=entry.target, **entry.kwargs)
+    if rank == poison_rank:
+        params[0].grad.view(-1)[0] = float("inf")
+    grads = {n: p.grad.clone() / scale for st in sched.stages
+             for n, p in st.module.named_parameters(remove_duplicate=False) if p.grad is not None}
+    stepped = scaler.step(opt)
+    changed = any(not torch.equal(b, p) for b, p in zip(before, params))
+    return {"grads": grads, "stepped": stepped, "changed": changed, "scale": scaler.scale}
