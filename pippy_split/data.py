@@ -31,7 +31,6 @@ import torch
 
 __all__ = ["addition_corpus", "CharCorpus", "parse_sum", "sum_prompt", "IGNORE_INDEX"]
 
-ADDITION_CHARS = "\n+0123456789="
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 
 

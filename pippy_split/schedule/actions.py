@@ -64,9 +64,6 @@ class ActionKind(str, enum.Enum):
         return self.value
 
 
-COMPUTE_KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
-
-
 @dataclass(frozen=True, slots=True)
 class Action:
     """One step of one rank: ``kind`` of microbatch ``mb`` on ``stage``.
@@ -109,9 +106,6 @@ class Action:
     def __repr__(self) -> str:
         return f"Action({self})"
 
-    @classmethod
-    def parse(cls, text: str) -> "Action":
-        return parse_action(text)
 
 
 _ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:([<>])(\d+))?\s*$")

@@ -9,11 +9,10 @@ Used by stage building, order generation, lowering and validation alike.
 
 from __future__ import annotations
 
-from typing import Literal, Mapping
+from typing import Mapping
 
-__all__ = ["PlacementStyle", "stage_to_rank", "rank_to_stages"]
+__all__ = ["stage_to_rank", "rank_to_stages"]
 
-PlacementStyle = Literal["loop", "v"]
 
 
 def stage_to_rank(num_stages: int, num_ranks: int, style: str | Mapping[int, int] = "loop") -> dict[int, int]:

@@ -26,7 +26,6 @@ def check_sizes(
     *,
     exact_stages: int | None = None,
     min_stages: int = 1,
-    min_microbatches: int = 1,
 ) -> None:
     """Raise ``ValueError`` naming ``family`` and the requirement that failed."""
     if num_ranks < 1:
@@ -35,8 +34,8 @@ def check_sizes(
         raise ValueError(f"{family} needs exactly {exact_stages} stages per rank, got {stages_per_rank}")
     if stages_per_rank < min_stages:
         raise ValueError(f"{family} needs stages_per_rank >= {min_stages}, got {stages_per_rank}")
-    if n_microbatches < min_microbatches:
-        raise ValueError(f"{family} needs n_microbatches >= {min_microbatches}, got {n_microbatches}")
+    if n_microbatches < 1:
+        raise ValueError(f"{family} needs n_microbatches >= 1, got {n_microbatches}")
 
 
 def local_stages(num_ranks: int, stages_per_rank: int, style: str) -> dict[int, list[int]]:
@@ -84,5 +83,3 @@ class RankOps:
     def forwards_done(self, stage: int) -> int:
         return self.next_f.get(stage, 0)
 
-    def backwards_done(self, stage: int) -> int:
-        return self.next_b.get(stage, 0)
