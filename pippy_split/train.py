@@ -27,7 +27,6 @@ import importlib
 import math
 import os
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -37,6 +36,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from .testing import free_port
 
 __all__ = ["build_parser", "main", "run", "worker", "load_factory", "failure_line", "DEFAULT_CHECKPOINT"]
 
@@ -391,12 +392,6 @@ def _sample(cfg, model, corpus, log) -> None:
 # --------------------------------------------------------------------------- launcher
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def failure_line(error: Any) -> str:
     """One line naming the failed rank and its root cause, from the launcher's ``ChildFailedError``.
 
@@ -457,7 +452,7 @@ def run(cfg: argparse.Namespace) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.ranks, rdzv_backend="c10d",
-                              rdzv_endpoint=f"localhost:{_free_port()}", run_id=f"pippy-split-{os.getpid()}",
+                              rdzv_endpoint=f"localhost:{free_port()}", run_id=f"pippy-split-{os.getpid()}",
                               max_restarts=0, monitor_interval=0.1, start_method=start_method)
         try:
             elastic_launch(config, worker)(cfg)
