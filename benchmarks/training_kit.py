@@ -1,10 +1,11 @@
-"""What the training kit costs and saves: activation checkpointing and bf16 (issue 11).
+"""What the training kit costs and saves: activation checkpointing, bf16, compile (issue 11).
 
 Run: ``python -m benchmarks.training_kit [--reps N]``. Tiny GPT d=256, 8 blocks, batch 32,
 seq 128, 8 microbatches, 2 gloo ranks (one thread each), 1F1B on 2 stages and
 ZBVZeroBubble on 4. In the same rank processes, the schedule without and with
-``activation_checkpoint="full"``, and with ``mixed_precision=torch.bfloat16``, take turns
-step by step; per step and rank:
+``activation_checkpoint="full"``, with ``mixed_precision=torch.bfloat16`` and with
+``compile=True`` (compiled during the warm-up step) take turns step by step; per step
+and rank:
 
     activation peak   the most bytes autograd holds for backward at once during the step
                       (distinct storages saved through ``saved_tensors_hooks``, parameters
@@ -79,7 +80,8 @@ def _build(schedule: str, num_stages: int, **options: object) -> common.Runner:
 
 
 def _body(rank: int, world: int, schedule: str, num_stages: int, reps: int) -> dict:
-    options = {"plain": {}, "full": {"activation_checkpoint": "full"}, "bf16": {"mixed_precision": torch.bfloat16}}
+    options = {"plain": {}, "full": {"activation_checkpoint": "full"}, "bf16": {"mixed_precision": torch.bfloat16},
+               "compiled": {"compile": True}}
     runners = {v: _build(schedule, num_stages, **options[v]) for v in VARIANTS}
     out: dict[str, dict[str, list[float]]] = {ac: {"peak_mb": [], "s": []} for ac in runners}
     for r in runners.values():
@@ -100,7 +102,7 @@ def _body(rank: int, world: int, schedule: str, num_stages: int, reps: int) -> d
     return out
 
 
-VARIANTS = ("plain", "full", "bf16")
+VARIANTS = ("plain", "full", "bf16", "compiled")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -115,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{schedule:14s} rank {rank}: activation peak plain {peak['plain']:.1f} MiB, "
                   f"full AC {peak['full']:.1f} MiB -> {peak['full'] / peak['plain']:.2f}x")
         print(f"{schedule:14s} step time plain {t['plain']:.2f} s, full AC {t['full']:.2f} s -> "
-              f"{t['full'] / t['plain']:.2f}x, bf16 {t['bf16']:.2f} s -> {t['bf16'] / t['plain']:.2f}x")
+              f"{t['full'] / t['plain']:.2f}x, bf16 {t['bf16']:.2f} s -> {t['bf16'] / t['plain']:.2f}x, "
+              f"compiled {t['compiled']:.2f} s -> {t['compiled'] / t['plain']:.2f}x")
 
 
 if __name__ == "__main__":

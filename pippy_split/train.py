@@ -70,6 +70,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--activation-checkpoint", action="store_true",
                    help="recompute each stage right before its backward instead of keeping its activations")
     p.add_argument("--bf16", action="store_true", help="run the stages under torch.autocast(bfloat16), loss in fp32")
+    p.add_argument("--compile", action="store_true", help="torch.compile every stage (the first step compiles)")
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
                    help="clip the gradients of all stages of all ranks to this total 2-norm (ps.clip_grad_norm_)")
     return p
@@ -260,7 +261,7 @@ def _worker(cfg, rank, world, device, ps, simulate, TinyGPT) -> None:
     data_gen = torch.Generator().manual_seed(cfg.seed)  # same stream on every rank -> same batches
     sched = ps.build_schedule(pipe, cfg.schedule, M, loss_fn=prep.loss_fn, device=device,
                               activation_checkpoint="full" if cfg.activation_checkpoint else None,
-                              mixed_precision=torch.bfloat16 if cfg.bf16 else None)
+                              mixed_precision=torch.bfloat16 if cfg.bf16 else None, compile=cfg.compile)
     params = list({id(p): p for st in sched.stages for p in st.module.parameters()}.values())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
     dcp_dir = os.path.join(cfg.checkpoint, TRAIN_STATE_DIR)

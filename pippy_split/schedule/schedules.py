@@ -518,12 +518,13 @@ def get_schedule_class(name: str) -> type[PipelineSchedule]:
 def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_microbatches: int,
                    loss_fn: Callable | None = None, group: Any = None, device: Any = None, *,
                    activation_checkpoint: str | None = None, mixed_precision: torch.dtype | None = None,
-                   **kwargs: Any) -> PipelineSchedule:
+                   compile: Any = False, **kwargs: Any) -> PipelineSchedule:
     """Build this rank's stages of ``pipe`` with the schedule's placement and return the schedule.
 
-    ``activation_checkpoint`` (``None`` or ``"full"``) and ``mixed_precision``
-    (``None``, ``torch.bfloat16``, ``torch.float16``) go to every stage; other keywords
-    go to the schedule class (``loss_count=``, ``placement=``, ...).
+    ``activation_checkpoint`` (``None`` or ``"full"``), ``mixed_precision`` (``None``,
+    ``torch.bfloat16``, ``torch.float16``) and ``compile`` (``torch.compile`` each stage,
+    zero-bubble I/W split included) go to every stage; other keywords go to the schedule
+    class (``loss_count=``, ``placement=``, ...).
 
     Example:
         >>> sched = build_schedule(pipe, "ZBVZeroBubble", 8, loss_fn=F.cross_entropy,
@@ -538,5 +539,5 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
                          f"{spec.stage_rule()}. What would work: {spec.nearest(pipe.num_stages, world)}")
     mine = rank_to_stages(pipe.num_stages, world, kwargs.get("placement") or spec.placement)[rank]
     stages = [pipe.build_stage(s, device, group, activation_checkpoint=activation_checkpoint,
-                               mixed_precision=mixed_precision) for s in mine]
+                               mixed_precision=mixed_precision, compile=compile) for s in mine]
     return cls(stages, n_microbatches, loss_fn, **kwargs)

@@ -107,12 +107,13 @@ class Pipe:
     # ---- building stages for ranks -------------------------------------------------
     def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: Any = None, *,
                     state_dict: Any = None, seed: int = 0, activation_checkpoint: str | None = None,
-                    mixed_precision: torch.dtype | None = None):
+                    mixed_precision: torch.dtype | None = None, compile: Any = False):
         """The :class:`pippy_split.PipelineStage` for one stage, its module moved to ``device``.
 
         ``activation_checkpoint="full"`` recomputes the stage before its backward
         instead of keeping its activations; ``mixed_precision=torch.bfloat16`` runs it
-        under autocast (see :class:`pippy_split.PipelineStage`).
+        under autocast; ``compile=True`` through ``torch.compile`` (see
+        :class:`pippy_split.PipelineStage`).
 
         For a model built on the ``meta`` device, only this stage's tensors are
         allocated, filled from ``state_dict`` (original FQNs) or by the owning
@@ -131,7 +132,8 @@ class Pipe:
             keys = module.state_dict().keys()
             module.load_state_dict({k: state_dict[k] for k in keys if k in state_dict}, strict=False)
         return PipelineStage.from_pipe(self, stage_index, device=device, group=group,
-                                       activation_checkpoint=activation_checkpoint, mixed_precision=mixed_precision)
+                                       activation_checkpoint=activation_checkpoint, mixed_precision=mixed_precision,
+                                       compile=compile)
 
     # ---- summaries ---------------------------------------------------------------
     def __repr__(self) -> str:

@@ -103,7 +103,10 @@ def pipe_rich(pipe: "Pipe") -> Group:
 
 
 def _render(pipe: "Pipe", **console_kw) -> Console:
-    console = Console(file=io.StringIO(), width=120, **console_kw)
+    # force_jupyter=False: inside a notebook rich would otherwise display the table
+    # itself (ignoring file=) every time a repr is asked for, on top of the one view
+    # IPython shows from the returned string.
+    console = Console(file=io.StringIO(), width=120, force_jupyter=False, **console_kw)
     console.print(pipe_rich(pipe))
     return console
 
@@ -112,6 +115,14 @@ def pipe_text(pipe: "Pipe") -> str:
     return _render(pipe, color_system=None).file.getvalue().rstrip()
 
 
+_HTML_FRAGMENT = (
+    '<pre style="white-space: pre; overflow-x: auto; line-height: normal; '
+    "font-family: Menlo, 'DejaVu Sans Mono', consolas, 'Courier New', monospace\">"
+    "<code>{code}</code></pre>"
+)
+
+
 def pipe_html(pipe: "Pipe") -> str:
+    """The tables as one ``<pre>`` fragment for a notebook cell (not a whole HTML page)."""
     console = _render(pipe, record=True)
-    return console.export_html(inline_styles=True)
+    return console.export_html(inline_styles=True, code_format=_HTML_FRAGMENT)

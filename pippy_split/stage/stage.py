@@ -87,6 +87,8 @@ class PipelineStage:
         mixed_precision: ``None``, ``torch.bfloat16`` or ``torch.float16``: forward (and
             recompute) under ``torch.autocast``, the loss in fp32; for a stage of a Pipe
             the edges' specs say the dtype autocast gives them (``pipe.build_stage``).
+        compile: run the stage's forward (and so its backward, I and W included)
+            through ``torch.compile``; a dict gives ``torch.compile``'s options.
 
     Shapes of hand-built stages are inferred on the first step from the real first
     microbatch: each stage, in index order, runs a fake (FakeTensor) forward, and its
@@ -101,7 +103,8 @@ class PipelineStage:
                  device: torch.device | str | None = None, group: Any = None,
                  inputs_from: Mapping[int, tuple[int, int]] | None = None,
                  outputs_to: Mapping[int, Sequence[tuple[int, int]]] | None = None,
-                 activation_checkpoint: str | None = None, mixed_precision: torch.dtype | None = None) -> None:
+                 activation_checkpoint: str | None = None, mixed_precision: torch.dtype | None = None,
+                 compile: bool | Mapping[str, Any] = False) -> None:
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index {stage_index} out of range for {num_stages} stages")
         if activation_checkpoint not in (None, "full"):
@@ -112,6 +115,8 @@ class PipelineStage:
         check_mixed_precision(mixed_precision, f"stage {stage_index}")
         self.mixed_precision = mixed_precision
         self.module = module
+        # torch.compile'd forward (options dict -> torch.compile's keywords); self.module stays the plain module
+        self._call = module if not compile else torch.compile(module, **({} if compile is True else dict(compile)))
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.device = torch.device(device) if device is not None else _module_device(module)
@@ -143,13 +148,15 @@ class PipelineStage:
     @classmethod
     def from_pipe(cls, pipe: Any, stage_index: int, device: Any = None, group: Any = None,
                   activation_checkpoint: str | None = None,
-                  mixed_precision: torch.dtype | None = None) -> "PipelineStage":
+                  mixed_precision: torch.dtype | None = None,
+                  compile: bool | Mapping[str, Any] = False) -> "PipelineStage":
         info = pipe.stages[stage_index]
         module = info.module
         if device is not None:
             module = module.to(device)
         stage = cls(module, stage_index, pipe.num_stages, device=device, group=group,
-                    activation_checkpoint=activation_checkpoint, mixed_precision=mixed_precision)
+                    activation_checkpoint=activation_checkpoint, mixed_precision=mixed_precision,
+                    compile=compile)
         spec_of = (lambda e: e.spec) if mixed_precision is None else (
             lambda e, specs=autocast_edge_specs(pipe, mixed_precision, stage.device.type): specs[id(e)])
         stage.pipe = pipe
@@ -205,7 +212,7 @@ class PipelineStage:
             # full checkpointing: forward without a graph now, again with one right before backward
             with torch.set_grad_enabled(train and not recompute), capturing() as sink, _recording_saved(
                     graph_storages, train and self.track_saved_storages), self._autocast():
-                out = self.module(*args, **(kwargs or {}))
+                out = self._call(*args, **(kwargs or {}))
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: forward raised {type(e).__name__}: {e}") from e
         outputs = self._as_outputs(out)
@@ -239,7 +246,7 @@ class PipelineStage:
         saved.recompute = None
         try:
             with _restored_rng(self.device, rng), torch.enable_grad(), capturing() as sink, self._autocast():
-                outputs = self._as_outputs(self.module(*saved.inputs, **kwargs))
+                outputs = self._as_outputs(self._call(*saved.inputs, **kwargs))
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: recomputing the forward for activation "
                                 f"checkpointing raised {type(e).__name__}: {e}") from e

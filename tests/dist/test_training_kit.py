@@ -174,3 +174,18 @@ def test_fp16_loss_scaling_matches_and_every_rank_skips_an_overflow_together(nam
             torch.testing.assert_close(g, ref[fqn], atol=1e-5, rtol=1e-3, msg=lambda m, f=fqn: f"{f}: {m}")
     poisoned = run_ranks(fp16_step, world, name, schedule, 4, 256.0, 0, timeout=150)
     assert [(r["stepped"], r["changed"], r["scale"]) for r in poisoned] == [(False, False, 128.0)] * world
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("schedule,world", [("ZBVZeroBubble", 2), ("InterleavedZeroBubble", 2)])
+def test_compile_with_the_zero_bubble_split_is_exact(schedule, world):
+    """torch.compile on every stage (inductor's C++ backend on CPU), I/W split included."""
+    from .bodies import reference
+    from .training_bodies import compile_step
+
+    ref_loss, ref_grads = reference("tiny_gpt", 4)
+    results = run_ranks(compile_step, world, "tiny_gpt", schedule, 4, timeout=380)
+    for r in results:
+        assert abs(r["loss"] - ref_loss) < 1e-5
+    _assert_grads(results, ref_grads)

@@ -208,3 +208,16 @@ def fp16_step(rank: int, world: int, name: str, schedule: str, n_mb: int, scale:
     stepped = scaler.step(opt)
     changed = any(not torch.equal(b, p) for b, p in zip(before, params))
     return {"grads": grads, "stepped": stepped, "changed": changed, "scale": scaler.scale}
+
+
+def compile_step(rank: int, world: int, name: str, schedule: str, n_mb: int):
+    from .bodies import _mb_example
+
+    torch.set_num_threads(1)
+    entry = zoo.get(name)
+    pipe = ps.pipeline(entry.model, entry.split_spec, *_mb_example(entry, n_mb))
+    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn, compile=True)
+    sched.step(*entry.args, target=entry.target, **entry.kwargs)
+    grads = {n: p.grad.clone() for st in sched.stages
+             for n, p in st.module.named_parameters(remove_duplicate=False) if p.grad is not None}
+    return {"loss": float(sched.loss), "grads": grads}
