@@ -47,7 +47,7 @@ def stage_shares(pipe: "Pipe") -> tuple[str, list[float]]:
     metric (``pipeline(balance=...)``), else by FLOPs.
 
     Example:
-        >>> stage_shares(ps.pipeline(model, 2, (x,)))
+        >>> stage_shares(ps.pipeline(model, 2, (x,)))  # doctest: +SKIP
         ('flops', [0.49, 0.51])
     """
     report = getattr(pipe, "balance", None)
