@@ -134,8 +134,8 @@ def save(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
     is written once, from the lowest stage index holding it (then the lowest rank).
 
     Example:
-        >>> save("ckpt", sched, opt, extra={"step": 10})      # every rank
-        >>> save("ckpt", model)                                # one process, unsplit
+        >>> save("ckpt", sched, opt, extra={"step": 10})      # every rank  # doctest: +SKIP
+        >>> save("ckpt", model)                                # one process, unsplit  # doctest: +SKIP
     """
     path = os.path.abspath(os.fspath(path))
     holders = _holders(modules_or_schedule)
@@ -220,8 +220,8 @@ def load(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
             shapes that differ. Raised on every rank alike.
 
     Example:
-        >>> extra = load("ckpt", sched, opt)        # every rank, any layout
-        >>> load("ckpt", model)                     # one process, unsplit
+        >>> extra = load("ckpt", sched, opt)        # every rank, any layout  # doctest: +SKIP
+        >>> load("ckpt", model)                     # one process, unsplit  # doctest: +SKIP
     """
     path = os.path.abspath(os.fspath(path))
     holders = _holders(modules_or_schedule)
@@ -281,7 +281,7 @@ def saved_keys(path: str | os.PathLike) -> list[str]:
     """The model FQNs stored in the checkpoint at ``path``, sorted (no process group needed).
 
     Example:
-        >>> saved_keys("ckpt")[:2]
+        >>> saved_keys("ckpt")[:2]  # doctest: +SKIP
         ['blocks.0.attn.proj.bias', 'blocks.0.attn.proj.weight']
     """
     meta = _read_metadata(_find(os.path.abspath(os.fspath(path))))

@@ -97,7 +97,7 @@ class Pipe(torch.nn.Module):
         """The :class:`pippy_split.compat.PipelineStage` of one stage, its module moved to ``device``.
 
         Example:
-            >>> stage = pipe.build_stage(rank, torch.device("cpu"))
+            >>> stage = pipe.build_stage(rank, torch.device("cpu"))  # doctest: +SKIP
         """
         self._check(stage_index)
         return adopt(self.core_pipe.build_stage(stage_index, device, group))
@@ -134,8 +134,8 @@ def pipeline(module: torch.nn.Module, mb_args: tuple[Any, ...], mb_kwargs: dict[
         The :class:`Pipe`.
 
     Example:
-        >>> pipe = pipeline(model, (x_mb,), split_spec={"layers.2": SplitPoint.BEGINNING})
-        >>> out = pipe(x_mb)[0]
+        >>> pipe = pipeline(model, (x_mb,), split_spec={"layers.2": SplitPoint.BEGINNING})  # doctest: +SKIP
+        >>> out = pipe(x_mb)[0]  # doctest: +SKIP
     """
     if split_policy is not None:
         raise NotImplementedError("pipeline(split_policy=...) is not supported: pass split_spec={fqn: SplitPoint}, "

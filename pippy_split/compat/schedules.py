@@ -17,9 +17,9 @@ Extra keyword arguments of the peer that change nothing here
 (``backward_requires_autograd``, ``defer_pp_recv``, ``use_full_backward``) are accepted.
 
 Example:
-    >>> sched = ScheduleGPipe(pipe.build_stage(rank, device), 4, loss_fn=loss_fn)
+    >>> sched = ScheduleGPipe(pipe.build_stage(rank, device), 4, loss_fn=loss_fn)  # doctest: +SKIP
     >>> losses = []
-    >>> out = sched.step(x, target=y, losses=losses)   # out and losses on the last rank
+    >>> out = sched.step(x, target=y, losses=losses)   # out and losses on the last rank  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class PipelineStage:
     rank broadcasts the outputs' shapes (one small collective per stage, then cached).
 
     Example:
-        >>> stage = PipelineStage(my_block, stage_index=1, num_stages=4, device="cpu",
+        >>> stage = PipelineStage(my_block, stage_index=1, num_stages=4, device="cpu",  # doctest: +SKIP
         ...                       outputs_to={1: [(3, 1)]})   # output 1 skips to stage 3
     """
 
