@@ -63,8 +63,7 @@ def uninitialised_forward(rank: int, world: int) -> dict:
     sched = tdp.Schedule1F1B(stage, N_MB, loss_fn=F.mse_loss)
     with common.quiet():
         sched.step(x) if rank == 0 else sched.step(target=y)
-    real = [t for t in sub.seen[1:]]
-    first = sub.seen[0]
+    first, real = sub.seen[0], sub.seen[1:]  # the extra inference call, then the microbatches
     return {"calls": len(sub.seen), "first_is_meta": first.is_meta,
             "first_equals_a_real_input": any(torch.equal(first, t) for t in real),
             "first_equals_model_data": rank == 0 and any(torch.equal(first, c) for c in x.chunk(N_MB))}
@@ -114,9 +113,42 @@ def zero_bubble_twice_traced(rank: int, world: int, schedule: str) -> dict:
     stages = [tdp.PipelineStage(pipe.get_stage_module(s), s, 2 * world, torch.device("cpu")) for s in mine]
     sched = getattr(tdp, "Schedule" + schedule)(stages, N_MB, loss_fn=F.mse_loss)
     with common.quiet():
-        sched.step(x, target=y) if rank == 0 else sched.step(x) if 0 in mine else sched.step(target=y)
+        sched.step(*((x,) if 0 in mine else ()), **({"target": y} if 2 * world - 1 in mine else {}))
     out = {}
     for s in mine:
         for n, p in pipe.get_stage_module(s).named_parameters():
             out[(s, n)] = (p.grad.clone(), dict(ref.named_parameters())[n].grad.clone())
     return out
+
+
+class UsesYFirst(torch.nn.Module):
+    """forward(x, y): the first stage reads y before x (both (mb, D), so a swap cannot fail on shapes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(D, D)
+        self.b = torch.nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.pipelining import pipe_split
+
+        h = self.a(y) * 2 + x
+        pipe_split()
+        return self.b(h)
+
+
+def arg_order(rank: int, world: int) -> dict | None:
+    """The peer's GPipe forward of :class:`UsesYFirst` over 2 ranks, the documented way."""
+    from torch.distributed import pipelining as tdp
+
+    torch.manual_seed(0)
+    model = UsesYFirst()
+    x, y = data()
+    with common.quiet():
+        pipe = tdp.pipeline(model, mb_args=(x.chunk(N_MB)[0], y.chunk(N_MB)[0]))
+        sched = tdp.ScheduleGPipe(pipe.build_stage(rank, torch.device("cpu")), N_MB)
+        out = sched.step(x, y) if rank == 0 else sched.step()
+    if rank == 0:
+        return None
+    with torch.no_grad():
+        return {"out": out.detach(), "model": model(x, y), "swapped": model(y, x)}

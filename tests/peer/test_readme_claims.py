@@ -40,37 +40,17 @@ def _peer_error(fn, world: int, *args) -> str | None:
 # ---- pure: no process group ----------------------------------------------------------------------
 
 
-class _UsesYFirst(torch.nn.Module):
-    """forward(x, y): the first stage reads y before x (both (2, 4), so a swap cannot fail on shapes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(4, 4)
-        self.b = torch.nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.a(y) * 2 + x
-        tdp.pipe_split()
-        return self.b(h)
-
-
-@pytest.mark.timeout(60)
+@pytest.mark.dist
+@pytest.mark.timeout(120)
 def test_arguments_used_out_of_order_are_silently_swapped():
-    """README: 'arguments used out of order' -> 'silently swapped'. The peer's stage 0
-    module takes its inputs in the order the graph first uses them, (y, x), while the
-    schedule passes step(x, y) positionally: no error, a different result."""
-    torch.manual_seed(0)
-    model = _UsesYFirst()
-    x, y = torch.randn(2, 4), torch.randn(2, 4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pipe = tdp.pipeline(model, mb_args=(x, y))
-    stage0 = pipe.get_stage_module(0)
-    got = stage0(x, y)  # what the stage runs on step(x, y)
-    want = model.a(y) * 2 + x
-    if torch.allclose(got, want):
-        _stale("silently swaps arguments used out of order", "stage 0 keeps the model's argument order")
-    torch.testing.assert_close(got, model.a(x) * 2 + y)  # swapped, silently
+    """README: 'arguments used out of order' -> 'silently swapped'. forward(x, y) reads y
+    first; the peer's stage 0 takes its inputs in the order the graph first uses them,
+    (y, x), and step(x, y) passes them positionally: GPipe on 2 ranks runs without an error
+    and returns model(y, x)."""
+    _, r1 = run_ranks(bodies.arg_order, 2, timeout=120)
+    if torch.allclose(r1["out"], r1["model"]):
+        _stale("silently swaps arguments used out of order", "the step returns model(x, y)")
+    torch.testing.assert_close(r1["out"], r1["swapped"])
 
 
 @pytest.mark.timeout(120)
