@@ -5,6 +5,7 @@
     python -m benchmarks.compare --only traffic  # one item: split, step, traffic, memory
     python -m benchmarks.compare --smoke --only traffic   # one small case (the smoke test)
     python -m benchmarks.compare --render benchmarks/results/compare.json   # table of a saved run
+    python -m benchmarks.compare --readme        # full run, and its table (commit, date) into README.md
 
 Items (numbers as in the issue):
     split    1  split time, ``ps.pipeline`` vs the peer's ``pipeline`` (benchmarks.split_time)
@@ -201,6 +202,34 @@ def _memory_rows(out: list, res: dict) -> None:
                         f"{o['held']['median']:.0f}", f"{p['held']['median']:.0f}", "", "", "—"))
 
 
+README = Path(__file__).resolve().parent.parent / "README.md"
+BEGIN, END = "<!-- benchmarks.compare table: begin -->", "<!-- benchmarks.compare table: end -->"
+
+
+def write_readme_table(readme: Path, table: str, meta: dict) -> None:
+    """Replace the table between the README's markers with ``table``, stamped with the commit and date."""
+    import datetime
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=readme.parent, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=readme.parent,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = "unknown", ""
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{readme} has no {BEGIN} ... {END} markers to write the table between")
+    stamp = (f"Measured at commit `{commit}`{' (with uncommitted changes)' if dirty else ''} on "
+             f"{datetime.date.today().isoformat()}, torch {meta['torch']}, {meta['cpus']} CPUs, load average "
+             f"{meta['load_avg_before'][0]:.1f} before / {meta['load_avg_after'][0]:.1f} after, with "
+             f"`{meta['command']} --readme`.")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{BEGIN}\n{stamp}\n\n{table.rstrip()}\n{END}{tail}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     modes = parser.add_mutually_exclusive_group()
@@ -210,6 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--reps", type=int, default=5, help="repetitions after warm-up (>= 5 for the record)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--render", type=Path, default=None, help="print the table of a saved JSON; run nothing")
+    parser.add_argument("--readme", type=Path, nargs="?", const=README, default=None,
+                        help="also write the table, the commit and the date into README.md's performance section")
     args = parser.parse_args(argv)
     if args.render is not None:
         res = json.loads(args.render.read_text())
@@ -221,6 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
     table_rows = rows(res)
     args.out.with_suffix(".md").write_text(markdown(table_rows))
+    if args.readme is not None:
+        write_readme_table(args.readme, markdown(table_rows), res["meta"])
     Console(width=200).print(rich_table(table_rows))
     m = res["meta"]
     print(f"command: {m['command']}   load average before/after: {m['load_avg_before'][0]:.1f} / "
