@@ -43,3 +43,79 @@ def test_a_notebook_shows_the_pipe_once(monkeypatch):
     low = html.lower()
     assert "<!doctype" not in low and "<html" not in low and "<body" not in low and "<head" not in low
     assert low.lstrip().startswith("<pre")
+
+
+# ---- models built on meta ----------------------------------------------------------
+class _ConvBN(torch.nn.Module):
+    """A resnet-like stem and two blocks: conv, BatchNorm (buffers), ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+        self.block = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.block(self.stem(x)).mean((2, 3)))
+
+
+def test_a_meta_conv_batchnorm_model_initialises_without_a_state_dict():
+    """BatchNorm's reset_parameters() also resets its running stats (buffers): no state_dict needed."""
+    with torch.device("meta"):
+        model = _ConvBN()
+    pipe = ps.pipeline(model.eval(), ["block"], (torch.randn(2, 3, 8, 8, device="meta"),))
+    for i in range(pipe.num_stages):
+        pipe.build_stage(i, "cpu", seed=3)
+    bn = pipe.get_stage_module(0).get_submodule("stem.1")
+    assert torch.equal(bn.running_mean, torch.zeros(8)) and torch.equal(bn.running_var, torch.ones(8))
+    assert int(bn.num_batches_tracked) == 0
+    assert pipe(torch.randn(2, 3, 8, 8)).isfinite().all()
+
+
+def test_a_buffer_no_initialiser_writes_is_still_refused():
+    class Scaled(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(4, 4)
+            self.register_buffer("scale", torch.full((4,), 2.0))  # computed in __init__, not in reset_parameters
+
+        def forward(self, x):
+            return super().forward(x) * self.scale
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Scaled(), Scaled()
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    with torch.device("meta"):
+        model = Two()
+    pipe = ps.pipeline(model, ["b"], (torch.randn(2, 4, device="meta"),))
+    with pytest.raises(ps.SplitError, match=r"cannot initialise \['a.scale'\]"):
+        pipe.build_stage(0, "cpu")
+
+
+@pytest.mark.parametrize("with_state_dict", [True, False])
+def test_a_meta_hf_llama_builds_its_stages(with_state_dict):
+    """Export lifts the empty tensors of the KV cache as constants, rotary inv_freq is a
+    non-persistent buffer, and the graph names device=meta: none of that is the user's job."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    full = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    x = torch.randint(0, 64, (2, 8))
+    pipe = ps.pipeline(model, ["model.layers.1"], (x,))  # use_cache on: lifted constants
+    assert pipe._traced.constants
+    for i in range(pipe.num_stages):
+        pipe.build_stage(i, "cpu", state_dict=full.state_dict() if with_state_dict else None)
+    got = pipe(x).logits
+    if with_state_dict:
+        torch.testing.assert_close(got, full(x).logits)
+    else:
+        torch.testing.assert_close(pipe.get_stage_module(0).get_buffer("model.rotary_emb.inv_freq"),
+                                   full.model.rotary_emb.inv_freq)
+        assert got.isfinite().all()

@@ -54,6 +54,7 @@ def materialize_stage(module: torch.nn.Module, model: torch.nn.Module, device: t
     meta = {n: t for n, t in tensors.items() if t.is_meta}
     if not meta:
         return module
+    _retarget_graph(module, torch.device(device))
     groups: dict[int, list[str]] = {}
     for name, t in meta.items():
         groups.setdefault(id(t), []).append(name)
@@ -64,15 +65,32 @@ def materialize_stage(module: torch.nn.Module, model: torch.nn.Module, device: t
         for name in names:  # tied names stay one tensor
             _set(module, name, new)
     fresh = _tensors(module)
+    # Constants torch.export lifted out of forward (``_const_*``: e.g. the empty
+    # tensors a KV cache starts from) are no part of any state dict. An empty one
+    # needs no values; a non-empty one on meta lost its values when it was made.
+    consts = [n for n in meta if n.rpartition(".")[2].startswith("_const_")]
+    lost = [n for n in consts if meta[n].numel() > 0]
+    if lost:
+        raise SplitError(
+            f"cannot rebuild {lost[:10]} on {device}: torch.export lifted these constants out of forward while the "
+            "model was on meta, so their values were never computed. Create them in forward from real data "
+            "(not from a meta tensor), or build the model off meta"
+        )
+    meta = {n: t for n, t in meta.items() if n not in consts}
     if state_dict is not None:
-        missing = [n for n in meta if n not in state_dict]
+        # Non-persistent buffers (rotary inv_freq) are in no state dict: their owners rebuild them.
+        persistent = set(module.state_dict().keys())
+        computed = {n: t for n, t in meta.items() if n not in persistent and n not in state_dict}
+        missing = [n for n in meta if n not in state_dict and n not in computed]
         if missing:
             raise SplitError(f"state_dict lacks {len(missing)} tensor(s) this stage needs: {missing[:10]}")
         with torch.no_grad():
             for name in meta:
-                fresh[name].copy_(state_dict[name])
-        return module
-    _reset_from_owners(fresh, meta, model, device, seed, canonical or {})
+                if name not in computed:
+                    fresh[name].copy_(state_dict[name])
+        meta = computed
+    if meta:
+        _reset_from_owners(fresh, meta, model, device, seed, canonical or {})
     return module
 
 
@@ -86,14 +104,26 @@ def _reset_from_owners(fresh: dict, meta: dict, model: torch.nn.Module, device, 
     for owner_path, pairs in sorted(by_owner.items()):
         owner = model.get_submodule(owner_path)
         names, leaves = [n for n, _ in pairs], [leaf for _, leaf in pairs]
-        if not hasattr(owner, "reset_parameters") or any(leaf in owner._buffers for leaf in leaves):
+        # The owner's reset_parameters(), else a Hugging Face model's _init_weights(module)
+        # (which also recomputes rotary inv_freq buffers).
+        if hasattr(owner, "reset_parameters"):
+            init = lambda m: m.reset_parameters()  # noqa: E731
+        elif callable(getattr(model, "_init_weights", None)):
+            init = model._init_weights
+        else:
             cannot.extend(names)
             continue
         clone = copy.deepcopy(owner)
         clone.to_empty(device=device, recurse=False)
+        for leaf in leaves:  # a tensor counts as initialised only if the initialiser writes it
+            _fill_sentinel(getattr(clone, leaf))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + zlib.crc32(owner_path.encode()))
-            clone.reset_parameters()
+            init(clone)
+        untouched = {leaf for leaf in leaves if _is_sentinel(getattr(clone, leaf))}
+        if untouched:  # e.g. a buffer computed in __init__ (BatchNorm's running stats are reset, so they pass)
+            cannot.extend(n for n, leaf in zip(names, leaves) if leaf in untouched)
+            names, leaves = [n for n, l in zip(names, leaves) if l not in untouched], [l for l in leaves if l not in untouched]
         with torch.no_grad():
             for name, leaf in zip(names, leaves):
                 fresh[name].copy_(getattr(clone, leaf))
@@ -102,3 +132,38 @@ def _reset_from_owners(fresh: dict, meta: dict, model: torch.nn.Module, device, 
             f"cannot initialise {cannot[:10]} on {device}: the owning modules have no reset_parameters() (or they "
             "are buffers computed in __init__). Pass state_dict= to build_stage, or build those buffers off meta"
         )
+
+
+def _fill_sentinel(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        if t.is_floating_point() or t.is_complex():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(torch.iinfo(t.dtype).min)
+        # bool: no value marks "unset"; treated as untouched below
+
+
+def _is_sentinel(t: torch.Tensor) -> bool:
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(t).any())
+    if t.dtype == torch.bool:
+        return True
+    return bool((t == torch.iinfo(t.dtype).min).any())
+
+
+def _retarget_graph(module: torch.nn.Module, device: torch.device) -> None:
+    """A graph traced from a meta model names ``device=meta`` in its ops (``arange``,
+    ``to``, export's metadata asserts): point them at ``device``."""
+    graph = getattr(module, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return
+    meta = torch.device("meta")
+    swap = lambda a: device if isinstance(a, torch.device) and a == meta else a  # noqa: E731
+    changed = False
+    for node in graph.nodes:
+        args = torch.fx.node.map_aggregate(node.args, swap)
+        kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs, changed = args, kwargs, True
+    if changed:
+        module.recompile()

@@ -117,7 +117,11 @@ class Pipe:
 
         For a model built on the ``meta`` device, only this stage's tensors are
         allocated, filled from ``state_dict`` (original FQNs) or by the owning
-        modules' ``reset_parameters()`` (seeded per module, identical on every rank).
+        modules' ``reset_parameters()`` (seeded per module, identical on every rank;
+        a Hugging Face model's ``_init_weights`` where a module has none, which also
+        rebuilds non-persistent buffers such as rotary ``inv_freq``, even beside a
+        ``state_dict``). Empty constants export lifted out of forward are rebuilt, and
+        the graph's ``device=meta`` arguments point at ``device``.
         """
         from ..stage import PipelineStage
         from .materialize import materialize_stage
