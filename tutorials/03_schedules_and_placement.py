@@ -83,7 +83,7 @@ assert stage_to_rank(8, 4, "v")[7] == 0
 zbv = simulate(ps.get_schedule_class("ZBVZeroBubble").compute_order(2, 4))
 print(zbv)
 svg = os.path.join(tempfile.gettempdir(), "pippy_split_zbv.svg")
-zbv.to_svg(svg)  # in a notebook, just evaluate `zbv` to see the same timeline inline
+zbv.to_svg(svg)  # print() gives text; in a notebook, a cell ending in `zbv` (no print) draws this SVG inline
 print("SVG timeline written to", svg)
 
 # %% [markdown]

@@ -28,11 +28,7 @@
 # %%
 import os
 
-import torch
 import torch.distributed as dist
-
-import pippy_split as ps
-from pippy_split import zoo
 
 
 # %% [markdown]
@@ -41,30 +37,19 @@ from pippy_split import zoo
 # Every rank builds the same model (the zoo seeds it, so weights agree), traces
 # it on one microbatch, and `build_schedule` keeps only the stages the schedule's
 # placement gives this rank. The optimizer sees only those stages' parameters,
-# named by their original FQNs. The function lives at module level so that it can
-# be sent to fresh rank processes.
-
+# named by their original FQNs.
+#
+# The body lives in `tutorial_ranks.py` beside this file, not in a cell: a fresh
+# rank process finds its function by importing the module that defines it, and a
+# function defined in a notebook cell (module `__main__`) cannot be imported. It is
+# printed here so you can read it.
 
 # %%
-def train(rank: int, world_size: int, steps: int = 4, schedule: str = "ZBVZeroBubble") -> list[float]:
-    entry = zoo.get("tiny_gpt")  # 4 blocks -> 4 stages; with 2 ranks, 2 stages per rank
-    (x,), y = entry.args, entry.target  # (8, 32) token ids and next-token targets
-    n_mb = 4
-    pipe = ps.pipeline(entry.model, entry.split_spec, (x[: x.shape[0] // n_mb],))
-    sched = ps.build_schedule(pipe, schedule, n_microbatches=n_mb, loss_fn=entry.loss_fn)
-    params = [p for stage in sched.stages for p in stage.module.parameters()]
-    opt = torch.optim.AdamW(params, lr=1e-2)
-    if rank == 0:
-        print(f"{schedule}: rank {rank} holds stages {[s.stage_index for s in sched.stages]}", flush=True)
-    losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        sched.step(x, target=y)  # identical call on every rank
-        opt.step()
-        losses.append(float(sched.loss))  # the step's mean loss, known on every rank
-        if rank == 0:
-            print(f"step {step}: loss {losses[-1]:.4f}", flush=True)
-    return losses
+import inspect
+
+from tutorial_ranks import train
+
+print(inspect.getsource(train))
 
 
 # %% [markdown]
@@ -73,10 +58,9 @@ def train(rank: int, world_size: int, steps: int = 4, schedule: str = "ZBVZeroBu
 # `run_ranks(fn, world_size, *args)` starts fresh processes joined by gloo on CPU,
 # calls `fn(rank, world_size, *args)` on each, and returns their results; a rank
 # that fails or hangs surfaces its traceback instead of hanging the caller. Ranks
-# import this file again to find `train`, which is why the launch sits under
-# `if __name__ == "__main__"`. (In Jupyter, put the rank body in a `.py` module and
-# import it: a function defined in a notebook cell cannot be found by a fresh
-# process.)
+# import `tutorial_ranks` to find `train`; the launch sits under
+# `if __name__ == "__main__"` (true in a notebook too) so that torchrun's path below
+# stays separate.
 
 # %%
 if __name__ == "__main__" and "RANK" not in os.environ:
