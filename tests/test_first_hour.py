@@ -3,6 +3,8 @@ models, notebooks, the tutorials and ``pippy-split simulate``."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -154,3 +156,52 @@ def test_tutorial_03_says_what_a_notebook_shows():
     text = (Path(__file__).resolve().parent.parent / "tutorials" / "03_schedules_and_placement.py").read_text()
     assert "just evaluate `zbv`" not in text and "a cell ending in `zbv`" in text
     assert "<svg" in simulate(get_schedule_class("ZBVZeroBubble").compute_order(2, 4))._repr_html_()
+
+
+# ---- pippy-split simulate --compare --------------------------------------------------
+def _simulate_at_80(*argv: str) -> str:
+    import io
+
+    from rich.console import Console
+
+    from pippy_split.cli import build_parser, simulate_cmd
+
+    console = Console(file=io.StringIO(), width=80, color_system=None)
+    assert simulate_cmd(build_parser().parse_args(["simulate", *argv]), console) == 0
+    return console.file.getvalue()
+
+
+def _table_rows(out: str) -> dict[str, list[str]]:
+    from pippy_split.schedule.orders import ORDERS
+
+    rows = {}
+    for line in out.splitlines():
+        cells = line.split()
+        if cells and cells[0] in ORDERS:
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_simulate_compare_agrees_with_tutorial_03():
+    """Same stage counts as tutorial 03 (LoopedBFS/InterleavedZeroBubble on 2 per rank),
+    every name whole at 80 columns, and the run on top is its own row."""
+    from pippy_split.schedule import get_schedule_class, simulate
+
+    out = _simulate_at_80("--ranks", "4", "--microbatches", "8", "--compare")
+    rows = _table_rows(out)
+    assert len(rows) == 7, out
+    for name, cells in rows.items():  # tutorial 03's comparison
+        spr = 1 if name in ("GPipe", "1F1B") else 2
+        sim = simulate(get_schedule_class(name).compute_order(4, 8, spr), costs={k: 1 / spr for k in "FIW"})
+        assert cells[2] == str(spr) and float(cells[4]) == sim.makespan, (name, cells)
+    top = re.search(r"makespan ([\d.]+)   bubble", out).group(1)
+    assert top == rows["ZBVZeroBubble"][4]
+    assert "…" not in out and all(len(line) <= 80 for line in out.splitlines())
+
+
+def test_simulate_timeline_labels_stage_and_microbatch_at_80_columns(tmp_path):
+    svg = tmp_path / "t.svg"
+    out = _simulate_at_80("--schedule", "1F1B", "--ranks", "4", "--microbatches", "8", "--svg", str(svg))
+    assert "0F0" in out and "3B7" in out
+    assert ">1F1B: 4 ranks, 8 microbatches: 4 ranks, makespan" in svg.read_text()
+    assert '<g class="axis">' in svg.read_text()

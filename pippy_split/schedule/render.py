@@ -182,11 +182,17 @@ def _peaks(sim: Any) -> str | None:
     return "peak activations: " + " ".join(f"r{r}={n}" for r, n in sorted(peaks.items()))
 
 
+def _tick_step(scale: float, min_gap: float) -> float:
+    """A round time step (1, 2, 5, 10, 20, 50 ...) at least ``min_gap`` columns/pixels apart."""
+    step = 1.0
+    while step * scale < min_gap:
+        step *= 2 if str(step)[0] in "15" else 2.5
+    return step
+
+
 def _ruler(makespan: float, scale: float, total: int, indent: int) -> str:
     """A time axis: tick labels at round times, spaced so they do not collide."""
-    step = 1.0
-    while step * scale < 6:
-        step *= 2 if str(step)[0] in "15" else 2.5
+    step = _tick_step(scale, 6)
     line = [" "] * (total + 8)
     t = 0.0
     while t <= makespan + 1e-9:
@@ -233,8 +239,9 @@ def render_text(sim: Any, width: int | None = None) -> str:
 class TimelineView:
     """A rich renderable of a simulation that squeezes itself to the console width."""
 
-    def __init__(self, sim: Any) -> None:
+    def __init__(self, sim: Any, wrap: bool = False) -> None:
         self.sim = sim
+        self.wrap = wrap  # too wide for the console: bands of full labels instead of squeezing
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
         natural = round(self.sim.makespan * _scale(self.sim, None)) + 12
@@ -244,17 +251,23 @@ class TimelineView:
         sim = self.sim
         spans = _spans(sim)
         label_w = len(f"rank {max(spans, default=0)}")
-        scale = _scale(sim, max(1, options.max_width - label_w - 3))
+        avail = max(1, options.max_width - label_w - 3)
+        scale = _scale(sim, None if self.wrap else avail)
         total = max(1, round(sim.makespan * scale))
         yield Text(_summary(sim), style="bold")
-        yield Text(_ruler(sim.makespan, scale, total, label_w + 2), style="dim")
-        for r, entries in spans.items():
-            row = Text(f"{f'rank {r}'.ljust(label_w)} |", no_wrap=True, overflow="crop")
-            for c0, c1, a in _segments(entries, scale, total):
-                style = "dim" if a is None else _RICH_STYLES[_kind_key(a)]
-                row.append(_label(a, c1 - c0), style=style)
-            row.append("|")
-            yield row
+        ruler = _ruler(sim.makespan, scale, total, 0)
+        for b0 in range(0, total, avail):  # one band unless wrapping a wide timeline
+            b1 = min(b0 + avail, total)
+            yield Text(" " * (label_w + 2) + ruler[b0:b1].rstrip(), style="dim", no_wrap=True, overflow="crop")
+            for r, entries in spans.items():
+                row = Text(f"{f'rank {r}'.ljust(label_w)} |", no_wrap=True, overflow="crop")
+                for c0, c1, a in _segments(entries, scale, total):
+                    lo, hi = max(c0, b0), min(c1, b1)
+                    if lo < hi:
+                        style = "dim" if a is None else _RICH_STYLES[_kind_key(a)]
+                        row.append(_label(a, c1 - c0)[lo - c0 : hi - c0], style=style)
+                row.append("|")
+                yield row
         legend = Text("legend: ")
         for key, style in _RICH_STYLES.items():
             legend.append(f" {key} ", style=style)
@@ -266,21 +279,28 @@ class TimelineView:
             yield Text(peaks, style="dim")
 
 
-def render_rich(sim: Any) -> TimelineView:
+def render_rich(sim: Any, wrap: bool = False) -> TimelineView:
     """A rich renderable: one row per rank, coloured by kind (F, B, I, W, comm), idle dim.
 
+    Args:
+        sim: a ``Simulation``.
+        wrap: where the timeline is wider than the console, show it in bands of
+            time, each action labelled (``0F3``), rather than squeezed to one band
+            whose labels shorten to the kind letter.
+
     Example:
-        >>> rich.print(render_rich(sim))  # doctest: +SKIP
+        >>> rich.print(render_rich(sim, wrap=True))  # doctest: +SKIP
     """
-    return TimelineView(sim)
+    return TimelineView(sim, wrap=wrap)
 
 
 # -- SVG / HTML --------------------------------------------------------------------
 
-_ROW_H, _GAP, _LEFT, _TOP, _CHAR_W = 22, 4, 64, 28, 6.6
+_ROW_H, _GAP, _LEFT, _TOP, _CHAR_W, _AXIS_H = 22, 4, 64, 28, 6.6, 22
 
 
-def render_svg(sim: Any, path: str | Path | None = None, *, px_per_unit: float | None = None) -> str:
+def render_svg(sim: Any, path: str | Path | None = None, *, px_per_unit: float | None = None,
+               title: str | None = None) -> str:
     """The timeline as an SVG: one row per rank, a box per action coloured by kind.
 
     Args:
@@ -288,6 +308,8 @@ def render_svg(sim: Any, path: str | Path | None = None, *, px_per_unit: float |
         path: also write the SVG there.
         px_per_unit: horizontal pixels per unit of time (default: fit labels,
             at most ~1600 px wide).
+        title: what the timeline shows (e.g. the schedule's name and sizes), put
+            before the summary in the heading.
 
     Returns:
         The SVG document text.
@@ -299,11 +321,13 @@ def render_svg(sim: Any, path: str | Path | None = None, *, px_per_unit: float |
     px = px_per_unit or _svg_scale(sim, spans)
     plot_w = max(sim.makespan * px, 1.0)
     width = _LEFT + plot_w + 12
-    height = _TOP + len(spans) * (_ROW_H + _GAP) + 48
+    rows_end = _TOP + len(spans) * (_ROW_H + _GAP)
+    height = rows_end + _AXIS_H + 48
+    heading = f"{title}: {_summary(sim)}" if title else _summary(sim)
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
         f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="monospace" font-size="11">',
-        f'<text x="4" y="16" font-weight="bold">{html.escape(_summary(sim))}</text>',
+        f'<text x="4" y="16" font-weight="bold">{html.escape(heading)}</text>',
     ]
     for row, (r, entries) in enumerate(spans.items()):
         y = _TOP + row * (_ROW_H + _GAP)
@@ -312,7 +336,8 @@ def render_svg(sim: Any, path: str | Path | None = None, *, px_per_unit: float |
             f'<rect x="{_LEFT}" y="{y}" width="{plot_w:.1f}" height="{_ROW_H}" fill="#f4f4f4" class="idle"/>'
         )
         out.extend(_svg_box(r, y, start, end, a, px) for start, end, a in entries)
-    out.append(_svg_legend(_TOP + len(spans) * (_ROW_H + _GAP) + 12))
+    out.append(_svg_axis(sim.makespan, px, rows_end))
+    out.append(_svg_legend(rows_end + _AXIS_H + 12))
     out.append("</svg>")
     svg = "\n".join(out)
     if path is not None:
@@ -342,6 +367,19 @@ def _svg_box(rank: int, y: float, start: float, end: float, action: Action, px: 
     if w >= len(text) * _CHAR_W + 2:
         box += f'<text x="{x + w / 2:.1f}" y="{y + 15}" text-anchor="middle">{html.escape(text)}</text>'
     return box + "</g>"
+
+
+def _svg_axis(makespan: float, px: float, y: float) -> str:
+    """A time axis under the rows: a line, ticks at round times, their labels, "time"."""
+    parts = [f'<line x1="{_LEFT}" y1="{y}" x2="{_LEFT + makespan * px:.1f}" y2="{y}" stroke="#666"/>']
+    step, t = _tick_step(px, 36), 0.0
+    while t <= makespan + 1e-9:
+        x = _LEFT + t * px
+        parts.append(f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 4}" stroke="#666"/>')
+        parts.append(f'<text x="{x:.1f}" y="{y + 15}" text-anchor="middle">{t:g}</text>')
+        t += step
+    parts.append(f'<text x="4" y="{y + 15}">time</text>')
+    return '<g class="axis">' + "".join(parts) + "</g>"
 
 
 def _svg_legend(y: float) -> str:
