@@ -23,7 +23,7 @@ import sympy
 import torch
 
 from .calls import CallTree
-from .cost import value_bytes
+from .cost import mutated_args, value_bytes
 from .errors import SplitError
 
 __all__ = ["BalanceReport", "TARGET_RATIO", "CUT_SLACK", "cut_positions", "legal_cuts", "balance_warning"]
@@ -131,7 +131,7 @@ def legal_cuts(ops: list[torch.fx.Node]) -> tuple[list[bool], list[float]]:
         else:
             mark(a + 1, last, crossing, float(value_bytes(val)))
     for i, op in enumerate(ops):
-        for written in _written(op):
+        for written in mutated_args(op):
             if written in index:  # an in-place write stays with the value's producer
                 mark(index[written] + 1, i, bad, 1)
     legal, size = [], []
@@ -142,19 +142,6 @@ def legal_cuts(ops: list[torch.fx.Node]) -> tuple[list[bool], list[float]]:
         legal.append(b == 0)
         size.append(c)
     return legal, size
-
-
-def _written(op: torch.fx.Node) -> list[torch.fx.Node]:
-    schema = getattr(op.target, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return []
-    out = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = op.args[i] if i < len(op.args) else op.kwargs.get(arg.name)
-            if isinstance(value, torch.fx.Node):
-                out.append(value)
-    return out
 
 
 def _groups(n: int, legal: list[bool], real: list[bool], pen: list[float]) -> list[int]:

@@ -14,12 +14,26 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["node_flops", "hint_int", "is_view", "value_bytes", "BALANCE_METRICS", "node_costs"]
+__all__ = ["node_flops", "hint_int", "is_view", "mutated_args", "value_bytes", "BALANCE_METRICS", "node_costs"]
 
 aten = torch.ops.aten
 # Export's training IR keeps these composite ops; torch's flop formulas cover only aten.convolution.
 _CONVS = {aten.conv1d, aten.conv2d, aten.conv3d}
 _CONV_TRANSPOSES = {aten.conv_transpose1d, aten.conv_transpose2d, aten.conv_transpose3d}
+
+
+def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Input nodes an in-place op writes to (from its schema's write aliases)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, torch.fx.Node):
+                out.append(value)
+    return out
 
 
 def hint_int(d: Any) -> int:

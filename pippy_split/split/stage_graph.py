@@ -17,7 +17,7 @@ import sympy
 import torch
 from torch.fx import GraphModule
 
-from .cost import node_flops
+from .cost import mutated_args, node_flops
 from .errors import SplitError
 from .grad import infer_requires_grad
 from .markers import is_split_marker
@@ -126,21 +126,6 @@ def _symbol_sources(traced: Traced, placeholders: dict[str, torch.fx.Node]) -> l
                 if isinstance(expr, sympy.Symbol) and expr not in seen:
                     seen.add(expr)
                     out.append(SymbolSource(expr, idx, dim))
-    return out
-
-
-def _mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """Input nodes an in-place op writes to."""
-    target = node.target
-    schema = getattr(target, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return []
-    out = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            if isinstance(value, torch.fx.Node):
-                out.append(value)
     return out
 
 
@@ -256,7 +241,7 @@ class _Builder:
         env: dict[torch.fx.Node, Any] = {}
         sources: list[StageSource] = []
         edges: list[Edge] = []
-        mutated = {a for op in ops for a in _mutated_args(op)}
+        mutated = {a for op in ops for a in mutated_args(op)}
         stage_set = set(ops)
         user_in = sorted((v for v in reads if v.name in self.input_index), key=lambda v: self.input_index[v.name])
         received = [v for v in reads if v.op == "call_function" and not isinstance(v.meta.get("val"), torch.SymInt)]
