@@ -9,14 +9,17 @@ filled from a state dict (original FQNs) or by the owning modules'
 from __future__ import annotations
 
 import copy
+import difflib
 import zlib
-from typing import Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
 from .errors import SplitError
 
-__all__ = ["materialize_stage"]
+__all__ = ["materialize_stage", "check_state_dict", "load_stage_state", "fill_stage"]
+
+_SHOW = 10  # keys named per kind in an error message
 
 
 def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -36,7 +39,7 @@ def _set(module: torch.nn.Module, fqn: str, value: torch.Tensor) -> None:
 
 def materialize_stage(module: torch.nn.Module, model: torch.nn.Module, device: torch.device | str,
                       state_dict: Mapping[str, torch.Tensor] | None = None, seed: int = 0,
-                      canonical: Mapping[str, str] | None = None) -> torch.nn.Module:
+                      canonical: Mapping[str, str] | None = None, strict: bool = True) -> torch.nn.Module:
     """Allocate every meta tensor of ``module`` on ``device`` and fill it.
 
     Args:
@@ -49,6 +52,8 @@ def materialize_stage(module: torch.nn.Module, model: torch.nn.Module, device: t
             initialises a shared (tied) parameter identically.
         canonical: ``{fqn: first FQN of the same tensor}``; a tied parameter is always
             initialised by the module owning its first name.
+        strict: with a ``state_dict``, a tensor it lacks is an error; ``False``
+            initialises those from their owners instead.
     """
     tensors = _tensors(module)
     meta = {n: t for n, t in tensors.items() if t.is_meta}
@@ -82,16 +87,119 @@ def materialize_stage(module: torch.nn.Module, model: torch.nn.Module, device: t
         persistent = set(module.state_dict().keys())
         computed = {n: t for n, t in meta.items() if n not in persistent and n not in state_dict}
         missing = [n for n in meta if n not in state_dict and n not in computed]
-        if missing:
-            raise SplitError(f"state_dict lacks {len(missing)} tensor(s) this stage needs: {missing[:10]}")
+        if missing and strict:
+            raise SplitError(f"state_dict lacks {len(missing)} tensor(s) this stage needs: "
+                             f"{_with_matches(missing, state_dict)}; pass strict=False to initialise them "
+                             "from their modules' reset_parameters() instead")
+        loaded = [n for n in meta if n not in computed and n not in missing]
+        _check_shapes({n: fresh[n] for n in loaded}, state_dict)
         with torch.no_grad():
-            for name in meta:
-                if name not in computed:
-                    fresh[name].copy_(state_dict[name])
-        meta = computed
+            for name in loaded:
+                fresh[name].copy_(state_dict[name])
+        meta = {n: t for n, t in meta.items() if n not in loaded}
     if meta:
         _reset_from_owners(fresh, meta, model, device, seed, canonical or {})
     return module
+
+
+def fill_stage(module: torch.nn.Module, stage_index: int, model: torch.nn.Module | None, known: Iterable[str],
+               device: torch.device | str | None, state_dict: Mapping[str, Any] | None = None, seed: int = 0,
+               canonical: Mapping[str, str] | None = None, strict: bool = True) -> None:
+    """What ``Pipe.build_stage`` does to one stage's tensors before it becomes a stage.
+
+    A stage on ``meta`` is allocated on ``device`` (:func:`materialize_stage`); a real
+    one takes ``state_dict``'s values (:func:`load_stage_state`). Either way a key of
+    ``state_dict`` that names no tensor of the model (``known``: every model key) is
+    an error under ``strict``, as is a key the stage needs that it lacks.
+    """
+    tensors = list(module.parameters()) + list(module.buffers())
+    if any(t.is_meta for t in tensors):
+        if state_dict is not None and strict:
+            _, unexpected = check_state_dict([], state_dict, known, stage_index)
+            if unexpected:
+                raise SplitError(_key_message(stage_index, [], unexpected, state_dict, list(known)))
+        target = torch.device(device) if device is not None else torch.device("cpu")
+        materialize_stage(module, model, target, state_dict=state_dict, seed=seed, canonical=canonical,
+                          strict=strict)
+    elif state_dict is not None:
+        load_stage_state(module, state_dict, known, stage_index, strict=strict)
+
+
+def check_state_dict(needed: Iterable[str], state_dict: Mapping[str, Any], known: Iterable[str],
+                     stage_index: int) -> tuple[list[str], list[str]]:
+    """``(missing, unexpected)`` of a state dict given to one stage's ``build_stage``.
+
+    Args:
+        needed: the stage's own state-dict keys (original FQNs).
+        state_dict: what the user passed: the whole model's, or part of it.
+        known: every key of the model (all stages); a key outside it is unexpected,
+            a key of another stage is not.
+        stage_index: for the message.
+
+    Example:
+        >>> check_state_dict(["w"], {"module.w": 1}, ["w"], 0)
+        (['w'], ['module.w'])
+    """
+    known = set(known)
+    missing = sorted(k for k in needed if k not in state_dict)
+    unexpected = sorted(k for k in state_dict if k not in known)
+    return missing, unexpected
+
+
+def load_stage_state(module: torch.nn.Module, state_dict: Mapping[str, Any], known: Iterable[str],
+                     stage_index: int, strict: bool = True) -> None:
+    """Copy ``state_dict``'s values for this stage into ``module`` (its keys are original FQNs).
+
+    With ``strict`` (the default), a key the stage needs that ``state_dict`` lacks, or
+    a key that names no tensor of the model (a typo, a ``module.`` prefix), is a
+    :class:`SplitError` naming both lists and the closest matches; ``strict=False``
+    loads the keys that match and keeps the module's values for the rest.
+
+    Example:
+        >>> m = torch.nn.Linear(2, 2)
+        >>> load_stage_state(m, {"weight": torch.zeros(2, 2), "bias": torch.zeros(2)}, ["weight", "bias"], 0)
+        >>> float(m.weight.abs().sum())
+        0.0
+    """
+    needed = list(module.state_dict().keys())
+    missing, unexpected = check_state_dict(needed, state_dict, known, stage_index)
+    if strict and (missing or unexpected):
+        raise SplitError(_key_message(stage_index, missing, unexpected, state_dict, needed))
+    module.load_state_dict({k: state_dict[k] for k in needed if k in state_dict}, strict=False)
+
+
+def _key_message(stage_index: int, missing: list[str], unexpected: list[str], state_dict: Mapping[str, Any],
+                 needed: list[str]) -> str:
+    parts = [f"build_stage({stage_index}, state_dict=...) does not match the model"]
+    if missing:
+        parts.append(f"state_dict lacks {len(missing)} key(s) stage {stage_index} needs: "
+                     f"{_with_matches(missing, state_dict, first=unexpected)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} key(s) of state_dict name no parameter or buffer of the model: "
+                     f"{_with_matches(unexpected, needed)}")
+    parts.append("pass strict=False to load the keys that match and keep the others as they are")
+    return "; ".join(parts)
+
+
+def _with_matches(keys: list[str], candidates: Iterable[str], first: Iterable[str] = ()) -> str:
+    """``a (did you mean 'b'?), c ...``: the first keys, each with its closest candidate
+    (looked for in ``first`` before the others: a missing key is likeliest misnamed as
+    one of the unexpected ones)."""
+    pools = [[str(c) for c in first], [str(c) for c in candidates]]
+    shown = []
+    for k in keys[:_SHOW]:
+        close = next((c for pool in pools for c in difflib.get_close_matches(k, pool, n=1, cutoff=0.6)), None)
+        shown.append(f"{k} (did you mean {close!r}?)" if close else k)
+    more = f" ... and {len(keys) - _SHOW} more" if len(keys) > _SHOW else ""
+    return ", ".join(shown) + more
+
+
+def _check_shapes(tensors: Mapping[str, torch.Tensor], state_dict: Mapping[str, Any]) -> None:
+    wrong = [f"{n}: {tuple(state_dict[n].shape)} vs {tuple(t.shape)}" for n, t in tensors.items()
+             if isinstance(state_dict[n], torch.Tensor) and tuple(state_dict[n].shape) != tuple(t.shape)]
+    if wrong:
+        raise SplitError(f"state_dict holds {len(wrong)} tensor(s) of another shape (state_dict vs model): "
+                         f"{', '.join(wrong[:_SHOW])}")
 
 
 def _reset_from_owners(fresh: dict, meta: dict, model: torch.nn.Module, device, seed: int,

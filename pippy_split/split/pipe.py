@@ -107,7 +107,7 @@ class Pipe:
     # ---- building stages for ranks -------------------------------------------------
     def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: Any = None, *,
                     state_dict: Any = None, seed: int = 0, activation_checkpoint: str | None = None,
-                    mixed_precision: torch.dtype | None = None, compile: Any = False):
+                    mixed_precision: torch.dtype | None = None, compile: Any = False, strict: bool = True):
         """The :class:`pippy_split.PipelineStage` for one stage, its module moved to ``device``.
 
         ``activation_checkpoint="full"`` recomputes the stage before its backward
@@ -122,19 +122,23 @@ class Pipe:
         rebuilds non-persistent buffers such as rotary ``inv_freq``, even beside a
         ``state_dict``). Empty constants export lifted out of forward are rebuilt, and
         the graph's ``device=meta`` arguments point at ``device``.
+
+        ``state_dict`` must hold every key this stage needs and no key the model
+        lacks (a typo, a ``module.`` prefix): either is a ``SplitError`` naming the
+        keys and their closest matches. ``strict=False`` loads the keys that match
+        and keeps (or, on meta, initialises) the rest.
         """
         from ..stage import PipelineStage
-        from .materialize import materialize_stage
+        from .materialize import fill_stage
 
         self._check_index(stage_index)
-        module = self.stages[stage_index].module
-        if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
-            target = torch.device(device) if device is not None else torch.device("cpu")
-            canonical = {name: names[0] for name, names in self._traced.aliases.items()}
-            materialize_stage(module, self._model, target, state_dict=state_dict, seed=seed, canonical=canonical)
-        elif state_dict is not None:
-            keys = module.state_dict().keys()
-            module.load_state_dict({k: state_dict[k] for k in keys if k in state_dict}, strict=False)
+        known: set[str] = set()  # every key of the model: one outside it in state_dict is a mistake
+        if state_dict is not None:
+            known = {k for st in self.stages for k in st.module.state_dict()}
+            known.update(self._model.state_dict() if self._model is not None else ())
+        canonical = {name: names[0] for name, names in self._traced.aliases.items()}
+        fill_stage(self.stages[stage_index].module, stage_index, self._model, known, device, state_dict=state_dict,
+                   seed=seed, canonical=canonical, strict=strict)
         return PipelineStage.from_pipe(self, stage_index, device=device, group=group,
                                        activation_checkpoint=activation_checkpoint, mixed_precision=mixed_precision,
                                        compile=compile)

@@ -167,3 +167,34 @@ def test_19_hand_written_order_that_deadlocks_is_rejected_before_running(tied):
     with pytest.raises(ps.ScheduleError) as info:
         ps.ScheduleFromOrder([pipe.build_stage(0), pipe.build_stage(1)], 2, entry.loss_fn, order=order)
     assert info.value.rank == 0 and info.value.step == 0
+
+
+def test_20_state_dict_with_a_prefix_names_missing_and_unexpected_keys(gpt):
+    entry, pipe = gpt
+    prefixed = {"module." + k: v for k, v in entry.model.state_dict().items()}
+    with pytest.raises(ps.SplitError, match=r"lacks 12 key\(s\) stage 1 needs: blocks\.1\.attn\.proj\.bias "
+                                            r"\(did you mean 'module\.blocks\.1\.attn\.proj\.bias'\?\)") as info:
+        pipe.build_stage(1, state_dict=prefixed)
+    assert "name no parameter or buffer of the model" in str(info.value)
+    assert "strict=False" in str(info.value)
+
+
+def test_21_state_dict_with_a_misnamed_key_keeps_nothing_silently(gpt):
+    entry, pipe = gpt
+    sd = dict(entry.model.state_dict())
+    sd["blocks.1.ln1.wieght"] = sd.pop("blocks.1.ln1.weight")
+    with pytest.raises(ps.SplitError, match=r"blocks\.1\.ln1\.weight \(did you mean 'blocks\.1\.ln1\.wieght'\?\)"):
+        pipe.build_stage(1, state_dict=sd)
+    before = pipe.get_stage_module(1).get_parameter("blocks.1.ln1.weight").detach().clone()
+    sd["blocks.1.ln1.bias"] = sd["blocks.1.ln1.bias"] + 1
+    stage = pipe.build_stage(1, state_dict=sd, strict=False)  # the explicit opt-out: matching keys only
+    torch.testing.assert_close(stage.module.get_parameter("blocks.1.ln1.weight"), before)
+    torch.testing.assert_close(stage.module.get_parameter("blocks.1.ln1.bias"), sd["blocks.1.ln1.bias"])
+
+
+def test_22_state_dict_of_other_stages_only_is_fine_but_an_unknown_key_is_not(gpt):
+    entry, pipe = gpt
+    sd = entry.model.state_dict()
+    pipe.build_stage(2, state_dict={k: v for k, v in sd.items() if k.startswith("blocks.2.")})
+    with pytest.raises(ps.SplitError, match=r"1 key\(s\) of state_dict name no parameter.*blocks\.7\.ln1\.weight"):
+        pipe.build_stage(2, state_dict={**sd, "blocks.7.ln1.weight": torch.zeros(3)})
