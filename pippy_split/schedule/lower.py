@@ -32,14 +32,15 @@ from typing import Iterable, Mapping
 from .actions import Action, ActionKind, Order
 from .deps import Link, chain_links
 from .messages import Message, recv_action, send_action
-from .placement import stage_to_rank
+from .placement import placement_of_order, resolve_placement
+
+infer_placement = placement_of_order  # the one rule, in placement.py; kept under its lowering-era name
 
 __all__ = [
     "Peers",
     "peers",
     "peer_table",
     "infer_placement",
-    "resolve_placement",
     "lower",
     "merge_backward",
     "split_backward",
@@ -115,41 +116,6 @@ def peers(stage: int, links: Iterable[Link], placement: Mapping[int, int]) -> Pe
     return peer_table(num_stages, links, placement)[stage]
 
 
-def infer_placement(order: Order) -> dict[int, int]:
-    """``{stage: rank}`` read off an order: the rank whose list holds the stage.
-
-    Raises:
-        ValueError: a stage has actions on two ranks.
-    """
-    placement: dict[int, int] = {}
-    for rank in sorted(order):
-        for action in order[rank]:
-            if action is None:
-                continue
-            home = placement.setdefault(action.stage, rank)
-            if home != rank:
-                raise ValueError(
-                    f"stage {action.stage} has actions on rank {home} and rank {rank} "
-                    f"(first seen: {action} on rank {rank}); a stage lives on one rank"
-                )
-    return placement
-
-
-def resolve_placement(
-    order: Order, num_stages: int, placement: Mapping[int, int] | str | None
-) -> dict[int, int]:
-    """Turn the ``placement`` argument of :func:`lower`/``validate`` into ``{stage: rank}``.
-
-    ``None`` infers it from ``order``; a string (``"loop"``, ``"v"``) goes through
-    :func:`~pippy_split.schedule.placement.stage_to_rank` with ``len(order)`` ranks.
-    """
-    if placement is None:
-        return infer_placement(order)
-    if isinstance(placement, str):
-        return stage_to_rank(num_stages, len(order), placement)
-    return {int(s): int(r) for s, r in placement.items()}
-
-
 def lower(
     order: Order,
     links: Iterable[Link] | None = None,
@@ -192,7 +158,7 @@ def lower(
     """
     link_list = chain_links(_num_stages(order, placement, [])) if links is None else list(links)
     num_stages = _num_stages(order, placement, link_list)
-    where = resolve_placement(order, num_stages, placement)
+    where = resolve_placement(placement, num_stages, len(order), order)
     missing = sorted(set(range(num_stages)) - set(where))
     if missing:
         raise ValueError(f"no rank for stages {missing}: pass placement= or give them actions")

@@ -21,9 +21,10 @@ from ..stage.errors import PipelineError
 from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
 from .actions import Action, ActionKind, Order, order_from_csv
-from .lower import infer_placement, lower
+from .agree import agree_before_step
+from .lower import lower
 from .orders import ORDERS, get_order_spec
-from .placement import rank_to_stages, stage_to_rank
+from .placement import placement_of_order, replace_placement
 from .runtime import Interpreter, StepContext
 from .validate import ScheduleError, validate
 
@@ -160,7 +161,19 @@ class PipelineSchedule:
             except ScheduleError as e:
                 raise ScheduleError(f"{type(self).__name__}'s order does not run under {style!r} placement: "
                                     f"{e.reason}", rank=e.rank, step=e.step, action=e.action) from e
-        return order, stage_to_rank(self.num_stages, self.world, style)
+        return order, self.stage_placement(self.num_stages, self.world, style)
+
+    @classmethod
+    def stage_placement(cls, num_stages: int, num_ranks: int, placement: str | None = None) -> dict[int, int]:
+        """``{stage: rank}`` this schedule class runs ``num_stages`` stages under: its family's
+        placement, or ``placement`` (an override). The one rule ``build_schedule`` and the
+        constructor both use (from :mod:`.placement`).
+
+        Example:
+            >>> ScheduleZBVZeroBubble.stage_placement(4, 2)
+            {0: 0, 1: 1, 2: 1, 3: 0}
+        """
+        return get_order_spec(cls.order_name).stage_placement(num_stages, num_ranks, placement)
 
     def _check_stages(self) -> None:
         name = type(self).__name__
@@ -215,7 +228,28 @@ class PipelineSchedule:
         return next((s for s in self.stages if pred(s)), None)
 
     def _context(self, args: tuple, kwargs: dict, target: Any, train: bool, n: int) -> StepContext:
+        """This step's inputs: first every check this rank can make alone, then (once every
+        rank knows they all passed, :func:`.agree.agree_before_step`) what needs messages."""
         ctx = StepContext(n_microbatches=n, train=train)
+        error: Exception | None = None
+        try:
+            symbols = self._local_context(ctx, args, kwargs, target, train)
+        except Exception as e:  # raised on every rank alike below, before any rank waits for a message
+            error = e
+        agree_before_step(error, self.group, self.world, self.rank, self.stages[0].device,
+                          "step()" if train else "eval()")
+        last = self._has(lambda s: s.is_last)
+        if train and self.loss_count is not None:
+            ctx.loss_divisor = self._shared_item_count(ctx.targets if last is not None else None)
+        pipe = self.stages[0].pipe
+        if pipe is not None and pipe.symbols:
+            ctx.bindings = self._share_symbols(pipe, symbols)
+        return ctx
+
+    def _local_context(self, ctx: StepContext, args: tuple, kwargs: dict, target: Any, train: bool) -> Any:
+        """Split this rank's inputs and targets into ``ctx``; no communication. Returns the
+        dynamic sizes this rank read off its inputs (a tensor, zeros where it has none)."""
+        n = ctx.n_microbatches
         first = self._has(lambda s: s.is_first)
         last = self._has(lambda s: s.is_last)
         needs_inputs = first is not None or any(
@@ -240,14 +274,10 @@ class PipelineSchedule:
                 raise PipelineError(f"rank {self.rank} holds the last stage ({last.stage_index}) and needs target= in "
                                     "step()")
             ctx.targets = [t[0][0] for t in split_args_kwargs((target,), {}, n, names=["target"])]
-        if train and self.loss_count is not None:
-            ctx.loss_divisor = self._shared_item_count(ctx.targets if last is not None else None)
-        elif last is not None and train:
+        if last is not None and train and self.loss_count is None:
             ctx.loss_divisor = float(self.n_microbatches) if self.scale_grads else 1.0
         ctx.loss_scale = self.loss_scale
-        if pipe is not None and pipe.symbols:
-            ctx.bindings = self._share_symbols(pipe, ctx)
-        return ctx
+        return self._local_symbols(pipe, ctx) if pipe is not None and pipe.symbols else None
 
     def _shared_item_count(self, targets: list | None) -> float:
         """The batch's item count (``loss_count`` over every microbatch's target), worked out
@@ -278,7 +308,8 @@ class PipelineSchedule:
                                 "loss_count for a mean over microbatches")
         return value
 
-    def _share_symbols(self, pipe: Any, ctx: StepContext) -> dict:
+    @staticmethod
+    def _local_symbols(pipe: Any, ctx: StepContext) -> torch.Tensor:
         values = torch.zeros(len(pipe.symbols), dtype=torch.int64)
         if ctx.flat_inputs is not None:
             first = pipe.bind_symbols(ctx.flat_inputs[0])
@@ -287,6 +318,9 @@ class PipelineSchedule:
                     raise PipelineError(f"microbatch {mb} has different dynamic sizes than microbatch 0: "
                                         f"{pipe.bind_symbols(flat)} vs {first}")
             values = torch.tensor([first[s.symbol] for s in pipe.symbols], dtype=torch.int64)
+        return values
+
+    def _share_symbols(self, pipe: Any, values: torch.Tensor) -> dict:
         if self.world > 1:
             # One tiny message per step: the rank given the data tells everyone the sizes.
             dist.broadcast(values, group=self.group, group_src=self.placement[0])
@@ -444,16 +478,6 @@ def train_mode_ops(pipe: Any) -> list[tuple[int, str, str]]:
     return cached
 
 
-def replace_placement(order: Order, num_stages: int, num_ranks: int, src: str, dst: str) -> Order:
-    """The same per-rank sequence of stage *chunks* (first, second, ... stage a rank holds)
-    under another placement: with p=4, loop's stage 5 (rank 1, chunk 1) becomes V's stage 6."""
-    src_stages = rank_to_stages(num_stages, num_ranks, src)
-    dst_stages = rank_to_stages(num_stages, num_ranks, dst)
-    mapping = {s: dst_stages[r][c] for r, stages in src_stages.items() for c, s in enumerate(stages)}
-    return {r: [None if a is None else Action(mapping[a.stage], a.kind, a.mb) for a in acts]
-            for r, acts in order.items()}
-
-
 class ScheduleFromOrder(PipelineSchedule):
     """Run a hand-written order (an ``{rank: [Action | None]}`` dict or a CSV path/text).
 
@@ -476,7 +500,7 @@ class ScheduleFromOrder(PipelineSchedule):
         if sorted(order) != list(range(self.world)):
             raise ScheduleError(f"the order has rows for ranks {sorted(order)} but the group has {self.world} ranks")
         validate(order, self.num_stages, self.n_microbatches, links=self.links)
-        return order, infer_placement(order)
+        return order, placement_of_order(order)
 
 
 def _make(name: str, order_name: str, doc: str) -> type[PipelineSchedule]:
@@ -537,7 +561,8 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
     if not spec.fits(pipe.num_stages, world):
         raise ValueError(f"{pipe.num_stages} stages on {world} rank{'s' if world > 1 else ''}: {cls.__name__} needs "
                          f"{spec.stage_rule()}. What would work: {spec.nearest(pipe.num_stages, world)}")
-    mine = rank_to_stages(pipe.num_stages, world, kwargs.get("placement") or spec.placement)[rank]
+    where = cls.stage_placement(pipe.num_stages, world, kwargs.get("placement"))
+    mine = sorted(s for s, r in where.items() if r == rank)
     stages = [pipe.build_stage(s, device, group, activation_checkpoint=activation_checkpoint,
                                mixed_precision=mixed_precision, compile=compile) for s in mine]
     return cls(stages, n_microbatches, loss_fn, **kwargs)

@@ -27,7 +27,7 @@ from .actions import Action, ActionKind, Order
 from .deps import Link, chain_links, deps_function
 from .lower import Peers, peer_table
 from .messages import Channel, Message, action_messages, recv_action, required_messages, send_action
-from .placement import stage_to_rank
+from .placement import PlacementConflict, resolve_placement
 from .render import format_order
 
 __all__ = ["ScheduleError", "validate"]
@@ -124,9 +124,13 @@ def validate(
     """
     if num_stages < 1 or n_microbatches < 1:
         raise ValueError(f"need num_stages >= 1 and n_microbatches >= 1, got {num_stages}, {n_microbatches}")
-    fixed = None if placement is None else stage_to_rank(num_stages, max(len(order), 1), placement)
+    try:  # the one set of placement rules, in placement.py; None: read off the order
+        where = resolve_placement(placement, num_stages, max(len(order), 1), order)
+    except PlacementConflict as e:
+        raise ScheduleError(f"stage {e.stage} already has actions on rank {e.home}; a stage lives on one rank",
+                            rank=e.rank, step=e.step, action=e.action, order=order) from None
     link_list = chain_links(num_stages) if links is None else list(links)
-    check = _Checker(order, num_stages, n_microbatches, link_list, fixed)
+    check = _Checker(order, num_stages, n_microbatches, link_list, where)
     check.scan()
     check.completeness()
     if check.lowered:
@@ -147,13 +151,12 @@ class _Checker:
         num_stages: int,
         n_microbatches: int,
         links: list[Link],
-        placement: dict[int, int] | None,
+        placement: dict[int, int],
     ) -> None:
         self.order = order
         self.S, self.M = num_stages, n_microbatches
         self.links = links
-        self.fixed = placement is not None
-        self.where: dict[int, int] = dict(placement) if placement is not None else {}
+        self.where: dict[int, int] = dict(placement)
         self.pos: list[Pos | None] = [None] * (len(_KINDS) * num_stages * n_microbatches)
         self.comms: list[tuple[int, int, Action]] = []  # (rank, step, comm action)
         self.lowered = False
@@ -174,7 +177,7 @@ class _Checker:
 
     # -- pass 1: ids, placement, duplicates ------------------------------------
     def scan(self) -> None:
-        S, M, where, pos, fixed = self.S, self.M, self.where, self.pos, self.fixed
+        S, M, where, pos = self.S, self.M, self.where, self.pos
         comms, code_of = self.comms, _CODE
         for rank in sorted(self.order):
             for step, a in enumerate(self.order[rank]):
@@ -187,10 +190,9 @@ class _Checker:
                 s, mb = a.stage, a.mb
                 if s >= S or mb >= M:
                     self._out_of_range(a, (rank, step))
-                home = where[s] if fixed else where.setdefault(s, rank)
+                home = where[s]  # given, or read off the order (placement.placement_of_order)
                 if home != rank:
-                    first = "is placed on" if fixed else "already has actions on"
-                    self.fail(f"stage {s} {first} rank {home}; a stage lives on one rank", (rank, step), a)
+                    self.fail(f"stage {s} is placed on rank {home}; a stage lives on one rank", (rank, step), a)
                 code = code_of[a.kind._value_]
                 if code >= _SEND_F:  # many comm actions may share (kind, stage, mb): one per peer
                     comms.append((rank, step, a))
@@ -202,7 +204,7 @@ class _Checker:
                 pos[k] = (rank, step)
         self.lowered = bool(comms)
         missing = sorted(set(range(S)) - set(where))
-        if missing:  # only possible without a fixed placement: a stage with no actions
+        if missing:  # only possible for a placement read off the order: a stage with no actions
             self.fail(f"stage {missing[0]} has no actions on any rank", None, Action(missing[0], F, 0))
         self.table = peer_table(S, self.links, where)
 

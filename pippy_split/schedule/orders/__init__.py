@@ -5,7 +5,9 @@ stages_per_rank) -> Order``: compute actions only (F, B, I, W) per rank in
 execution order, no torch, no process group. Lowering adds the comms later.
 :data:`ORDERS` says, as data, what each family needs (placement, stages per
 rank, whether the backward is split) so that stage building, lowering and
-validation never guess.
+validation never guess: each family module states it in module constants
+(``PLACEMENT``, ``STAGES_PER_RANK``, ``MIN_STAGES_PER_RANK``, ``SPLIT_BACKWARD``,
+``PAPER``) and names its stages through ``local_stages(..., PLACEMENT)``.
 
 Example:
     >>> spec = get_order_spec("zbvzerobubble")
@@ -19,9 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, Literal
+from typing import Callable
 
 from ..actions import Order
+from ..placement import STYLES, PlacementArg, Style, stage_to_rank
 from . import (
     dualpipe_v,
     gpipe,
@@ -43,7 +46,7 @@ class OrderSpec:
     """Registry name, e.g. ``"ZBVZeroBubble"``."""
     compute_order: Callable[..., Order]
     """``(num_ranks, n_microbatches, stages_per_rank) -> Order``."""
-    placement: Literal["loop", "v"]
+    placement: Style
     """Stage-to-rank style the order assumes (see :mod:`..placement`)."""
     stages_per_rank: int | None
     """Fixed stages per rank, or ``None`` for any ``>= min_stages_per_rank``."""
@@ -55,7 +58,7 @@ class OrderSpec:
     """Where the schedule comes from."""
 
     def __post_init__(self) -> None:
-        if self.placement not in ("loop", "v"):
+        if self.placement not in STYLES:
             raise ValueError(f"{self.name}: placement must be 'loop' or 'v', got {self.placement!r}")
         if self.stages_per_rank is not None and self.stages_per_rank < self.min_stages_per_rank:
             raise ValueError(f"{self.name}: stages_per_rank {self.stages_per_rank} < min {self.min_stages_per_rank}")
@@ -63,6 +66,16 @@ class OrderSpec:
     def default_stages_per_rank(self) -> int:
         """The fixed count, else the minimum."""
         return self.stages_per_rank if self.stages_per_rank is not None else self.min_stages_per_rank
+
+    def stage_placement(self, num_stages: int, num_ranks: int, style: PlacementArg | None = None) -> dict[int, int]:
+        """``{stage: rank}`` for this family (or under ``style``, an override), via
+        :func:`~pippy_split.schedule.placement.stage_to_rank`.
+
+        Example:
+            >>> get_order_spec("ZBVZeroBubble").stage_placement(4, 2)
+            {0: 0, 1: 1, 2: 1, 3: 0}
+        """
+        return stage_to_rank(num_stages, num_ranks, self.placement if style is None else style)
 
     def stage_rule(self) -> str:
         """Which stage counts the family accepts, in words.
@@ -105,30 +118,27 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}{'s' if n != 1 else ''}"
 
 
-def _spec(
-    name: str, module: ModuleType, placement: str, stages: int | None, min_stages: int, split: bool, paper: str
-) -> OrderSpec:
+def _spec(name: str, module: ModuleType) -> OrderSpec:
+    """A family's entry, from what its module states as data (``PLACEMENT``, ``STAGES_PER_RANK``, ...)."""
     return OrderSpec(
         name=name,
         compute_order=module.compute_order,
-        placement=placement,  # type: ignore[arg-type]
-        stages_per_rank=stages,
-        min_stages_per_rank=min_stages,
-        split_backward=split,
-        paper=paper,
+        placement=module.PLACEMENT,
+        stages_per_rank=module.STAGES_PER_RANK,
+        min_stages_per_rank=module.MIN_STAGES_PER_RANK,
+        split_backward=module.SPLIT_BACKWARD,
+        paper=module.PAPER,
     )
 
 
-_ZB_PAPER = "Qi et al. 2024, Zero Bubble Pipeline Parallelism (ICLR)"
 _SPECS = [
-    # name, module, placement, stages per rank (None = any), min stages, split backward, paper
-    _spec("GPipe", gpipe, "loop", 1, 1, False, "Huang et al. 2019, GPipe (NeurIPS)"),
-    _spec("1F1B", one_f_one_b, "loop", 1, 1, False, "Narayanan et al. 2021, PipeDream-Flush (ICML)"),
-    _spec("Interleaved1F1B", interleaved_1f1b, "loop", None, 2, False, "Narayanan et al. 2021, Megatron-LM (SC)"),
-    _spec("LoopedBFS", looped_bfs, "loop", None, 1, False, "Lamy-Poirier 2023, Breadth-First Pipeline Parallelism"),
-    _spec("InterleavedZeroBubble", interleaved_zero_bubble, "loop", None, 1, True, _ZB_PAPER + ", ZB-H1"),
-    _spec("ZBVZeroBubble", zbv_zero_bubble, "v", 2, 2, True, _ZB_PAPER + ", ZB-V"),
-    _spec("DualPipeV", dualpipe_v, "v", 2, 2, True, "DeepSeek-AI 2024, DeepSeek-V3 Technical Report (DualPipe)"),
+    _spec("GPipe", gpipe),
+    _spec("1F1B", one_f_one_b),
+    _spec("Interleaved1F1B", interleaved_1f1b),
+    _spec("LoopedBFS", looped_bfs),
+    _spec("InterleavedZeroBubble", interleaved_zero_bubble),
+    _spec("ZBVZeroBubble", zbv_zero_bubble),
+    _spec("DualPipeV", dualpipe_v),
 ]
 
 ORDERS: dict[str, OrderSpec] = {spec.name: spec for spec in _SPECS}

@@ -3,7 +3,8 @@
 Every generator is a pure function ``(num_ranks, n_microbatches,
 stages_per_rank) -> Order``; this module holds what they have in common:
 argument checks with errors that say what is required, and the per-rank
-stage lists for a placement (from :mod:`pippy_split.schedule.placement`).
+stage lists for a placement (:func:`~pippy_split.schedule.placement.local_stages`,
+re-exported: a generator names its stages through it, never by formula).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 from collections import deque
 
 from ..actions import Action, ActionKind
-from ..placement import rank_to_stages
+from ..placement import local_stages
 
-__all__ = ["check_sizes", "local_stages", "RankOps", "F", "B", "I", "W", "Action"]
+__all__ = ["check_sizes", "local_stages", "RankOps", "F", "B", "I", "W", "Action", "ZB_PAPER"]
+
+ZB_PAPER = "Qi et al. 2024, Zero Bubble Pipeline Parallelism (ICLR)"
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
@@ -36,11 +39,6 @@ def check_sizes(
         raise ValueError(f"{family} needs stages_per_rank >= {min_stages}, got {stages_per_rank}")
     if n_microbatches < 1:
         raise ValueError(f"{family} needs n_microbatches >= 1, got {n_microbatches}")
-
-
-def local_stages(num_ranks: int, stages_per_rank: int, style: str) -> dict[int, list[int]]:
-    """``{rank: [stages, ascending]}`` for ``num_ranks * stages_per_rank`` stages."""
-    return rank_to_stages(num_ranks * stages_per_rank, num_ranks, style)
 
 
 class RankOps:

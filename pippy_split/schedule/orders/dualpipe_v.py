@@ -30,10 +30,17 @@ chunk 1::
 from __future__ import annotations
 
 from ..actions import Order
-from ..placement import rank_to_stages
-from .common import Action, RankOps, check_sizes
+from ..placement import Style
+from .common import Action, RankOps, check_sizes, local_stages
 
 __all__ = ["compute_order"]
+
+# What this family needs, as data (read by the registry in orders/__init__.py):
+PLACEMENT: Style = "v"
+STAGES_PER_RANK: int | None = 2  # None: any count >= MIN_STAGES_PER_RANK
+MIN_STAGES_PER_RANK = 2
+SPLIT_BACKWARD = True  # whether the order uses I and W
+PAPER = "DeepSeek-AI 2024, DeepSeek-V3 Technical Report (DualPipe)"
 
 
 def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 2) -> Order:
@@ -48,7 +55,7 @@ def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 2)
         raise ValueError(
             f"DualPipeV needs n_microbatches >= 2 * num_ranks - 1 = {2 * num_ranks - 1}, got {n_microbatches}"
         )
-    stages = rank_to_stages(2 * num_ranks, num_ranks, "v")
+    stages = local_stages(num_ranks, stages_per_rank, PLACEMENT)
     return {r: _rank_order(r, num_ranks, n_microbatches, *stages[r]) for r in range(num_ranks)}
 
 

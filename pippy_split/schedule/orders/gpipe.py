@@ -15,9 +15,17 @@ p=2, m=3, unit costs (F=1, B=2); digits are microbatches, ``.`` is idle::
 from __future__ import annotations
 
 from ..actions import Order
-from .common import B, F, Action, check_sizes
+from ..placement import Style
+from .common import B, F, Action, check_sizes, local_stages
 
 __all__ = ["compute_order"]
+
+# What this family needs, as data (read by the registry in orders/__init__.py):
+PLACEMENT: Style = "loop"
+STAGES_PER_RANK: int | None = 1  # None: any count >= MIN_STAGES_PER_RANK
+MIN_STAGES_PER_RANK = 1
+SPLIT_BACKWARD = False  # whether the order uses I and W
+PAPER = "Huang et al. 2019, GPipe (NeurIPS)"
 
 
 def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Order:
@@ -29,4 +37,7 @@ def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 1)
     """
     check_sizes("GPipe", num_ranks, n_microbatches, stages_per_rank, exact_stages=1)
     mbs = range(n_microbatches)
-    return {r: [Action(r, F, mb) for mb in mbs] + [Action(r, B, mb) for mb in mbs] for r in range(num_ranks)}
+    order: Order = {}
+    for r, (stage,) in local_stages(num_ranks, stages_per_rank, PLACEMENT).items():
+        order[r] = [Action(stage, F, mb) for mb in mbs] + [Action(stage, B, mb) for mb in mbs]
+    return order

@@ -24,9 +24,17 @@ the second local stage::
 from __future__ import annotations
 
 from ..actions import Order
-from .common import B, F, Action, check_sizes
+from ..placement import Style
+from .common import B, F, Action, check_sizes, local_stages
 
 __all__ = ["compute_order", "microbatch_groups", "virtual_sequence"]
+
+# What this family needs, as data (read by the registry in orders/__init__.py):
+PLACEMENT: Style = "loop"
+STAGES_PER_RANK: int | None = None  # None: any count >= MIN_STAGES_PER_RANK
+MIN_STAGES_PER_RANK = 2
+SPLIT_BACKWARD = False  # whether the order uses I and W
+PAPER = "Narayanan et al. 2021, Megatron-LM (SC)"
 
 
 def microbatch_groups(n_microbatches: int, num_ranks: int) -> list[range]:
@@ -63,10 +71,13 @@ def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 2)
     return {r: _rank_order(r, num_ranks, n_microbatches, stages_per_rank) for r in range(num_ranks)}
 
 
-def virtual_sequence(rank: int, p: int, groups: list[range], v: int, backward: bool) -> list[tuple[int, int]]:
-    """``(stage, mb)`` in the order this rank visits them: per group, chunk by chunk."""
-    chunks = range(v - 1, -1, -1) if backward else range(v)
-    return [(c * p + rank, mb) for group in groups for c in chunks for mb in group]
+def virtual_sequence(rank: int, p: int, groups: list[range], v: int, backward: bool,
+                     style: Style = PLACEMENT) -> list[tuple[int, int]]:
+    """``(stage, mb)`` in the order this rank visits them: per group, chunk by chunk
+    (chunk ``c`` is the rank's ``c``-th stage under placement ``style``)."""
+    stages = local_stages(p, v, style)[rank]
+    chunks = stages[::-1] if backward else stages
+    return [(s, mb) for group in groups for s in chunks for mb in group]
 
 
 def _rank_order(rank: int, p: int, m: int, v: int) -> list[Action | None]:

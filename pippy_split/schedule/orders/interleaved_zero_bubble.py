@@ -25,10 +25,19 @@ p=2, v=1, m=3, unit costs (F=I=W=1)::
 from __future__ import annotations
 
 from ..actions import Order
+from ..placement import Style
+from .common import ZB_PAPER
 from .common import RankOps, check_sizes
 from .interleaved_1f1b import microbatch_groups, virtual_sequence
 
 __all__ = ["compute_order"]
+
+# What this family needs, as data (read by the registry in orders/__init__.py):
+PLACEMENT: Style = "loop"
+STAGES_PER_RANK: int | None = None  # None: any count >= MIN_STAGES_PER_RANK
+MIN_STAGES_PER_RANK = 1
+SPLIT_BACKWARD = True  # whether the order uses I and W
+PAPER = ZB_PAPER + ", ZB-H1"
 
 
 def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Order:
@@ -46,8 +55,8 @@ def _rank_order(rank: int, p: int, m: int, v: int) -> list:
     groups = microbatch_groups(m, p)
     # Each stage's microbatches come in increasing order in these sequences, so
     # RankOps' per-stage counters give back the right mb.
-    fwd = [s for s, _ in virtual_sequence(rank, p, groups, v, backward=False)]
-    bwd = [s for s, _ in virtual_sequence(rank, p, groups, v, backward=True)]
+    fwd = [s for s, _ in virtual_sequence(rank, p, groups, v, backward=False, style=PLACEMENT)]
+    bwd = [s for s, _ in virtual_sequence(rank, p, groups, v, backward=True, style=PLACEMENT)]
     warmup = min((v - 1) * len(groups[0]) + (p - 1 - rank), len(fwd))
     ops = RankOps()
     for stage in fwd[:warmup]:

@@ -18,9 +18,17 @@ p=2, 2 stages/rank (stages 0,2 on rank 0; 1,3 on rank 1), m=2, F=1, B=2;
 from __future__ import annotations
 
 from ..actions import Order
+from ..placement import Style
 from .common import B, F, Action, check_sizes, local_stages
 
 __all__ = ["compute_order"]
+
+# What this family needs, as data (read by the registry in orders/__init__.py):
+PLACEMENT: Style = "loop"
+STAGES_PER_RANK: int | None = None  # None: any count >= MIN_STAGES_PER_RANK
+MIN_STAGES_PER_RANK = 1
+SPLIT_BACKWARD = False  # whether the order uses I and W
+PAPER = "Lamy-Poirier 2023, Breadth-First Pipeline Parallelism"
 
 
 def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Order:
@@ -33,7 +41,7 @@ def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 1)
     check_sizes("LoopedBFS", num_ranks, n_microbatches, stages_per_rank)
     mbs = range(n_microbatches)
     order: Order = {}
-    for rank, stages in local_stages(num_ranks, stages_per_rank, "loop").items():
+    for rank, stages in local_stages(num_ranks, stages_per_rank, PLACEMENT).items():
         fwd = [Action(s, F, mb) for s in stages for mb in mbs]
         bwd = [Action(s, B, mb) for s in reversed(stages) for mb in reversed(mbs)]
         order[rank] = fwd + bwd

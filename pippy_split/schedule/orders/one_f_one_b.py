@@ -20,9 +20,17 @@ p=2, m=3, unit costs (F=1, B=2)::
 from __future__ import annotations
 
 from ..actions import Order
-from .common import B, F, Action, check_sizes
+from ..placement import Style
+from .common import B, F, Action, check_sizes, local_stages
 
 __all__ = ["compute_order"]
+
+# What this family needs, as data (read by the registry in orders/__init__.py):
+PLACEMENT: Style = "loop"
+STAGES_PER_RANK: int | None = 1  # None: any count >= MIN_STAGES_PER_RANK
+MIN_STAGES_PER_RANK = 1
+SPLIT_BACKWARD = False  # whether the order uses I and W
+PAPER = "Narayanan et al. 2021, PipeDream-Flush (ICML)"
 
 
 def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Order:
@@ -33,13 +41,14 @@ def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 1)
         ['0F0', '0F1', '0B0', '0F2', '0B1', '0B2']
     """
     check_sizes("1F1B", num_ranks, n_microbatches, stages_per_rank, exact_stages=1)
-    return {r: _rank_order(r, num_ranks, n_microbatches) for r in range(num_ranks)}
+    stages = local_stages(num_ranks, stages_per_rank, PLACEMENT)
+    return {r: _rank_order(r, num_ranks, n_microbatches, stages[r][0]) for r in range(num_ranks)}
 
 
-def _rank_order(rank: int, p: int, m: int) -> list[Action | None]:
+def _rank_order(rank: int, p: int, m: int, stage: int) -> list[Action | None]:
     warmup = min(p - 1 - rank, m)
-    ops: list[Action | None] = [Action(rank, F, mb) for mb in range(warmup)]
+    ops: list[Action | None] = [Action(stage, F, mb) for mb in range(warmup)]
     for i in range(m - warmup):  # steady state: the next forward, then the oldest backward
-        ops += [Action(rank, F, warmup + i), Action(rank, B, i)]
-    ops += [Action(rank, B, mb) for mb in range(m - warmup, m)]
+        ops += [Action(stage, F, warmup + i), Action(stage, B, i)]
+    ops += [Action(stage, B, mb) for mb in range(m - warmup, m)]
     return ops

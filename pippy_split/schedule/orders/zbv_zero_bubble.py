@@ -32,12 +32,19 @@ p=2 (stages 0,3 on rank 0; 1,2 on rank 1), m=4, F=I=W=1; ``'`` marks chunk 1
 from __future__ import annotations
 
 from ..actions import Order
-from ..placement import stage_to_rank
+from ..placement import Style, stage_to_rank
 from ..simulate import simulate
-from .common import RankOps, check_sizes
+from .common import ZB_PAPER, RankOps, check_sizes, local_stages
 from .greedy import best_greedy_order
 
 __all__ = ["compute_order"]
+
+# What this family needs, as data (read by the registry in orders/__init__.py):
+PLACEMENT: Style = "v"
+STAGES_PER_RANK: int | None = 2  # None: any count >= MIN_STAGES_PER_RANK
+MIN_STAGES_PER_RANK = 2
+SPLIT_BACKWARD = True  # whether the order uses I and W
+PAPER = ZB_PAPER + ", ZB-V"
 
 
 def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 2) -> Order:
@@ -48,18 +55,18 @@ def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 2)
         ['0F0', '1F0', '1I0', '1W0', '0I0', '0W0']
     """
     check_sizes("ZBVZeroBubble", num_ranks, n_microbatches, stages_per_rank, exact_stages=2)
-    pattern = {r: _rank_pattern(r, num_ranks, n_microbatches) for r in range(num_ranks)}
+    chunks = local_stages(num_ranks, stages_per_rank, PLACEMENT)
+    pattern = {r: _rank_pattern(r, num_ranks, n_microbatches, *chunks[r]) for r in range(num_ranks)}
     if n_microbatches >= 2 * num_ranks - 1:
         return pattern
     # Too few microbatches for the pattern's steady state: let the greedy fill
     # the holes, and keep it only where it is really shorter.
-    placement = stage_to_rank(2 * num_ranks, num_ranks, "v")
+    placement = stage_to_rank(stages_per_rank * num_ranks, num_ranks, PLACEMENT)
     greedy = best_greedy_order(placement, num_ranks, n_microbatches, [2 * num_ranks] * num_ranks)
     return greedy if simulate(greedy).makespan < simulate(pattern).makespan else pattern
 
 
-def _rank_pattern(r: int, p: int, m: int) -> list:
-    c0, c1 = r, 2 * p - 1 - r
+def _rank_pattern(r: int, p: int, m: int, c0: int, c1: int) -> list:
     n = max(m, 2 * p - 1)  # the pattern is drawn for >= 2p - 1 microbatches
     ops = RankOps(m)  # ... and actions on the missing ones are dropped
     for _ in range(2 * (p - r) - 1):  # 1
