@@ -19,19 +19,20 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 from .actions import Action, ActionKind, Order
 from .deps import DepIndex, Link, chain_links
+from .event_loop import CODE, KINDS, Encoded, LoopRun, encode, held_peaks, requirement_table, run_loop
 from .messages import Message, action_messages, recv_action, send_action
+from .placement import placement_of_order
 
-__all__ = ["Simulation", "simulate", "DEFAULT_COSTS", "BatchRun", "run_batches"]
+__all__ = ["Simulation", "simulate", "DEFAULT_COSTS", "CostSpec", "stage_cost_table", "BatchRun", "run_batches"]
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
 DEFAULT_COSTS: dict[str, float] = {"F": 1.0, "I": 1.0, "W": 1.0}
 
-Key = tuple[int, ActionKind, int]  # (stage, kind, mb)
 _COMM = frozenset(k for k in ActionKind if k.is_comm)
 
 
@@ -46,11 +47,22 @@ class Simulation:
     peak_activations: dict[int, int]
     """Per rank, the most ``(stage, mb)`` forward activations held at once
     (held from F until B, or until W when the backward is split)."""
-    timeline: dict[int, list[tuple[float, float, Action]]]
-    """Per rank, ``(start, end, action)`` in execution order."""
     num_ranks: int
     costs: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_COSTS))
-    """Cost per action kind used (``B`` included)."""
+    """Cost per action kind used (``B`` included); with per-stage costs, stage 0's."""
+    peak_bytes: dict[int, float] | None = None
+    """Per rank, the most activation bytes held at once (``activation_bytes`` of each
+    stage from its F until its backward ends, plus ``workspace_bytes`` while a
+    backward runs); ``None`` when :func:`simulate` got no ``activation_bytes``."""
+    _timeline: dict[int, list[tuple[float, float, Action]]] | None = field(default=None, repr=False)
+    _build: Callable[[], dict[int, list[tuple[float, float, Action]]]] | None = field(default=None, repr=False)
+
+    @property
+    def timeline(self) -> dict[int, list[tuple[float, float, Action]]]:
+        """Per rank, ``(start, end, action)`` in execution order (built on first use)."""
+        if self._timeline is None:
+            self._timeline = self._build() if self._build is not None else {}
+        return self._timeline
 
     def __str__(self) -> str:
         from . import render
@@ -74,76 +86,81 @@ class Simulation:
         return render.render_html(self)
 
 
-def _cost_table(costs: Mapping[str, float] | None) -> dict[ActionKind, float]:
+CostSpec = Union[Mapping[Any, float], Callable[[int, str], float], None]
+"""``{"F": t, ...}`` per kind, ``{(stage, "F"): t, ...}`` per stage and kind (the two
+may mix: a stage's missing kind takes the kind's value), or ``f(stage, kind) -> t``."""
+
+
+def _kind_defaults(costs: Mapping[Any, float] | None) -> dict[str, float]:
     merged = dict(DEFAULT_COSTS)
     if costs:
-        unknown = sorted(set(costs) - {"F", "B", "I", "W"})
-        if unknown:
-            raise ValueError(f"unknown cost keys {unknown}: expected some of F, I, W (and B to override I + W)")
-        merged.update({k: float(v) for k, v in costs.items()})
-    merged.setdefault("B", merged["I"] + merged["W"])
-    table = {kind: 0.0 for kind in ActionKind}  # comm actions cost nothing
-    table.update({F: merged["F"], B: merged["B"], I: merged["I"], W: merged["W"]})
+        flat = {k: v for k, v in costs.items() if not isinstance(k, tuple)}
+        unknown = sorted(map(str, set(flat) - {"F", "B", "I", "W"}))
+        bad = [k for k in costs if isinstance(k, tuple) and (len(k) != 2 or str(k[1]) not in ("F", "B", "I", "W"))]
+        if unknown or bad:
+            raise ValueError(f"unknown cost keys {unknown or bad}: expected some of F, I, W (and B to override "
+                             "I + W), or (stage, kind) pairs such as (0, 'F')")
+        merged.update({k: float(v) for k, v in flat.items()})
+    return merged
+
+
+def stage_cost_table(costs: CostSpec, num_stages: int) -> list[float]:
+    """Cost of each ``code * S + stage`` (codes of :mod:`.event_loop`: F, I, W, B).
+
+    Example:
+        >>> stage_cost_table({"F": 2, (1, "F"): 5}, 2)[:2], stage_cost_table(None, 1)
+        ([2.0, 5.0], [1.0, 1.0, 1.0, 2.0])
+    """
+    S = num_stages
+    table = [0.0] * (4 * S)
+    if callable(costs):
+        for s in range(S):
+            f, i, w = (float(costs(s, k)) for k in "FIW")
+            table[s], table[S + s], table[2 * S + s] = f, i, w
+            try:
+                b = costs(s, "B")
+            except (KeyError, ValueError):
+                b = None
+            table[3 * S + s] = i + w if b is None else float(b)
+        return table
+    kinds = _kind_defaults(costs)
+    per = {(int(k[0]), str(k[1])): float(v) for k, v in (costs or {}).items() if isinstance(k, tuple)}
+    for s in range(S):
+        f, i, w = (per.get((s, k), kinds[k]) for k in "FIW")
+        b = per.get((s, "B"), kinds["B"] if "B" in kinds else i + w)
+        table[s], table[S + s], table[2 * S + s], table[3 * S + s] = f, i, w, b
     return table
 
 
-def _stage_ranks(order: Order) -> dict[int, int]:
-    """Rank of each stage: the rank whose list holds its F (else any compute action)."""
-    ranks: dict[int, int] = {}
-    fallback: dict[int, int] = {}
-    for rank, actions in order.items():
-        for a in actions:
-            if a is None:
-                continue
-            if a.kind is F:
-                ranks.setdefault(a.stage, rank)
-            elif a.kind not in _COMM:
-                fallback.setdefault(a.stage, rank)
-    return {**fallback, **ranks}
+def _kind_summary(table: list[float], num_stages: int) -> dict[str, float]:
+    if num_stages == 0:
+        table, num_stages = stage_cost_table(None, 1), 1
+    return {k.value: table[c * num_stages] for c, k in enumerate(KINDS)}
 
 
-class _Requirements:
-    """What each compute action of a compute-only order waits for: ``(stage, kind, extra
-    latency)`` triples, the same for every microbatch, so they are worked out once per
-    (stage, kind, rank). (Lowered orders run under the batch rule: :func:`run_batches`.)"""
-
-    def __init__(self, index: DepIndex, stage_rank: dict[int, int], latency: float) -> None:
-        self.index, self.stage_rank, self.latency = index, stage_rank, latency
-        self.cache: dict[tuple[int, ActionKind, int], tuple[tuple[int, ActionKind, float], ...]] = {}
-
-    def _remote(self, stage: int, rank: int) -> bool:
-        # A stage that never runs counts as remote, so waiting on it reports a deadlock.
-        return self.stage_rank.get(stage, -1) != rank
-
-    def of(self, stage: int, kind: ActionKind, rank: int) -> tuple[tuple[int, ActionKind, float], ...]:
-        key = (stage, kind, rank)
-        found = self.cache.get(key)
-        if found is None:
-            deps = self.index.keys(stage, kind, 0)
-            found = self.cache[key] = tuple((ds, dk, self.latency if self._remote(ds, rank) else 0.0)
-                                            for ds, dk, _ in deps)
-        return found
+def _latency_fn(comm_latency: float | Mapping[tuple[int, int], float]) -> Callable[[int, int], float]:
+    if isinstance(comm_latency, Mapping):
+        table = {(int(a), int(b)): float(t) for (a, b), t in comm_latency.items()}
+        return lambda src, dst: table.get((src, dst), table.get((dst, src), 0.0))
+    value = float(comm_latency)
+    return lambda src, dst: value
 
 
-def _peak_activations(actions: Iterable[Action | None]) -> int:
-    held = peak = 0
-    for a in actions:
-        if a is None:
-            continue
-        if a.kind is F:
-            held += 1
-            peak = max(peak, held)
-        elif a.kind is B or a.kind is W:
-            held -= 1
-    return peak
+def _per_stage(values: Mapping[int, float] | Sequence[float] | None, num_stages: int) -> list[float] | None:
+    if values is None:
+        return None
+    if isinstance(values, Mapping):
+        return [float(values.get(s, 0.0)) for s in range(num_stages)]
+    out = [float(v) for v in values]
+    return out + [0.0] * (num_stages - len(out))
 
 
-def _deadlock_error(order: Order, ptr: dict[int, int], blocked_on: dict[int, Key]) -> ValueError:
+def _deadlock_error(order: Order, enc: Encoded, run: LoopRun) -> ValueError:
     lines = []
-    for rank in sorted(blocked_on):
-        stage, kind, mb = blocked_on[rank]
-        action = order[rank][ptr[rank]]
-        lines.append(f"rank {rank} step {ptr[rank]} ({action}) waits for {stage}{kind.value}{mb}")
+    for rank in sorted(run.blocked):
+        stage, kind, mb = enc.action(run.blocked[rank])
+        step = enc.steps(order, rank)[len(run.starts[rank])]
+        lines.append(f"rank {rank} step {step} ({order[rank][step]}) waits for {stage}{kind.value}{mb}")
     return ValueError(
         "schedule deadlocks: no rank can progress; "
         + "; ".join(lines[:8])
@@ -153,20 +170,29 @@ def _deadlock_error(order: Order, ptr: dict[int, int], blocked_on: dict[int, Key
 
 def simulate(
     order: Order,
-    costs: Mapping[str, float] | None = None,
+    costs: CostSpec = None,
     *,
     links: Iterable[Link] | None = None,
-    comm_latency: float = 0.0,
+    comm_latency: float | Mapping[tuple[int, int], float] = 0.0,
+    activation_bytes: Mapping[int, float] | Sequence[float] | None = None,
+    workspace_bytes: Mapping[int, float] | Sequence[float] | None = None,
 ) -> Simulation:
     """Simulate ``order`` and report makespan, bubble and activation memory.
 
     Args:
         order: ``{rank: [Action | None, ...]}``, compute-only or lowered.
         costs: time per kind, keys among ``F``, ``I``, ``W`` (default 1 each) and
-            ``B`` (default ``I + W``). SEND/RECV cost 0.
+            ``B`` (default ``I + W``); or per stage and kind, ``{(stage, "F"): t}``
+            (missing pairs take the kind's value); or a function ``(stage, kind) -> t``.
+            SEND/RECV cost 0.
         links: ``(src, dst, carries_grad)`` stage links; default the linear chain
             over ``max stage + 1`` stages.
-        comm_latency: added when a value crosses ranks.
+        comm_latency: added when a value crosses ranks: one number, or per link
+            ``{(src_stage, dst_stage): t}`` (the gradient back takes the same time).
+        activation_bytes: per stage (list or ``{stage: bytes}``), what one microbatch
+            holds from its F until its backward ends (B, or W); gives ``peak_bytes``.
+        workspace_bytes: per stage, extra bytes while one of its backwards (B or I)
+            runs (e.g. activations recomputed under checkpointing).
 
     Returns:
         A :class:`Simulation`.
@@ -180,81 +206,78 @@ def simulate(
         >>> sim = simulate(get_order_spec("1F1B").compute_order(4, 8))
         >>> sim.makespan, round(sim.bubble_fraction, 3)
         (33.0, 0.273)
+        >>> sim = simulate(get_order_spec("1F1B").compute_order(2, 4), {(1, "F"): 3}, activation_bytes=[10, 20])
+        >>> sim.makespan, sim.peak_bytes
+        (23.0, {0: 20.0, 1: 20.0})
     """
-    cost = _cost_table(costs)
-    stages = [a.stage for acts in order.values() for a in acts if a is not None]
-    num_stages = max(stages) + 1 if stages else 0
-    lowered = any(a is not None and a.kind in _COMM for acts in order.values() for a in acts)
-    if lowered:
-        return _simulate_batches(order, cost, chain_links(num_stages) if links is None else list(links),
-                                 num_stages, float(comm_latency))
-    index = DepIndex(chain_links(num_stages) if links is None else links, num_stages)
-    reqs = _Requirements(index, _stage_ranks(order), float(comm_latency))
-
-    done: dict[Key, float] = {}
-    waiting: dict[Key, list[int]] = {}
-    ptr = {r: 0 for r in order}
-    free = {r: 0.0 for r in order}
-    timeline: dict[int, list[tuple[float, float, Action]]] = {r: [] for r in order}
-    blocked_on: dict[int, Key] = {}
-    queue = deque(order)
-
-    def finish(key: Key, end: float) -> None:
-        if key not in done:
-            done[key] = end
-            woken = waiting.pop(key, None)
-            if woken:
-                queue.extend(woken)
-
-    templates = reqs.cache  # (stage, kind, rank) -> requirements, filled on first use
-    while queue:
-        rank = queue.popleft()
-        actions = order[rank]
-        blocked_on.pop(rank, None)
-        pos, t_free, rows = ptr[rank], free[rank], timeline[rank]
-        while pos < len(actions):
-            a = actions[pos]
-            if a is None:
-                pos += 1
-                continue
-            stage, kind, mb = a.stage, a.kind, a.mb
-            needs = templates.get((stage, kind, rank)) or reqs.of(stage, kind, rank)
-            start = t_free
-            missing = None
-            for ds, dk, lat in needs:
-                end = done.get((ds, dk, mb))
-                if end is None:
-                    missing = (ds, dk, mb)
-                    break
-                if end + lat > start:
-                    start = end + lat
-            if missing is not None:
-                waiting.setdefault(missing, []).append(rank)
-                blocked_on[rank] = missing
-                break
-            t_free = start + cost[kind]
-            rows.append((start, t_free, a))
-            pos += 1
-            key = (stage, kind, mb)
-            if key not in done:
-                done[key] = t_free
-                woken = waiting.pop(key, None)
-                if woken:
-                    queue.extend(woken)
-            if kind is B:  # a full backward also delivers the input gradient
-                finish((stage, I, mb), t_free)
-        ptr[rank], free[rank] = pos, t_free
-
-    if blocked_on:
-        raise _deadlock_error(order, ptr, blocked_on)
-    return _summarize(order, timeline, cost)
+    link_list = None if links is None else list(links)
+    latency = _latency_fn(comm_latency)
+    try:
+        enc = encode(order)
+    except KeyError:  # a SEND/RECV: a lowered order, run under the batch rule
+        num_stages = max((a.stage + 1 for acts in order.values() for a in acts if a is not None), default=0)
+        table = stage_cost_table(costs, num_stages)
+        return _simulate_batches(order, table, chain_links(num_stages) if link_list is None else link_list,
+                                 num_stages, latency, _per_stage(activation_bytes, num_stages),
+                                 _per_stage(workspace_bytes, num_stages))
+    num_stages = enc.num_stages
+    table = stage_cost_table(costs, num_stages)
+    link_list = chain_links(num_stages) if link_list is None else link_list
+    reqs = requirement_table(DepIndex(link_list, num_stages), placement_of_order(order), enc.num_mb, latency)
+    run = run_loop(enc, reqs, table)
+    if run.blocked:
+        raise _deadlock_error(order, enc, run)
+    makespan = max((run.free[r] for r in enc.ranks if enc.keys[r]), default=0.0)
+    M = enc.num_mb
+    busy = sum(table[k // M] for r in enc.ranks for k in enc.keys[r])
+    return _finish(order, enc, makespan, busy, table, activation_bytes, workspace_bytes,
+                   lambda: _timeline(order, enc, run, table))
 
 
-def _simulate_batches(order: Order, cost: dict, links: list[Link], num_stages: int, latency: float) -> Simulation:
+def _finish(order: Order, enc: Encoded, makespan: float, busy: float, table: list[float], activation_bytes,
+            workspace_bytes, build: Callable) -> Simulation:
+    S = enc.num_stages
+    counts = held_peaks(enc, [1.0] * S)
+    held = _per_stage(activation_bytes, S)
+    peak_bytes = None
+    if held is not None:
+        work = _per_stage(workspace_bytes, S)
+        extra = None
+        if work is not None:  # only while a backward that rebuilds or reads them runs (B or I)
+            extra = [0.0] * S + work + [0.0] * S + work
+        peak_bytes = held_peaks(enc, held, extra)
+    num_ranks = len(order)
+    return Simulation(
+        makespan=makespan,
+        bubble_fraction=1.0 - busy / (num_ranks * makespan) if makespan > 0 else 0.0,
+        peak_activations={r: int(counts[r]) for r in order},
+        num_ranks=num_ranks,
+        costs=_kind_summary(table, S),
+        peak_bytes=peak_bytes,
+        _build=build,
+    )
+
+
+def _timeline(order: Order, enc: Encoded, run: LoopRun, table: list[float]) -> dict:
+    out, M = {}, enc.num_mb
+    for r in enc.ranks:
+        acts = [a for a in order[r] if a is not None]
+        out[r] = [(s, s + table[k // M], a) for s, k, a in zip(run.starts[r], enc.keys[r], acts)]
+    return out
+
+
+def _simulate_batches(order: Order, table: list[float], links: list[Link], num_stages: int,
+                      latency: Callable[[int, int], float], activation_bytes: list[float] | None,
+                      workspace_bytes: list[float] | None) -> Simulation:
     """A lowered order under the batch rule (see the module docstring)."""
     from .lower import peer_table
 
-    run = run_batches(order, peer_table(num_stages, links, _stage_ranks(order)), cost, latency)
+    S = num_stages
+
+    def cost(stage: int, kind: ActionKind) -> float:
+        return table[CODE[kind._value_] * S + stage]
+
+    run = run_batches(order, peer_table(num_stages, links, placement_of_order(order)), cost, latency)
     if run.blocked:
         lines = []
         for r in sorted(run.blocked):
@@ -263,7 +286,11 @@ def _simulate_batches(order: Order, cost: dict, links: list[Link], num_stages: i
             lines.append(f"rank {r} step {run.ptr[r]} ({order[r][run.ptr[r]]}) waits for {other}")
         raise ValueError("schedule deadlocks: no rank can progress; " + "; ".join(lines[:8])
                          + (f"; ... and {len(lines) - 8} more ranks" if len(lines) > 8 else ""))
-    return _summarize(order, run.timeline, cost)
+    compute = {r: [a if a is not None and a.kind.is_compute else None for a in acts] for r, acts in order.items()}
+    enc = encode(compute, num_stages)
+    makespan = max((t[-1][1] for t in run.timeline.values() if t), default=0.0)
+    busy = sum(end - start for t in run.timeline.values() for start, end, _ in t)
+    return _finish(order, enc, makespan, busy, table, activation_bytes, workspace_bytes, lambda: run.timeline)
 
 
 @dataclass
@@ -280,19 +307,25 @@ class BatchRun:
     """``(rank, step) -> messages`` each comm action posts, in posting order."""
 
 
-def run_batches(order: Order, table: dict, cost: Mapping[ActionKind, float] | None = None,
-                latency: float = 0.0) -> BatchRun:
+def run_batches(order: Order, table: dict,
+                cost: Mapping[ActionKind, float] | Callable[[int, ActionKind], float] | None = None,
+                latency: float | Callable[[int, int], float] = 0.0) -> BatchRun:
     """Run a lowered order under NCCL's batch rule, the one event loop that ``simulate``
     (times) and ``validate`` (deadlocks) share: a rank posts a batch once it reaches it
     and its previous batch completed; a batch completes once every message in it has its
     counterpart posted (plus ``latency``); a compute action waits only for the batches
     that receive what it consumes. Ranks that can never go on are left in ``blocked``.
+    ``cost`` is per kind or ``f(stage, kind)``; ``latency`` one number or
+    ``f(src_stage, dst_stage)`` per message.
 
     Raises:
         ValueError: a comm action names a peer it does not exchange with (from
             :func:`~pippy_split.schedule.messages.action_messages`).
     """
-    cost = cost or {}
+    if not callable(cost):
+        by_kind = dict(cost or {})
+        cost = lambda stage, kind: by_kind.get(kind, 0.0)  # noqa: E731
+    lat = latency if callable(latency) else (lambda src, dst, value=float(latency): value)
     posted: dict[tuple[Message, bool], float] = {}  # (message, by its sender?) -> time posted
     waiting: dict[tuple[Message, bool], list[int]] = {}
     arrival: dict[Message, float] = {}  # completion time of the batch that receives it
@@ -316,7 +349,7 @@ def run_batches(order: Order, table: dict, cost: Mapping[ActionKind, float] | No
                 start = free[rank]
                 for m in _consumed(a, table):
                     start = max(start, arrival.get(m, start))
-                free[rank] = start + cost.get(a.kind, 0.0)
+                free[rank] = start + cost(a.stage, a.kind)
                 timeline[rank].append((start, free[rank], a))
                 pos += 1
                 continue
@@ -338,7 +371,8 @@ def run_batches(order: Order, table: dict, cost: Mapping[ActionKind, float] | No
                 waiting.setdefault(missing, []).append(rank)
                 blocked[rank] = missing
                 break
-            done = max([t_post] + [posted[(m, not side)] for m, side in ops]) + latency
+            done = max((max(t_post, posted[(m, not side)]) + lat(m.sender, m.receiver) for m, side in ops),
+                       default=t_post + lat(-1, -1))
             for m, side in ops:
                 if not side:
                     arrival[m] = done
@@ -359,18 +393,3 @@ def _consumed(a: Action, table: dict) -> list[Message]:
     if a.kind is B or a.kind is I:
         return [Message("B", dst, a.stage, a.mb) for dst in peers.recv_b]
     return []
-
-
-def _summarize(order: Order, timeline: dict[int, list[tuple[float, float, Action]]], cost: dict) -> Simulation:
-    num_ranks = len(order)
-    makespan = max((t[-1][1] for t in timeline.values() if t), default=0.0)
-    busy = sum(end - start for t in timeline.values() for start, end, _ in t)
-    bubble = 1.0 - busy / (num_ranks * makespan) if makespan > 0 else 0.0
-    return Simulation(
-        makespan=makespan,
-        bubble_fraction=bubble,
-        peak_activations={r: _peak_activations(order[r]) for r in order},
-        timeline=timeline,
-        num_ranks=num_ranks,
-        costs={k.value: v for k, v in cost.items() if k.is_compute},
-    )
