@@ -18,9 +18,9 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from ..split.spec import MODEL_INPUT, TensorSpec
+from ..split.spec import MODEL_INPUT, Edge, InputKind, StageInput, TensorSpec, gather_inputs
 from ..stage.errors import PipelineError
-from ..stage.stage import InputSlot, PipelineStage, Route
+from ..stage.stage import PipelineStage
 from ..stage.transport import P2P, Batch, P2POp, Pending
 from .actions import Action, ActionKind
 
@@ -76,11 +76,11 @@ class Interpreter:
         }
         self._fwd_inbox: dict[tuple[int, int], dict[tuple[int, int], torch.Tensor]] = {}
         self._bwd_inbox: dict[tuple[int, int], dict[int, list[torch.Tensor]]] = {}
-        self._outbox: dict[tuple[int, int], list[tuple[Route, torch.Tensor]]] = {}
-        self._grad_outbox: dict[tuple[int, int], list[tuple[InputSlot, torch.Tensor]]] = {}
+        self._outbox: dict[tuple[int, int], list[tuple[Edge, torch.Tensor]]] = {}
+        self._grad_outbox: dict[tuple[int, int], list[tuple[StageInput, torch.Tensor]]] = {}
         # receives posted but not yet waited for: (stage, mb) -> [(slot or route, Pending)]
-        self._fwd_pending: dict[tuple[int, int], list[tuple[InputSlot, Pending]]] = {}
-        self._bwd_pending: dict[tuple[int, int], list[tuple[Route, Pending]]] = {}
+        self._fwd_pending: dict[tuple[int, int], list[tuple[StageInput, Pending]]] = {}
+        self._bwd_pending: dict[tuple[int, int], list[tuple[Edge, Pending]]] = {}
         self._sends: list[Batch] = []
         self._shapes: dict[int, tuple[int, ...]] = {}
         self._steps: dict[int, list[Action | list[Action]]] = {}  # id(actions) -> compute actions and batches
@@ -217,25 +217,20 @@ class Interpreter:
             box = self._bwd_inbox.setdefault((stage, mb), {})
             for route, p in pending:
                 self.p2p.wait_recv(p)
-                box.setdefault(route.src_index, []).append(p.result())
+                box.setdefault(route.src_output, []).append(p.result())
 
     def _gather(self, stage: PipelineStage, mb: int, ctx: StepContext) -> list[Any]:
         self._arrived_forward(stage.stage_index, mb)
         inbox = self._fwd_inbox.pop((stage.stage_index, mb), {})
-        args = []
-        for slot in stage.in_slots:
-            if slot.kind == "model":
-                args.append(_to(ctx.flat_inputs[mb][slot.src_output], stage.device))
-            elif slot.kind == "symbol":
-                args.append(int(slot.expr.xreplace(ctx.bindings)))
-            else:
-                key = (slot.src_stage, slot.src_output)
-                if key not in inbox:
-                    raise PipelineError(f"stage {stage.stage_index}, microbatch {mb}: input {slot.index} from "
-                                        f"{_who(slot.src_stage)} output {slot.src_output} has not arrived "
-                                        "(the schedule ran a forward before its input was received)")
-                args.append(inbox[key])
-        return args
+
+        def missing(slot: StageInput) -> None:
+            raise PipelineError(f"stage {stage.stage_index}, microbatch {mb}: input {slot.index} from "
+                                f"{_who(slot.src_stage)} output {slot.src_output} has not arrived "
+                                "(the schedule ran a forward before its input was received)")
+
+        flat = ctx.flat_inputs[mb] if ctx.flat_inputs is not None else None
+        args = gather_inputs(stage.in_slots, flat, inbox, ctx.bindings, on_missing=missing)
+        return [_to(a, stage.device) if slot.kind is InputKind.MODEL else a for a, slot in zip(args, stage.in_slots)]
 
     def _check(self, t: Any, spec: TensorSpec | None, ctx: StepContext, what: str) -> None:
         if spec is None or not isinstance(t, torch.Tensor):
@@ -261,16 +256,16 @@ class Interpreter:
         if stage.is_last:
             ctx.outputs[a.mb] = stage.model_output(tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs))
         for route in stage.routes:
-            value = _to(ctx.flat_inputs[a.mb][route.src_index], stage.device) if route.from_input else outs[route.src_index]
+            value = _to(ctx.flat_inputs[a.mb][route.src_output], stage.device) if route.from_input else outs[route.src_output]
             what = f"stage {a.stage}, microbatch {a.mb}, forward to stage {route.dst_stage} (rank {self.stage_rank[route.dst_stage]})"
             self._check(value, route.spec, ctx, what)
             if ctx.train and route.spec is not None and not route.spec.carries_grad and not route.from_input \
                     and isinstance(value, torch.Tensor) and value.requires_grad:
-                raise PipelineError(f"{what}: value {route.src_index} requires grad at run time but the traced "
+                raise PipelineError(f"{what}: value {route.src_output} requires grad at run time but the traced "
                                     "edge says it does not; its gradient would be lost")
             if self._local(route.dst_stage):
                 box = self._fwd_inbox.setdefault((route.dst_stage, a.mb), {})
-                box[(MODEL_INPUT if route.from_input else a.stage, route.src_index)] = self._received(value, route.spec)
+                box[(route.src_stage, route.src_output)] = self._received(value, route.spec)
             else:
                 self._outbox.setdefault((a.stage, a.mb), []).append((route, value))
 
@@ -282,7 +277,7 @@ class Interpreter:
     def _deliver_grads(self, stage: PipelineStage, mb: int, grads: dict[int, torch.Tensor]) -> None:
         for i, g in grads.items():
             slot = stage.in_slots[i]
-            if slot.kind != "edge" or slot.src_stage == MODEL_INPUT:
+            if slot.kind is not InputKind.EDGE or slot.src_stage == MODEL_INPUT:
                 continue
             if self._local(slot.src_stage):
                 self._bwd_inbox.setdefault((slot.src_stage, mb), {}).setdefault(slot.src_output, []).append(g)
@@ -317,7 +312,7 @@ class Interpreter:
         ops, sent = [], []
         for dst in self._peers(a, [r.dst_stage for r, _ in entries]):
             mine = sorted((e for e in entries if e[0].dst_stage == dst),
-                          key=lambda e: (e[0].from_input, e[0].src_index, e[0].dst_input))
+                          key=lambda e: (e[0].from_input, e[0].src_output, e[0].dst_input))
             peer = self.stage_rank[dst]
             what = f"stage {a.stage} sending the forward of microbatch {a.mb} to stage {dst} on rank {peer}"
             ops += [(P2P.send_op(value, peer, what, self._tag(0, a.stage, dst, a.mb, k)), None)
@@ -335,7 +330,7 @@ class Interpreter:
 
     def _recv_forward(self, a: Action, ctx: StepContext) -> list[tuple[P2POp, Any]]:
         stage = self.stages[a.stage]
-        remote = [sl for sl in stage.in_slots if sl.kind == "edge" and not self._local(sl.sender_stage)]
+        remote = [sl for sl in stage.in_slots if sl.kind is InputKind.EDGE and not self._local(sl.sender_stage)]
         ops = []
         for src in self._peers(a, [sl.sender_stage for sl in remote]):
             peer = self.stage_rank[src]
@@ -371,7 +366,7 @@ class Interpreter:
             peer = self.stage_rank[dst]
             what = (f"stage {a.stage} waiting for the gradient of microbatch {a.mb} from stage {dst} "
                     f"on rank {peer}")
-            mine = sorted((r for r in remote if r.dst_stage == dst), key=lambda r: (r.src_index, r.dst_input))
+            mine = sorted((r for r in remote if r.dst_stage == dst), key=lambda r: (r.src_output, r.dst_input))
             for k, route in enumerate(mine):
                 ops.append(self._recv_op(route.spec, stage, peer, what, ctx, self._bwd_pending, (a.stage, a.mb),
                                          route, self._tag(1, dst, a.stage, a.mb, k)))
@@ -392,7 +387,7 @@ class Interpreter:
                 if stage.in_slots is None:
                     stage.in_slots = _build_slots(stage, described.get(s, []))
                 if not stage.routes:
-                    _manual_routes(stage, _fake_outputs(stage, ctx))
+                    stage.routes = _manual_routes(stage, _fake_outputs(stage, ctx))
                 header = _encode_routes(stage.routes).to(device)
             if self.p2p is not None:
                 if header is None:
@@ -409,7 +404,7 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.co
            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 
 
-def _encode_routes(routes: list[Route]) -> torch.Tensor:
+def _encode_routes(routes: list[Edge]) -> torch.Tensor:
     """Plain int64 metadata (no pickling): count, then per route
     [src_output, dst_input, ndim, dtype code, requires_grad, dims...]."""
     if len(routes) > _HEADER_ROWS:
@@ -417,13 +412,11 @@ def _encode_routes(routes: list[Route]) -> torch.Tensor:
     header = torch.zeros(1 + _HEADER_ROWS * _HEADER_COLS, dtype=torch.int64)
     header[0] = len(routes)
     for k, r in enumerate(routes):
-        if r.spec is None:
-            raise PipelineError(f"output {r.src_index} sent to stage {r.dst_stage} is not a tensor")
         if len(r.spec.shape) > _MAX_DIMS or r.spec.dtype not in _DTYPES:
-            raise PipelineError(f"output {r.src_index} of a hand-built stage has more than {_MAX_DIMS} dims or an "
+            raise PipelineError(f"output {r.src_output} of a hand-built stage has more than {_MAX_DIMS} dims or an "
                                 f"unsupported dtype {r.spec.dtype} (supported: {_DTYPES}); build the stages with "
                                 "pipeline() instead")
-        row = [r.src_index, r.dst_input, r.dst_stage, len(r.spec.shape), _DTYPES.index(r.spec.dtype),
+        row = [r.src_output, r.dst_input, r.dst_stage, len(r.spec.shape), _DTYPES.index(r.spec.dtype),
                int(r.spec.requires_grad), *r.spec.shape]
         header[1 + k * _HEADER_COLS: 1 + k * _HEADER_COLS + len(row)] = torch.tensor(row)
     return header
@@ -440,7 +433,7 @@ def _decode_routes(header: torch.Tensor, src: int) -> list[tuple[int, int, int, 
     return out
 
 
-def _build_slots(stage: PipelineStage, described: list[tuple[int, int, int, TensorSpec]]) -> list[InputSlot]:
+def _build_slots(stage: PipelineStage, described: list[tuple[int, int, int, TensorSpec]]) -> list[StageInput]:
     """Slots of a hand-built stage: declared positions first, chain values fill the rest in order."""
     fixed = {d: (src, out, spec) for src, out, d, spec in described if d >= 0}
     chain = sorted(((out, src, spec) for src, out, d, spec in described if d < 0))
@@ -453,7 +446,7 @@ def _build_slots(stage: PipelineStage, described: list[tuple[int, int, int, Tens
         if i not in placed:
             raise PipelineError(f"stage {stage.stage_index}: nothing is sent to input {i}")
         src, out, spec = placed[i]
-        slots.append(InputSlot(i, "edge", src, out, spec))
+        slots.append(StageInput(i, InputKind.EDGE, edge=Edge(src, out, stage.stage_index, i, spec)))
     return slots
 
 
@@ -507,14 +500,14 @@ def _who(stage: int) -> str:
     return "the model input" if stage == MODEL_INPUT else f"stage {stage}"
 
 
-def _manual_routes(stage: PipelineStage, outs: tuple) -> None:
-    """Routes of a hand-built stage, from its declared outputs_to and the chain."""
+def _manual_routes(stage: PipelineStage, outs: tuple) -> list[Edge]:
+    """Routes (outgoing edges) of a hand-built stage, from its declared outputs_to and the chain."""
+    routes = []
     for i, out in enumerate(outs):
-        spec = None
-        if isinstance(out, torch.Tensor):
-            spec = TensorSpec(tuple(out.shape), out.dtype, bool(out.requires_grad))
-        if i in stage.outputs_to:
-            for dst, dst_in in stage.outputs_to[i]:
-                stage.routes.append(Route(i, dst, dst_in, spec))
-        elif not stage.is_last:
-            stage.routes.append(Route(i, stage.stage_index + 1, -1, spec))
+        dsts = stage.outputs_to[i] if i in stage.outputs_to else [] if stage.is_last else [(stage.stage_index + 1, -1)]
+        if dsts and not isinstance(out, torch.Tensor):
+            raise PipelineError(f"output {i} sent to stage {dsts[0][0]} is not a tensor")
+        for dst, dst_in in dsts:
+            routes.append(Edge(stage.stage_index, i, dst, dst_in,
+                               TensorSpec(tuple(out.shape), out.dtype, bool(out.requires_grad))))
+    return routes

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..microbatch import merge_chunks, split_args_kwargs
+from ..split.spec import InputKind
 from ..stage.errors import PipelineError
 from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
@@ -253,13 +254,13 @@ class PipelineSchedule:
         first = self._has(lambda s: s.is_first)
         last = self._has(lambda s: s.is_last)
         needs_inputs = first is not None or any(
-            s.pipe is not None and any(sl.kind == "model" for sl in s.in_slots or []) for s in self.stages)
+            s.pipe is not None and any(sl.kind is InputKind.MODEL for sl in s.in_slots or []) for s in self.stages)
         pipe = self.stages[0].pipe
         if needs_inputs:
             if not args and not kwargs:
                 raise PipelineError(f"rank {self.rank} holds stage {first.stage_index if first else '?'} which reads "
                                     "the model inputs, but step() was called without inputs")
-            names = pipe._traced.example_arg_names if pipe is not None else None
+            names = pipe.arg_names if pipe is not None else None
             mbs = split_args_kwargs(tuple(args), dict(kwargs), n, self.args_chunk_spec, self.kwargs_chunk_spec,
                                     names=names)
             if pipe is not None:
@@ -463,7 +464,7 @@ def train_mode_ops(pipe: Any) -> list[tuple[int, str, str]]:
     """``(stage, op, module)`` for every op of the pipe's graphs that behaves differently
     in train mode and was traced in it (dropout with ``train=True``, batch norm with
     ``training=True``). Empty for a pipe traced in eval mode. Cached on the pipe."""
-    cached = pipe.__dict__.get("_train_mode_ops")
+    cached = pipe.derived.get("train_mode_ops")
     if cached is None:
         cached = []
         for info in pipe.stages:
@@ -474,7 +475,7 @@ def train_mode_ops(pipe: Any) -> list[tuple[int, str, str]]:
                 stack = node.meta.get("nn_module_stack") or {}
                 module = next(reversed(stack.values()))[0] if stack else "?"
                 cached.append((info.index, str(node.target).split(".")[1], module))
-        pipe.__dict__["_train_mode_ops"] = cached
+        pipe.derived["train_mode_ops"] = cached
     return cached
 
 

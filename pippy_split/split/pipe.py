@@ -1,8 +1,10 @@
 """``Pipe``: the split model — stage modules, edges, summary — and ``pipeline()``.
 
 End of the split half of the flow (split → **Pipe** → stage → schedule → runtime).
-A Pipe runs all its stages in one process (``pipe(x) == model(x)``) and builds
-the ``PipelineStage`` of any stage for a rank.
+A Pipe runs all its stages in one process (``pipe(x) == model(x)``); it knows
+stages, never ranks. ``pipe.build_stage(i)`` is the one-line entry to the stage
+layer (``PipelineStage.from_pipe``), which asks the Pipe for the stage's filled
+module (:meth:`Pipe.fill_stage_module`) and its inputs and edges.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .partition import check_balance, check_split_spec, plan_stages
-from .spec import MODEL_INPUT, Edge, SymbolSource
+from .spec import MODEL_INPUT, Edge, SymbolSource, gather_inputs
 from .stage_graph import StageInfo, build_stages
 from .trace import Traced, trace_model
 
@@ -35,7 +37,8 @@ class Pipe:
     """
 
     def __init__(self, traced: Traced, stages: list[StageInfo], edges: list[Edge], symbols: list[SymbolSource],
-                 output_leaves: list[tuple[str, Any]], shared_parameters: dict, model_name: str) -> None:
+                 output_leaves: list[tuple[str, Any]], shared_parameters: dict, model_name: str,
+                 model: torch.nn.Module | None = None, balance: Any = None) -> None:
         self._traced = traced
         self.stages = stages
         self.edges = edges
@@ -43,8 +46,10 @@ class Pipe:
         self._output_leaves = output_leaves
         self.shared_parameters = shared_parameters
         self.model_name = model_name
-        self._model: torch.nn.Module | None = None  # the traced model (not modified); set by pipeline()
-        self.balance = None  # BalanceReport; set by pipeline()
+        self._model = model  # the traced model (not modified): owners initialise a meta stage's tensors
+        self.balance = balance  # BalanceReport of pipeline(balance=...), or None
+        self.derived: dict[str, Any] = {}
+        """Facts other layers work out from the pipe once and keep here (e.g. autocast edge specs)."""
 
     @property
     def num_stages(self) -> int:
@@ -54,6 +59,28 @@ class Pipe:
     def input_names(self) -> list[str]:
         """The model's flattened input names, in the order stages refer to them."""
         return list(self._traced.user_inputs)
+
+    @property
+    def arg_names(self) -> list[str]:
+        """Names of the arguments the traced example passed positionally (for splitting
+        ``step()``'s inputs by name)."""
+        return list(self._traced.example_arg_names)
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        """The whole model's exported graph (before the cut)."""
+        return self._traced.graph
+
+    def example_inputs(self) -> tuple[list[Any], dict[sympy.Symbol, int]]:
+        """The traced example, without its data: per flat input a tensor's ``(shape, dtype)``
+        (sizes as traced) or a non-tensor's value; and each dynamic symbol's example value.
+
+        Example:
+            >>> pipe.example_inputs()  # doctest: +SKIP
+            ([((4, 16), torch.float32)], {})
+        """
+        inputs = self._traced.example_inputs()
+        return inputs, {s.symbol: inputs[s.input_index][0][s.dim] for s in self.symbols}
 
     def get_stage_module(self, stage_index: int) -> torch.fx.GraphModule:
         """The ``nn.Module`` of one stage; its ``state_dict()`` keys are the model's own FQNs."""
@@ -75,17 +102,10 @@ class Pipe:
 
     def stage_inputs(self, stage_index: int, flat_inputs: Sequence[Any], values: dict[tuple[int, int], Any],
                      bindings: dict) -> list[Any]:
-        """Gather one stage's positional inputs from model inputs and produced values."""
-        out = []
-        for src in self.stages[stage_index].inputs:
-            if src.kind == "input":
-                out.append(flat_inputs[src.index])
-            elif src.kind == "edge":
-                e = src.edge
-                out.append(flat_inputs[e.src_output] if e.src_stage == MODEL_INPUT else values[(e.src_stage, e.src_output)])
-            else:
-                out.append(int(src.expr.xreplace(bindings)))
-        return out
+        """Gather one stage's positional inputs from model inputs and produced values
+        (``values[(stage, output)]``); see :func:`~pippy_split.split.spec.gather_inputs`."""
+        produced = {**{(MODEL_INPUT, i): x for i, x in enumerate(flat_inputs)}, **values}
+        return gather_inputs(self.stages[stage_index].inputs, flat_inputs, produced, bindings)
 
     def unflatten_outputs(self, last_stage_outputs: Sequence[Any]) -> Any:
         """Rebuild the model's output structure (tuples, dicts, ModelOutput) from the last stage's outputs."""
@@ -106,12 +126,13 @@ class Pipe:
 
     # ---- building stages for ranks -------------------------------------------------
     def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: Any = None, *,
-                    state_dict: Any = None, seed: int = 0, activation_checkpoint: str | None = None,
+                    state_dict: Any = None, seed: int = 0, activation_checkpoint: Any = None,
                     mixed_precision: torch.dtype | None = None, compile: Any = False, strict: bool = True):
         """The :class:`pippy_split.PipelineStage` for one stage, its module moved to ``device``.
 
         ``activation_checkpoint="full"`` recomputes the stage before its backward
-        instead of keeping its activations; ``mixed_precision=torch.bfloat16`` runs it
+        instead of keeping its activations, a list of module FQN patterns
+        (``["blocks.*"]``) only the calls of the matching modules; ``mixed_precision=torch.bfloat16`` runs it
         under autocast; ``compile=True`` through ``torch.compile`` (see
         :class:`pippy_split.PipelineStage`).
 
@@ -128,7 +149,21 @@ class Pipe:
         keys and their closest matches. ``strict=False`` loads the keys that match
         and keeps (or, on meta, initialises) the rest.
         """
-        from ..stage import PipelineStage
+        from ..stage import PipelineStage  # the stage layer builds stages; the Pipe fills their tensors
+
+        return PipelineStage.from_pipe(self, stage_index, device=device, group=group, state_dict=state_dict,
+                                       seed=seed, strict=strict, activation_checkpoint=activation_checkpoint,
+                                       mixed_precision=mixed_precision, compile=compile)
+
+    def fill_stage_module(self, stage_index: int, device: torch.device | str | None = None, *,
+                          state_dict: Any = None, seed: int = 0, strict: bool = True) -> torch.fx.GraphModule:
+        """One stage's module with real tensors: a meta stage allocated on ``device`` and
+        initialised (see :meth:`build_stage`), ``state_dict``'s values loaded. Used by
+        ``PipelineStage.from_pipe``; the module is not moved otherwise.
+
+        Example:
+            >>> module = pipe.fill_stage_module(1, "cpu", state_dict=model.state_dict())  # doctest: +SKIP
+        """
         from .materialize import fill_stage
 
         self._check_index(stage_index)
@@ -137,11 +172,10 @@ class Pipe:
             known = {k for st in self.stages for k in st.module.state_dict()}
             known.update(self._model.state_dict() if self._model is not None else ())
         canonical = {name: names[0] for name, names in self._traced.aliases.items()}
-        fill_stage(self.stages[stage_index].module, stage_index, self._model, known, device, state_dict=state_dict,
-                   seed=seed, canonical=canonical, strict=strict)
-        return PipelineStage.from_pipe(self, stage_index, device=device, group=group,
-                                       activation_checkpoint=activation_checkpoint, mixed_precision=mixed_precision,
-                                       compile=compile)
+        module = self.stages[stage_index].module
+        fill_stage(module, stage_index, self._model, known, device, state_dict=state_dict, seed=seed,
+                   canonical=canonical, strict=strict)
+        return module
 
     # ---- summaries ---------------------------------------------------------------
     def __repr__(self) -> str:
@@ -224,8 +258,5 @@ def pipeline(
     if split_spec is None and plan.num_stages == 1:
         pass  # a single stage is a valid (if pointless) pipe
     built = build_stages(traced, plan, model)
-    pipe = Pipe(traced, built.stages, built.edges, built.symbols, built.output_leaves, built.shared_parameters,
-                type(model).__name__)
-    pipe._model = model
-    pipe.balance = plan.balance
-    return pipe
+    return Pipe(traced, built.stages, built.edges, built.symbols, built.output_leaves, built.shared_parameters,
+                type(model).__name__, model=model, balance=plan.balance)

@@ -1,24 +1,40 @@
-"""What crosses a cut: ``TensorSpec`` (shape, dtype, grad) and ``Edge`` (sender → receiver).
+"""What crosses a cut: ``TensorSpec`` (shape, dtype, grad), ``Edge`` (sender → receiver)
+and ``StageInput`` (where each positional input of a stage comes from).
 
 Produced by the partitioner, read by the stage layer (buffer sizes, which values
-get gradients) and the schedule lowering (who talks to whom).
+get gradients), the runtime (what to receive, what to send: a stage's routes are
+its outgoing ``Edge`` objects) and the schedule lowering (who talks to whom). The one
+description of a stage's inputs, for a Pipe's stages and hand-built ones alike.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import sympy
 import torch
 
-__all__ = ["MODEL_INPUT", "TensorSpec", "Edge", "SymbolSource"]
+__all__ = ["MODEL_INPUT", "TensorSpec", "Edge", "SymbolSource", "InputKind", "StageInput", "sender_of",
+           "gather_inputs"]
 
 # src_stage of an Edge whose value is a model input. The rank that holds stage 0
 # (the one given the data) sends it straight to the stage that reads it.
 MODEL_INPUT = -1
 
 Dim = "int | sympy.Expr"
+
+
+def sender_of(src_stage: int) -> int:
+    """The stage whose rank sends a value produced by ``src_stage``: itself, or stage 0
+    (the rank given the data) for a model input (``src_stage == MODEL_INPUT``).
+
+    Example:
+        >>> sender_of(MODEL_INPUT), sender_of(3)
+        (0, 3)
+    """
+    return 0 if src_stage == MODEL_INPUT else src_stage
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,7 @@ class Edge:
     src_output: int
     dst_stage: int
     dst_input: int
+    """Input position at ``dst_stage``; ``-1`` on a hand-built stage's route: the next free chain input."""
     spec: TensorSpec
     name: str = ""
 
@@ -85,7 +102,7 @@ class Edge:
     @property
     def sender_stage(self) -> int:
         """The stage whose rank sends this value (stage 0 for model inputs)."""
-        return 0 if self.from_input else self.src_stage
+        return sender_of(self.src_stage)
 
     @property
     def is_skip(self) -> bool:
@@ -104,3 +121,105 @@ class SymbolSource:
     symbol: sympy.Symbol
     input_index: int
     dim: int
+
+
+class InputKind(str, enum.Enum):
+    """Where a stage input's value comes from (a ``str`` enum: ``InputKind.MODEL == "input"``)."""
+
+    MODEL = "input"
+    """A model input the stage reads itself (from ``step()``'s arguments)."""
+    EDGE = "edge"
+    """A value another stage sends along :attr:`StageInput.edge` (a model input forwarded
+    by stage 0's rank included: its edge starts at :data:`MODEL_INPUT`)."""
+    SYMBOL = "symbol"
+    """A size computed from the step's dynamic-shape symbols (:attr:`StageInput.expr`)."""
+
+
+@dataclass(frozen=True)
+class StageInput:
+    """Positional input ``index`` of a stage module and where its value comes from.
+
+    The one description of a stage input: a Pipe's stages list them
+    (``StageInfo.inputs``), a ``PipelineStage`` holds them as ``in_slots`` (their edges'
+    specs as its precision gives them; a hand-built stage learns its own on the first
+    step), and :func:`gather_inputs` turns them into arguments, in one process
+    (``pipe(x)``) and in the runtime alike.
+
+    Example:
+        >>> e = Edge(MODEL_INPUT, 1, 2, 0, TensorSpec((4,), torch.float32, False), "y")
+        >>> slot = StageInput(0, InputKind.EDGE, "y", edge=e)
+        >>> slot.sender_stage, slot.key
+        (0, (-1, 1))
+    """
+
+    index: int
+    kind: InputKind
+    name: str = ""
+    """The graph value it carries (for messages); empty on hand-built stages."""
+    edge: Edge | None = None
+    """:attr:`InputKind.EDGE`: the edge that brings the value."""
+    model_input: int = -1
+    """:attr:`InputKind.MODEL`: the input's index among the model's flattened inputs."""
+    expr: Any = None
+    """:attr:`InputKind.SYMBOL`: a sympy expression of the symbols."""
+
+    def __post_init__(self) -> None:
+        if (self.kind is InputKind.EDGE) != (self.edge is not None):
+            raise ValueError(f"stage input {self.index}: an edge input needs edge=, other kinds take none")
+
+    @property
+    def src_stage(self) -> int:
+        """The producing stage (:data:`MODEL_INPUT` for a model input)."""
+        return self.edge.src_stage if self.edge is not None else MODEL_INPUT
+
+    @property
+    def src_output(self) -> int:
+        """The producer's output index, or the model input's flat index."""
+        return self.edge.src_output if self.edge is not None else self.model_input
+
+    @property
+    def spec(self) -> TensorSpec | None:
+        return self.edge.spec if self.edge is not None else None
+
+    @property
+    def sender_stage(self) -> int:
+        """The stage whose rank sends this value (see :func:`sender_of`)."""
+        return sender_of(self.src_stage)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(src_stage, src_output)``: which produced value this is."""
+        return (self.src_stage, self.src_output)
+
+
+def gather_inputs(inputs: Sequence[StageInput], flat_inputs: Sequence[Any] | None,
+                  produced: Mapping[tuple[int, int], Any], bindings: Mapping[sympy.Symbol, int],
+                  on_missing: Callable[[StageInput], None] | None = None) -> list[Any]:
+    """One stage's positional arguments: model inputs from ``flat_inputs``, edge values from
+    ``produced`` (keyed by :attr:`StageInput.key`, a forwarded model input under
+    ``(MODEL_INPUT, index)``), sizes from ``bindings``.
+
+    ``on_missing(slot)`` raises the caller's error for an edge value not in ``produced``
+    (default: a ``KeyError``).
+
+    Example:
+        >>> spec = TensorSpec((1,), torch.float32, True)
+        >>> slots = [StageInput(0, InputKind.MODEL, model_input=1), StageInput(1, InputKind.EDGE, edge=Edge(0, 0, 1, 1, spec))]
+        >>> gather_inputs(slots, ["x", "y"], {(0, 0): "h"}, {})
+        ['y', 'h']
+    """
+    out = []
+    for slot in inputs:
+        if slot.kind is InputKind.MODEL:
+            if flat_inputs is None:
+                raise ValueError(f"input {slot.index} is model input {slot.model_input}, but no model inputs were given")
+            out.append(flat_inputs[slot.model_input])
+        elif slot.kind is InputKind.SYMBOL:
+            out.append(int(slot.expr.xreplace(bindings)))
+        elif slot.key in produced:
+            out.append(produced[slot.key])
+        else:
+            if on_missing is not None:
+                on_missing(slot)
+            raise KeyError(f"input {slot.index}: value {slot.key} (stage, output) was not produced")
+    return out

@@ -22,21 +22,10 @@ from .errors import SplitError
 from .grad import infer_requires_grad
 from .markers import is_split_marker
 from .partition import Plan, module_paths
-from .spec import MODEL_INPUT, Edge, SymbolSource, TensorSpec
+from .spec import MODEL_INPUT, Edge, InputKind, StageInput, SymbolSource, TensorSpec
 from .trace import Traced
 
-__all__ = ["StageSource", "StageInfo", "Built", "build_stages"]
-
-
-@dataclass(frozen=True)
-class StageSource:
-    """Where one stage input comes from: a model input, an edge, or a symbol expression."""
-
-    kind: str  # "input" | "edge" | "symbol"
-    name: str
-    index: int = -1  # flat model-input index for kind "input"
-    edge: Edge | None = None
-    expr: Any = None  # sympy expression for kind "symbol"
+__all__ = ["StageInfo", "Built", "build_stages"]
 
 
 @dataclass
@@ -45,7 +34,7 @@ class StageInfo:
 
     index: int
     module: GraphModule
-    inputs: list[StageSource]
+    inputs: list[StageInput]  # one per positional input of the module, in order
     output_names: list[str]
     output_specs: list[TensorSpec | None]
     modules: list[str]  # top-level module FQNs it runs, in order
@@ -239,7 +228,7 @@ class _Builder:
     def _build_stage(self, s, ops, reads, outs, out_index, installed):
         g = torch.fx.Graph()
         env: dict[torch.fx.Node, Any] = {}
-        sources: list[StageSource] = []
+        sources: list[StageInput] = []
         edges: list[Edge] = []
         mutated = {a for op in ops for a in mutated_args(op)}
         stage_set = set(ops)
@@ -253,19 +242,20 @@ class _Builder:
                 env[v] = val  # specialised Python value: baked in
                 continue
             env[v] = g.placeholder(v.name)
-            sources.append(StageSource("input", v.name, index=self.input_index[v.name]))
-            if s > 0:
+            if s == 0:  # the stage given the data reads it; later stages get it sent by stage 0's rank
+                sources.append(StageInput(len(sources), InputKind.MODEL, v.name, model_input=self.input_index[v.name]))
+            else:
                 spec = _spec_of(v, self.rg[v], self.known_symbols, self.rename)
-                edge = Edge(MODEL_INPUT, self.input_index[v.name], s, len(sources) - 1, spec, v.name)
+                edge = Edge(MODEL_INPUT, self.input_index[v.name], s, len(sources), spec, v.name)
                 edges.append(edge)
-                sources[-1] = StageSource("edge", v.name, index=self.input_index[v.name], edge=edge)
+                sources.append(StageInput(len(sources), InputKind.EDGE, v.name, edge=edge))
         for v in received:
             src = self.stage_of(v)
             spec = _spec_of(v, self.rg[v], self.known_symbols, self.rename)
             env[v] = g.placeholder(v.name)
             edge = Edge(src, out_index[src][v], s, len(sources), spec, v.name)
             edges.append(edge)
-            sources.append(StageSource("edge", v.name, edge=edge))
+            sources.append(StageInput(len(sources), InputKind.EDGE, v.name, edge=edge))
         for v in symbolic:
             expr = sympy.sympify(v.meta["val"].node.expr)
             if expr.is_number:
@@ -274,7 +264,7 @@ class _Builder:
             if expr.free_symbols - self.known_symbols:
                 raise SplitError(f"size {v.name!r} = {expr} crosses into stage {s} but depends on data; move the split")
             env[v] = g.placeholder(f"sym_{v.name}")
-            sources.append(StageSource("symbol", v.name, expr=expr.xreplace(self.rename)))
+            sources.append(StageInput(len(sources), InputKind.SYMBOL, v.name, expr=expr.xreplace(self.rename)))
         for v in list(env):
             if v in mutated and isinstance(env[v], torch.fx.Node):
                 # Received values are autograd leaves: an in-place op on them would fail.

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
+from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw as hint_int
 from torch.utils import _pytree as pytree
 
 from .errors import TraceError
@@ -89,6 +90,19 @@ class Traced:
     @property
     def graph(self) -> torch.fx.Graph:
         return self.ep.graph
+
+    def example_inputs(self) -> list[Any]:
+        """Per flat user input as traced: a tensor's ``(shape, dtype)`` (dynamic sizes at
+        their example value), or a non-tensor's value."""
+        vals = {n.name: n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"}
+        out: list[Any] = []
+        for name in self.user_inputs:
+            val = vals[name]
+            if isinstance(val, torch.Tensor):
+                out.append((tuple(hint_int(d) for d in val.shape), val.dtype))
+            else:
+                out.append(val if not isinstance(val, torch.SymInt) else hint_int(val))
+        return out
 
     def normalize_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Rearrange a call's arguments into the (args, kwargs) shape of the example.

@@ -12,9 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw as hint_int
 
-from ..split.spec import TensorSpec
+from ..split.spec import InputKind, StageInput, TensorSpec
 from .errors import PipelineError
 
 __all__ = ["check_mixed_precision", "autocast_edge_specs", "relax_dtype_checks"]
@@ -37,13 +36,13 @@ def autocast_edge_specs(pipe: Any, dtype: torch.dtype, device_type: str) -> dict
         >>> {specs[id(e)].dtype for e in pipe.edges if not e.from_input}  # doctest: +SKIP
         {torch.bfloat16}
     """
-    cache = pipe.__dict__.setdefault("_autocast_specs", {})
+    cache = pipe.derived.setdefault("autocast_specs", {})
     key = (dtype, device_type)
     if key in cache:
         return cache[key]
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    inputs, bindings = _example_inputs(pipe)
+    inputs, bindings = pipe.example_inputs()
     specs: dict[int, TensorSpec] = {id(e): e.spec for e in pipe.edges}
     for info in pipe.stages:
         relax_dtype_checks(info.module)
@@ -80,30 +79,13 @@ def relax_dtype_checks(module: torch.nn.Module) -> None:
         module.recompile()
 
 
-def _example_inputs(pipe: Any) -> tuple[list[Any], dict]:
-    """The traced example's flat inputs as (shape hints, dtype), and each symbol's example value."""
-    nodes = {n.name: n for n in pipe._traced.graph.nodes if n.op == "placeholder"}
-    inputs = []
-    for name in pipe._traced.user_inputs:
-        val = nodes[name].meta.get("val")
-        if isinstance(val, torch.Tensor):
-            inputs.append(((tuple(hint_int(d) for d in val.shape)), val.dtype))
-        else:
-            inputs.append(val if not isinstance(val, torch.SymInt) else hint_int(val))
-    bindings = {}
-    for sym in pipe.symbols:
-        shape = inputs[sym.input_index][0]
-        bindings[sym.symbol] = shape[sym.dim]
-    return inputs, bindings
-
-
-def _fake_arg(src: Any, inputs: list[Any], specs: dict[int, TensorSpec], bindings: dict) -> Any:
-    if src.kind == "input":
-        value = inputs[src.index]
+def _fake_arg(src: StageInput, inputs: list[Any], specs: dict[int, TensorSpec], bindings: dict) -> Any:
+    if src.kind is InputKind.MODEL:
+        value = inputs[src.model_input]
         if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.dtype):
             return torch.empty(value[0], dtype=value[1])
         return value
-    if src.kind == "symbol":
+    if src.kind is InputKind.SYMBOL:
         return int(src.expr.xreplace(bindings))
     spec = specs[id(src.edge)]
     shape = spec.concrete_shape(bindings) if spec.is_dynamic else spec.shape

@@ -9,12 +9,12 @@ backward whole (B) or split into input-grad (I) then weight-grad (W).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..split.spec import MODEL_INPUT, TensorSpec
+from ..split.spec import Edge, StageInput
 from .backward import WeightGradPlan, capturing, plan_weight_grads
 from .errors import PipelineError
 from .mixed_precision import autocast_edge_specs, check_mixed_precision
@@ -22,37 +22,8 @@ from .mixed_precision import autocast_edge_specs, check_mixed_precision
 __all__ = ["PipelineStage", "InputSlot", "Route"]
 
 
-@dataclass
-class InputSlot:
-    """Positional input ``index`` of the stage module and where its value comes from.
-
-    kind: "model" (a model input this stage reads itself, from the step's args),
-    "edge" (sent by ``src_stage`` output ``src_output``; ``src_stage == -1`` is a model
-    input forwarded by stage 0's rank), or "symbol" (a size computed from the symbols).
-    """
-
-    index: int
-    kind: str
-    src_stage: int = MODEL_INPUT
-    src_output: int = 0
-    spec: TensorSpec | None = None
-    expr: Any = None
-
-    @property
-    def sender_stage(self) -> int:
-        return 0 if self.src_stage == MODEL_INPUT else self.src_stage
-
-
-@dataclass
-class Route:
-    """Value ``src_index`` (an output, or with ``from_input`` a model input) goes to
-    ``dst_stage``'s input ``dst_input`` (-1: the next free chain input)."""
-
-    src_index: int
-    dst_stage: int
-    dst_input: int
-    spec: TensorSpec | None = None
-    from_input: bool = False
+InputSlot = StageInput  # one description of a stage input (split/spec.py); kept under the stage-layer name
+Route = Edge  # a stage's routes are its outgoing edges (dst_input -1: the next free chain input)
 
 
 @dataclass
@@ -146,33 +117,30 @@ class PipelineStage:
 
     # ---- construction from a Pipe ------------------------------------------------
     @classmethod
-    def from_pipe(cls, pipe: Any, stage_index: int, device: Any = None, group: Any = None,
+    def from_pipe(cls, pipe: Any, stage_index: int, device: Any = None, group: Any = None, *,
+                  state_dict: Any = None, seed: int = 0, strict: bool = True,
                   activation_checkpoint: str | None = None,
                   mixed_precision: torch.dtype | None = None,
                   compile: bool | Mapping[str, Any] = False) -> "PipelineStage":
-        info = pipe.stages[stage_index]
-        module = info.module
+        """The stage ``stage_index`` of ``pipe``, its module filled (``pipe.fill_stage_module``) and
+        moved to ``device``, its inputs and outgoing edges from the pipe. ``pipe.build_stage`` is
+        the documented entry; the arguments are the same.
+
+        Example:
+            >>> stage = PipelineStage.from_pipe(pipe, 1, "cpu")  # doctest: +SKIP
+        """
+        module = pipe.fill_stage_module(stage_index, device, state_dict=state_dict, seed=seed, strict=strict)
         if device is not None:
             module = module.to(device)
         stage = cls(module, stage_index, pipe.num_stages, device=device, group=group,
                     activation_checkpoint=activation_checkpoint, mixed_precision=mixed_precision,
                     compile=compile)
-        spec_of = (lambda e: e.spec) if mixed_precision is None else (
-            lambda e, specs=autocast_edge_specs(pipe, mixed_precision, stage.device.type): specs[id(e)])
         stage.pipe = pipe
-        slots = []
-        for i, src in enumerate(info.inputs):
-            if src.kind == "input":
-                slots.append(InputSlot(i, "model", MODEL_INPUT, src.index))
-            elif src.kind == "edge":
-                e = src.edge
-                slots.append(InputSlot(i, "edge", e.src_stage, e.src_output, spec_of(e)))
-            else:
-                slots.append(InputSlot(i, "symbol", expr=src.expr))
-        stage.in_slots = slots
-        for e in pipe.edges:
-            if e.src_stage == stage_index or (e.from_input and stage_index == 0):
-                stage.routes.append(Route(e.src_output, e.dst_stage, e.dst_input, spec_of(e), from_input=e.from_input))
+        retyped = (lambda e: e) if mixed_precision is None else (  # edges with the dtypes autocast gives them
+            lambda e, specs=autocast_edge_specs(pipe, mixed_precision, stage.device.type): replace(e, spec=specs[id(e)]))
+        stage.in_slots = [slot if slot.edge is None else replace(slot, edge=retyped(slot.edge))
+                          for slot in pipe.stages[stage_index].inputs]
+        stage.routes = [retyped(e) for e in pipe.edges if e.sender_stage == stage_index]
         return stage
 
     @property
@@ -184,13 +152,8 @@ class PipelineStage:
         return self.stage_index == self.num_stages - 1
 
     def links(self) -> list[tuple[int, int, bool]]:
-        """(sender stage, receiver stage, carries grad) for every value this stage sends."""
-        if self.pipe is not None:
-            out = {}
-            for r in self.routes:
-                out[(self.stage_index, r.dst_stage)] = out.get((self.stage_index, r.dst_stage), False) or (
-                    r.spec is not None and r.spec.carries_grad and not r.from_input)
-            return [(s, d, g) for (s, d), g in out.items()]
+        """(sender stage, receiver stage, carries grad) for every value a hand-built stage sends
+        (a Pipe's stages: the schedule reads ``pipe.edges``)."""
         dsts = {d for v in self.outputs_to.values() for d, _ in v}
         if not self.is_last:
             dsts.add(self.stage_index + 1)

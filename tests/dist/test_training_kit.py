@@ -152,9 +152,9 @@ def test_mixed_precision_must_be_an_autocast_dtype():
     mb = ps.split_args_kwargs(entry.args, entry.kwargs, 4)[0][0]
     pipe = ps.pipeline(entry.model, entry.split_spec, mb)
     with pytest.raises(ValueError, match=r"mixed_precision=torch.int8 is not an autocast dtype; use torch.bfloat16"):
-        ps.build_schedule(pipe, "GPipe", 4, loss_fn=entry.loss_fn, mixed_precision=torch.int8)
+        ps.build_schedule(pipe, "Interleaved1F1B", 4, loss_fn=entry.loss_fn, mixed_precision=torch.int8)
     with pytest.raises(ValueError, match=r"activation_checkpoint='blocks\.\*'"):
-        ps.build_schedule(pipe, "GPipe", 4, loss_fn=entry.loss_fn, activation_checkpoint="blocks.*")
+        ps.build_schedule(pipe, "Interleaved1F1B", 4, loss_fn=entry.loss_fn, activation_checkpoint="blocks.*")
 
 
 @pytest.mark.dist

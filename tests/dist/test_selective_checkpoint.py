@@ -1,0 +1,57 @@
+"""Activation checkpointing against the unsplit model and against no checkpointing:
+selective regions by module FQN on every schedule (the I/W split recomputes each region
+once), and recomputes that leave BatchNorm's running statistics as one forward left them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pippy_split.testing import run_ranks
+
+SELECTIVE_CASES = [
+    ("tiny_gpt", "1F1B", 4, ["blocks.*.attn", "blocks.*.mlp"]),
+    ("tiny_gpt", "GPipe", 4, ["blocks.*"]),
+    ("tiny_gpt", "Interleaved1F1B", 2, ["blocks.*.mlp"]),
+    ("tiny_gpt", "ZBVZeroBubble", 2, ["blocks.*.attn", "blocks.*.mlp"]),
+    ("tiny_gpt", "InterleavedZeroBubble", 2, ["blocks.*"]),
+    ("tiny_gpt", "DualPipeV", 2, ["blocks.*"]),
+    ("tiny_llama", "ZBVZeroBubble", 2, ["layers.*.attention"]),
+    ("tiny_unet", "1F1B", 4, ["down*", "up*"]),
+]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name,schedule,world,patterns", SELECTIVE_CASES)
+def test_selective_checkpointing_is_exact_and_recomputes_each_region_once(name, schedule, world, patterns):
+    from .bodies import reference
+    from .recompute_bodies import selective_step
+
+    ref_loss, ref_grads = reference(name, 4)
+    results = run_ranks(selective_step, world, name, schedule, 4, patterns, timeout=150)
+    calls = 0
+    for r in results:
+        assert abs(r["loss"] - ref_loss) < 1e-5
+        for fqn, g in r["grads"].items():
+            torch.testing.assert_close(g, ref_grads[fqn], atol=1e-5, rtol=0, msg=lambda m, f=fqn: f"{f}: {m}")
+        for region_calls, recomputes in r["counts"]:
+            assert recomputes == region_calls  # one recompute per region call, I and W together
+            calls += region_calls
+    assert calls > 0
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule", ["GPipe", "ZBVZeroBubble"])
+@pytest.mark.parametrize("checkpoint", ["full", ["blocks.*"], ["blocks.*.bn", "blocks.*.drop"]])
+def test_recompute_draws_the_same_dropout_and_moves_batchnorm_statistics_once(schedule, checkpoint):
+    from .recompute_bodies import dropout_bn_step
+
+    plain = run_ranks(dropout_bn_step, 2, schedule, None, timeout=150)
+    ckpt = run_ranks(dropout_bn_step, 2, schedule, checkpoint, timeout=150)
+    for a, b in zip(plain, ckpt):
+        assert a["losses"] == b["losses"]
+        assert a["state"].keys() == b["state"].keys()
+        for k in a["state"]:
+            assert torch.equal(a["state"][k], b["state"][k]), k  # running_mean/var, num_batches_tracked, grads
