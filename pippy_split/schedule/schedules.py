@@ -542,11 +542,13 @@ def get_schedule_class(name: str) -> type[PipelineSchedule]:
 
 def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_microbatches: int,
                    loss_fn: Callable | None = None, group: Any = None, device: Any = None, *,
-                   activation_checkpoint: str | None = None, mixed_precision: torch.dtype | None = None,
+                   activation_checkpoint: str | Sequence[str] | None = None,
+                   mixed_precision: torch.dtype | None = None,
                    compile: Any = False, **kwargs: Any) -> PipelineSchedule:
     """Build this rank's stages of ``pipe`` with the schedule's placement and return the schedule.
 
-    ``activation_checkpoint`` (``None`` or ``"full"``), ``mixed_precision`` (``None``,
+    ``activation_checkpoint`` (``None``, ``"full"``, or module FQN patterns such as
+    ``["blocks.*"]`` for selective checkpointing), ``mixed_precision`` (``None``,
     ``torch.bfloat16``, ``torch.float16``) and ``compile`` (``torch.compile`` each stage,
     zero-bubble I/W split included) go to every stage; other keywords go to the schedule
     class (``loss_count=``, ``placement=``, ...).

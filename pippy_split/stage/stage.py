@@ -13,11 +13,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ..split.spec import Edge, StageInput
 from .backward import WeightGradPlan, capturing, plan_weight_grads
 from .errors import PipelineError
 from .mixed_precision import autocast_edge_specs, check_mixed_precision
+from .recompute import (RegionRecorder, check_patterns_match, checkpoint_patterns, checkpoint_submodules,
+                        checkpointed_graph_module, graph_module_paths, restored_rng, rng_state, unchanged)
 
 __all__ = ["PipelineStage", "InputSlot", "Route"]
 
@@ -51,10 +54,16 @@ class PipelineStage:
             stage's remaining outputs in order.
         outputs_to: ``{output_idx: [(stage, input_idx), ...]}`` for outputs that go
             elsewhere than the next stage.
-        activation_checkpoint: ``None`` (keep every activation) or ``"full"``: the
+        activation_checkpoint: ``None`` (keep every activation); ``"full"``: the
             forward keeps only the stage's inputs, and the stage is recomputed (same
-            RNG state) right before its backward; with the zero-bubble I/W split the
-            recompute happens once, before I, and W reuses it.
+            RNG state) right before its backward; or a list of module FQN patterns
+            (``["blocks.*"]``, fnmatch): only the calls of the original modules whose
+            names match drop what autograd saves inside them and rerun from their
+            inputs when the backward first needs it. Either way each microbatch is
+            recomputed once, also under the zero-bubble I/W split (W reuses what I
+            recomputed). A pattern that matches no module is a ``ValueError`` naming
+            the closest module names. On a hand-built stage the patterns name
+            submodules of ``module``, whose ``forward`` is wrapped on the instance.
         mixed_precision: ``None``, ``torch.bfloat16`` or ``torch.float16``: forward (and
             recompute) under ``torch.autocast``, the loss in fp32; for a stage of a Pipe
             the edges' specs say the dtype autocast gives them (``pipe.build_stage``).
@@ -74,15 +83,16 @@ class PipelineStage:
                  device: torch.device | str | None = None, group: Any = None,
                  inputs_from: Mapping[int, tuple[int, int]] | None = None,
                  outputs_to: Mapping[int, Sequence[tuple[int, int]]] | None = None,
-                 activation_checkpoint: str | None = None, mixed_precision: torch.dtype | None = None,
+                 activation_checkpoint: str | Sequence[str] | None = None,
+                 mixed_precision: torch.dtype | None = None,
                  compile: bool | Mapping[str, Any] = False) -> None:
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index {stage_index} out of range for {num_stages} stages")
-        if activation_checkpoint not in (None, "full"):
-            raise ValueError(f"stage {stage_index}: activation_checkpoint={activation_checkpoint!r}: supported are "
-                             "None and 'full' (recompute the whole stage right before its backward); per-module "
-                             "patterns are not supported yet")
-        self.activation_checkpoint = activation_checkpoint
+        self.activation_checkpoint = checkpoint_patterns(activation_checkpoint, f"stage {stage_index}")
+        if isinstance(self.activation_checkpoint, tuple) and compile:
+            raise ValueError(f"stage {stage_index}: compile=True with selective activation_checkpoint="
+                             f"{list(self.activation_checkpoint)} is not supported (torch.compile does not trace "
+                             "saved-tensor hooks); use activation_checkpoint='full' with compile=True, or compile=False")
         check_mixed_precision(mixed_precision, f"stage {stage_index}")
         self.mixed_precision = mixed_precision
         self.module = module
@@ -91,6 +101,8 @@ class PipelineStage:
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.device = torch.device(device) if device is not None else _module_device(module)
+        self._regions = RegionRecorder(self.device)
+        self._region_call: torch.nn.Module | None = None  # the stage graph with its regions checkpointed, built lazily
         if hasattr(group, "get_group"):  # a 1-D DeviceMesh (or one dimension of one): its process group
             group = group.get_group()
         self.group = group
@@ -119,7 +131,7 @@ class PipelineStage:
     @classmethod
     def from_pipe(cls, pipe: Any, stage_index: int, device: Any = None, group: Any = None, *,
                   state_dict: Any = None, seed: int = 0, strict: bool = True,
-                  activation_checkpoint: str | None = None,
+                  activation_checkpoint: str | Sequence[str] | None = None,
                   mixed_precision: torch.dtype | None = None,
                   compile: bool | Mapping[str, Any] = False) -> "PipelineStage":
         """The stage ``stage_index`` of ``pipe``, its module filled (``pipe.fill_stage_module``) and
@@ -136,6 +148,10 @@ class PipelineStage:
                     activation_checkpoint=activation_checkpoint, mixed_precision=mixed_precision,
                     compile=compile)
         stage.pipe = pipe
+        if isinstance(stage.activation_checkpoint, tuple):
+            check_patterns_match(stage.activation_checkpoint,
+                                 {p for st in pipe.stages for p in graph_module_paths(st.module)},
+                                 f"stage {stage_index}")
         retyped = (lambda e: e) if mixed_precision is None else (  # edges with the dtypes autocast gives them
             lambda e, specs=autocast_edge_specs(pipe, mixed_precision, stage.device.type): replace(e, spec=specs[id(e)]))
         stage.in_slots = [slot if slot.edge is None else replace(slot, edge=retyped(slot.edge))
@@ -170,12 +186,14 @@ class PipelineStage:
         """Run the module on one microbatch; keep what backward needs when ``train``."""
         graph_storages: set[int] = set()
         recompute = train and self.activation_checkpoint == "full"
-        rng = _rng_state(self.device) if recompute else None
+        rng = rng_state(self.device) if recompute else None
+        tracking = train and self.track_saved_storages
         try:
             # full checkpointing: forward without a graph now, again with one right before backward
             with torch.set_grad_enabled(train and not recompute), capturing() as sink, _recording_saved(
-                    graph_storages, train and self.track_saved_storages), self._autocast():
-                out = self._call(*args, **(kwargs or {}))
+                    graph_storages, tracking), self._autocast(), self._regions.recording(
+                    train, graph_storages if tracking else None):
+                out = self._forward_call()(*args, **(kwargs or {}))
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: forward raised {type(e).__name__}: {e}") from e
         outputs = self._as_outputs(out)
@@ -185,14 +203,38 @@ class PipelineStage:
         if recompute:
             saved.recompute = (dict(kwargs or {}), target, rng)
         elif self._wplan is not None:
-            # by capture index; I turns them into (index, tensor, grad)
-            saved.weight_work = [sink.get(k) for k in range(self._wplan.num_captures)]
+            # by capture index; I turns them into (index, tensor, grad). Under selective checkpointing an
+            # op output inside a region is kept as its autograd edge only, so its storage can go.
+            saved.weight_work = [_edge_if_checkpointed(sink.get(k), self._region_call is not None)
+                                 for k in range(self._wplan.num_captures)]
         if self.is_last and self.loss_fn is not None and target is not None:
             saved.loss = self.compute_loss(mb, outputs, target)
             self._losses[mb] = saved.loss.detach()
         self._saved[mb] = saved
         self.peak_held_microbatches = max(self.peak_held_microbatches, len(self._saved))
         return outputs
+
+    def _forward_call(self) -> Callable:
+        """The module to run: the stage's own, or (selective checkpointing) one whose
+        matching regions run checkpointed, built on first use after the I/W instrumentation."""
+        patterns = self.activation_checkpoint
+        if not isinstance(patterns, tuple):
+            return self._call
+        if self._region_call is None:
+            if isinstance(self.module, torch.fx.GraphModule):
+                self._region_call = checkpointed_graph_module(self.module, patterns, self._regions)
+            else:
+                if not checkpoint_submodules(self.module, patterns, self._regions):
+                    check_patterns_match(patterns, (n for n, _ in self.module.named_modules() if n),
+                                         f"stage {self.stage_index}")
+                self._region_call = self.module
+        return self._region_call
+
+    @property
+    def region_counts(self) -> tuple[int, int]:
+        """Selective activation checkpointing: (region calls run checkpointed, region
+        recomputes) since the stage was built; each region call is recomputed once."""
+        return self._regions.region_calls, self._regions.recomputes
 
     def _autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=self.mixed_precision, enabled=self.mixed_precision is not None)
@@ -208,7 +250,7 @@ class PipelineStage:
         kwargs, target, rng = saved.recompute
         saved.recompute = None
         try:
-            with _restored_rng(self.device, rng), torch.enable_grad(), capturing() as sink, self._autocast():
+            with restored_rng(self.device, rng), unchanged(list(self.module.buffers())), torch.enable_grad(), capturing() as sink, self._autocast():
                 outputs = self._as_outputs(self._call(*saved.inputs, **kwargs))
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: recomputing the forward for activation "
@@ -308,7 +350,7 @@ class PipelineStage:
         leaves = self._grad_inputs(saved)
         plan = self._wplan
         captures = [(k, c) for k, c in enumerate(saved.weight_work)
-                    if isinstance(c, torch.Tensor) and c.requires_grad] if plan else []
+                    if isinstance(c, GradientEdge) or (isinstance(c, torch.Tensor) and c.requires_grad)] if plan else []
         multi = plan.whole_params if plan else []
         targets = [a for _, a in leaves] + [c for _, c in captures] + multi
         results: Sequence[torch.Tensor | None] = []
@@ -360,6 +402,7 @@ class PipelineStage:
         gradient W needs, so W runs only the weight part of each op."""
         if self._wplan is not None or self.pipe is None:
             return
+        self._region_call = None  # rebuilt from the instrumented graph
         if not isinstance(self.module, torch.fx.GraphModule):
             raise PipelineError(f"stage {self.stage_index}: the I/W split needs the traced stage module; a wrapped "
                                 f"module ({type(self.module).__name__}) works with GPipe, 1F1B, Interleaved1F1B and "
@@ -429,28 +472,6 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _rng_state(device: torch.device) -> tuple:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-class _restored_rng:
-    """Run with the RNG state saved at forward time (dropout draws the same masks), then put it back."""
-
-    def __init__(self, device: torch.device, state: tuple) -> None:
-        self.device, self.state = device, state
-        self.fork = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-
-    def __enter__(self) -> None:
-        self.fork.__enter__()
-        torch.set_rng_state(self.state[0])
-        if self.state[1] is not None:
-            torch.cuda.set_rng_state(self.state[1], self.device)
-
-    def __exit__(self, *exc: Any) -> None:
-        self.fork.__exit__(*exc)
-
-
 def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
     if g is None:
         return
@@ -466,3 +487,9 @@ def _module_device(module: torch.nn.Module) -> torch.device:
     for b in module.buffers():
         return b.device
     return torch.device("cpu")
+
+
+def _edge_if_checkpointed(value: Any, checkpointed: bool) -> Any:
+    if checkpointed and isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is not None:
+        return get_gradient_edge(value)
+    return value
