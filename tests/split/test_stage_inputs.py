@@ -24,7 +24,7 @@ def test_one_description_from_pipe_to_stage() -> None:
     pipe = ps.pipeline(_Skip(), ["b", "c"], (x, y))
     kinds = [[slot.kind for slot in info.inputs] for info in pipe.stages]
     assert all(isinstance(k, InputKind) for ks in kinds for k in ks)
-    assert kinds[0] == [InputKind.MODEL, InputKind.MODEL]  # stage 0 reads x and y itself
+    assert kinds[0] == [InputKind.MODEL]  # stage 0 reads x itself; y goes to stage 2
     forwarded = [slot for slot in pipe.stages[2].inputs if slot.src_stage == MODEL_INPUT]
     assert forwarded and all(slot.kind is InputKind.EDGE and slot.sender_stage == 0 for slot in forwarded)
     for i in range(pipe.num_stages):
