@@ -14,11 +14,14 @@ from .schedule import (Action, PipelineSchedule, Schedule1F1B, ScheduleDualPipeV
                        ScheduleFromOrder, ScheduleZBVZeroBubble, build_schedule, get_schedule_class, simulate, stage_to_rank, validate)
 from .split import (MODEL_INPUT, Edge, Pipe, SplitError, SplitPoint, SymbolSource, TensorSpec, TraceError,
                     pipe_split, pipeline)
+from .split.balance import BalanceReport
 from .stage import PipelineError, PipelineStage, PipelineTimeout
+from .plan import Candidate, CommModel, Plan, PlanError, plan  # noqa: E402  (after split/schedule: it uses both)
 
 __all__ = ["checkpoint", "clip_grad_norm_", "PipelineGradScaler", "MODEL_INPUT", "Edge", "Pipe", "SplitError", "SplitPoint", "SymbolSource", "TensorSpec", "TraceError",
            "pipe_split", "pipeline", "PipelineError", "PipelineStage", "PipelineTimeout", "Replicate",
            "TensorChunkSpec", "merge_chunks", "split_args_kwargs", "Action", "PipelineSchedule", "Schedule1F1B",
            "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
            "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "ScheduleFromOrder", "ScheduleError", "build_schedule", "get_schedule_class",
-           "simulate", "stage_to_rank", "validate"]
+           "simulate", "stage_to_rank", "validate", "BalanceReport", "plan", "Plan", "Candidate", "PlanError",
+           "CommModel"]

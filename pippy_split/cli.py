@@ -1,12 +1,15 @@
-"""The `pippy-split` command: `train`, `inspect`, `simulate`.
+"""The `pippy-split` command: `train`, `inspect`, `simulate`, `plan`.
 
 Where this sits: on top of the flow split → Pipe → stage → schedule → runtime.
 `simulate` only needs the schedule layer's orders and simulator; `inspect`
-traces and splits a model into a Pipe and prints it; `train` hands over to
-:mod:`pippy_split.train`, which runs the whole flow on local ranks.
+traces and splits a model into a Pipe and prints it; `plan` profiles a model and
+ranks split x schedule x microbatches x checkpointing under a memory budget
+(:mod:`pippy_split.plan`); `train` hands over to :mod:`pippy_split.train`, which runs
+the whole flow on local ranks.
 
     pippy-split simulate --schedule ZBVZeroBubble --ranks 4 --microbatches 8 --compare
     pippy-split inspect zoo:tiny_unet --json
+    pippy-split plan zoo:tiny_gpt --ranks 4 --memory 2GB --svg plan.svg
     pippy-split train --steps 100
 """
 
@@ -17,7 +20,7 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["main", "build_parser", "parse_costs", "simulate_cmd", "inspect_cmd", "pipe_to_json"]
+__all__ = ["main", "build_parser", "parse_costs", "simulate_cmd", "inspect_cmd", "plan_cmd", "pipe_to_json"]
 
 
 def parse_costs(text: str | None) -> dict[str, float] | None:
@@ -57,6 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--split", default=None, help="comma-separated FQNs to split at (beginning of each)")
     g.add_argument("--stages", type=int, default=None, help="balance this many stages automatically")
     i.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    pl = sub.add_parser("plan", help="rank split x schedule x microbatches x checkpointing under a memory budget")
+    pl.add_argument("target", help="module:factory (returns a ZooEntry or (model, args[, kwargs])) or zoo:NAME")
+    pl.add_argument("--ranks", type=int, default=4)
+    pl.add_argument("--memory", default="2GB", help="per-rank memory budget, e.g. 2GB, 512MiB")
+    pl.add_argument("--global-batch", type=int, default=None, help="samples per step (default: the example's batch)")
+    pl.add_argument("--schedules", default=None, help="comma-separated schedule names (default: all)")
+    pl.add_argument("--bandwidth", type=float, default=None, help="link bandwidth in GB/s (default: measured or 2)")
+    pl.add_argument("--latency", type=float, default=None, help="per-message latency in microseconds")
+    pl.add_argument("--top", type=int, default=10, help="rows to print")
+    pl.add_argument("--svg", default="plan.svg", help="write the best candidate's predicted timeline here")
 
     t = sub.add_parser("train", help="train a model pipelined over local ranks (default: a tiny GPT learning sums)")
     train.build_parser(t)
@@ -187,6 +201,57 @@ def inspect_cmd(args: argparse.Namespace, console: Any) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- plan
+
+
+def _microbatch_of(args: tuple, kwargs: dict, batch: int, size: int) -> tuple[tuple, dict]:
+    """The first ``size`` samples of every tensor whose dim 0 is the batch."""
+    import torch
+
+    def cut(v: Any) -> Any:
+        return v[:size] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v
+
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+
+
+def plan_cmd(args: argparse.Namespace, console: Any) -> int:
+    """``pippy-split plan``: print the top candidates, write the best one's SVG timeline."""
+    import torch
+
+    from .plan import CommModel, PlanError, plan
+    from .train import load_factory, unpack_entry
+
+    try:
+        model, margs, mkwargs, _, loss_fn, _ = unpack_entry(load_factory(args.target)())
+    except (ImportError, AttributeError, KeyError, ValueError, TypeError) as e:
+        console.print(f"[red]cannot load {args.target!r}:[/] {e}")
+        return 2
+    batch = next((int(a.shape[0]) for a in margs if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+    if batch is None:
+        console.print(f"[red]{args.target}: plan needs an example tensor with a batch dimension (dim 0)[/]")
+        return 2
+    global_batch = args.global_batch or batch
+    mb_args, mb_kwargs = _microbatch_of(margs, mkwargs, batch, max(1, batch // args.ranks))
+    comm = None
+    if args.bandwidth is not None or args.latency is not None:
+        base = CommModel()
+        comm = CommModel(bandwidth=args.bandwidth * 1e9 if args.bandwidth else base.bandwidth,
+                         latency=args.latency * 1e-6 if args.latency is not None else base.latency, source="given")
+    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
+    try:
+        result = plan(model, mb_args, num_ranks=args.ranks, memory_budget=args.memory, loss_fn=loss_fn,
+                      global_batch=global_batch, schedules=schedules, comm=comm, example_kwargs=mb_kwargs or None)
+    except (PlanError, ValueError) as e:
+        console.print(f"[red]{e}[/]")
+        return 2
+    console.print(result.table(top=args.top))
+    console.print(f"best: {result.best}")
+    if args.svg:
+        result.best.to_svg(args.svg)
+        console.print(f"predicted timeline of the best candidate: {args.svg}")
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -203,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.command == "inspect":
         return inspect_cmd(args, console)
+    if args.command == "plan":
+        return plan_cmd(args, console)
     from . import train
 
     return train.run(args)

@@ -1,0 +1,190 @@
+"""Does the planner predict what runs? Predicted vs measured step time and peak memory (issue 12).
+
+Run: ``python -m benchmarks.plan_validation [--reps N] [--out PATH]``. Tiny GPT d=256,
+8 blocks, batch 32, seq 128 (``common.gpt``), 2 gloo ranks, one thread each.
+
+1. The link is measured on 2 ranks (``CommModel.measure``: ping-pong, 4 B and 1 MiB).
+2. ``ps.plan`` runs here, in one process on one thread (as a rank has), on a microbatch
+   of 4 samples, with that link, over every family, stages per rank 1 and 2,
+   m in {2, 4, 8, 16}, checkpointing off and on; splits are balanced by ``"flops"`` so
+   that every rank process rebuilds exactly the planned cuts (time-balanced cuts would
+   move with timing noise between processes).
+3. The 3 fastest fitting candidates and 5 more of other families/m/AC run on 2 ranks:
+   ``ps.pipeline(model, S, mb, balance="flops")`` + ``ps.build_schedule``, all
+   configurations taking turns step by step; ``step time`` is the median wall clock of a
+   step fenced by barriers; ``memory`` is, per rank, the bytes of the parameters,
+   gradients and Adam state actually present after an optimizer step (summed over the
+   tensors) plus the peak of the live storages autograd saved for backward during a
+   step (``saved_tensors_hooks``, each storage once, parameters left out; the counter
+   of ``benchmarks.training_kit``). It does not see transient gradient buffers or
+   receive buffers that autograd does not save. The measured figures never use the
+   prediction.
+
+Results: ``benchmarks/results/plan_validation.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import pippy_split as ps
+from pippy_split.plan import CommModel, Plan
+from pippy_split.testing import run_ranks
+
+from . import common
+from .training_kit import _SavedBytes
+
+GLOBAL_BATCH, EXAMPLE_MB = 32, 4
+RESULTS = Path(__file__).parent / "results"
+
+
+def _comm_body(rank: int, world: int) -> dict:
+    c = CommModel.measure()
+    return {"bandwidth": c.bandwidth, "latency": c.latency, "source": c.source}
+
+
+def _config_key(c: dict) -> str:
+    return f"{c['schedule']} S={c['stages']} m={c['m']} AC={'full' if c['ac'] else 'off'}"
+
+
+def _static_bytes(stages: list, opt: torch.optim.Optimizer) -> float:
+    seen: dict[int, int] = {}
+    for st in stages:
+        for p in st.module.parameters():
+            for t in (p, p.grad):
+                if t is not None:
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    for state in opt.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return float(sum(seen.values()))
+
+
+def _run_body(rank: int, world: int, configs: list[dict], reps: int) -> dict:
+    entry = common.gpt(256)
+    runs = {}
+    for c in configs:  # a trace has static shapes: each m traces its own microbatch
+        pipe = ps.pipeline(entry.model, c["stages"], *common.mb_example(entry, c["m"]), balance="flops")
+        sched = ps.build_schedule(pipe, c["schedule"], c["m"], loss_fn=entry.loss_fn,
+                                  activation_checkpoint="full" if c["ac"] else None)
+        runs[_config_key(c)] = sched
+
+    def step(sched):
+        return sched.step(*entry.args, target=entry.target, **entry.kwargs)
+
+    out = {k: {"s": [], "static": 0.0, "saved_peak": []} for k in runs}
+    for k, sched in runs.items():  # warm-up, then one optimizer step so grads and Adam state exist
+        params = [p for st in sched.stages for p in st.module.parameters()]
+        opt = torch.optim.Adam(params, lr=1e-4)
+        step(sched)
+        opt.step()
+        out[k]["static"] = _static_bytes(sched.stages, opt)
+        opt.zero_grad(set_to_none=False)
+    for _ in range(reps):
+        for k, sched in runs.items():
+            dist.barrier()
+            t = time.perf_counter()
+            step(sched)
+            dist.barrier()
+            out[k]["s"].append(time.perf_counter() - t)
+    for k, sched in runs.items():
+        params = {p.untyped_storage().data_ptr() for st in sched.stages for p in st.module.parameters()}
+        counter = _SavedBytes(params)
+        with counter.hooks():
+            step(sched)
+        out[k]["saved_peak"].append(counter.peak)
+    return out
+
+
+def _pick(plan: "Plan", n_top: int = 3, n_more: int = 5) -> list:
+    fit = plan.fitting
+    chosen = list(fit[:n_top])
+    seen = {(c.schedule, c.activation_checkpoint) for c in chosen}
+    for c in fit[n_top:]:  # spread: other families / checkpointing first, then other m
+        if len(chosen) >= n_top + n_more:
+            break
+        if (c.schedule, c.activation_checkpoint) not in seen:
+            chosen.append(c)
+            seen.add((c.schedule, c.activation_checkpoint))
+    for c in fit[n_top:]:
+        if len(chosen) >= n_top + n_more:
+            break
+        if c not in chosen:
+            chosen.append(c)
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default=str(RESULTS / "plan_validation.json"))
+    args = parser.parse_args(argv)
+    comm_fig = run_ranks(_comm_body, 2, timeout=300)[0]
+    comm = CommModel(comm_fig["bandwidth"], comm_fig["latency"], comm_fig["source"])
+    torch.set_num_threads(1)
+    entry = common.gpt(256)
+    mb_args, mb_kwargs = common.mb_example(entry, GLOBAL_BATCH // EXAMPLE_MB)
+    t0 = time.perf_counter()
+    plan = ps.plan(entry.model, mb_args, example_kwargs=mb_kwargs or None, num_ranks=2, memory_budget="4GB",
+                   loss_fn=entry.loss_fn, global_batch=GLOBAL_BATCH, microbatches=(2, 4, 8, 16),
+                   balance=("flops",), comm=comm)
+    plan_s = time.perf_counter() - t0
+    print(plan)
+    chosen = _pick(plan)
+    configs = [{"schedule": c.schedule, "stages": c.split.num_stages, "m": c.n_microbatches,
+                "ac": c.activation_checkpoint} for c in chosen]
+    ranks = run_ranks(_run_body, 2, configs, args.reps, timeout=1800)
+    rows = []
+    for c, cfg in zip(chosen, configs):
+        k = _config_key(cfg)
+        measured_s = statistics.median(ranks[0][k]["s"])
+        measured_mem = {r: ranks[r][k]["static"] + max(ranks[r][k]["saved_peak"]) for r in range(2)}
+        rows.append({"config": k, "predicted_s": c.step_time, "measured_s": measured_s,
+                     "time_error": c.step_time / measured_s - 1,
+                     "predicted_peak_bytes": [c.peak_bytes[r] for r in range(2)],
+                     "measured_peak_bytes": [measured_mem[r] for r in range(2)],
+                     "memory_error": [c.peak_bytes[r] / measured_mem[r] - 1 for r in range(2)],
+                     "measured_steps_s": ranks[0][k]["s"]})
+    top = rows[:3]
+    predicted_order = [r["config"] for r in sorted(top, key=lambda r: r["predicted_s"])]
+    measured_order = [r["config"] for r in sorted(top, key=lambda r: r["measured_s"])]
+    result = {"command": "python -m benchmarks.plan_validation" + (f" --reps {args.reps}" if args.reps != 5 else ""),
+              "model": "tiny GPT d=256, 8 blocks, batch 32, seq 128; 2 gloo ranks, 1 thread each",
+              "comm": comm_fig, "plan_seconds": plan_s, "candidates": len(plan.candidates), "rows": rows,
+              "top3_predicted_order": predicted_order, "top3_measured_order": measured_order,
+              "top3_order_matches": predicted_order == measured_order}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    Path(args.out).with_suffix(".md").write_text(_markdown(result))
+    print(_markdown(result))
+    return 0
+
+
+def _markdown(res: dict) -> str:
+    lines = [f"# Planner validation ({res['model']})", "", f"`{res['command']}`; link {res['comm']['source']}: "
+             f"{res['comm']['bandwidth'] / 1e9:.2f} GB/s, {res['comm']['latency'] * 1e6:.0f} us; "
+             f"{res['candidates']} candidates planned in {res['plan_seconds']:.1f} s", "",
+             "| config | predicted step | measured step | error | predicted peak (rank 0 / 1) | "
+             "measured peak (rank 0 / 1) | error |", "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        pp = " / ".join(f"{b / 2**20:.1f}" for b in r["predicted_peak_bytes"])
+        mp = " / ".join(f"{b / 2**20:.1f}" for b in r["measured_peak_bytes"])
+        me = " / ".join(f"{e:+.0%}" for e in r["memory_error"])
+        lines.append(f"| {r['config']} | {r['predicted_s'] * 1e3:.0f} ms | {r['measured_s'] * 1e3:.0f} ms | "
+                     f"{r['time_error']:+.0%} | {pp} MiB | {mp} MiB | {me} |")
+    lines += ["", f"top 3 predicted order: {res['top3_predicted_order']}",
+              f"top 3 measured order:  {res['top3_measured_order']}",
+              f"order matches: {res['top3_order_matches']}", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,203 @@
+"""The planner's search: split x schedule family x stages per rank x microbatches x
+checkpointing, each candidate simulated from measured per-stage costs.
+
+Sits on top of the split layer (:mod:`.costs` prices a split) and the schedule layer
+(order generators, :func:`~pippy_split.schedule.simulate`); its result,
+:class:`~pippy_split.plan.report.Plan`, builds the chosen schedule with
+:func:`~pippy_split.schedule.schedules.build_schedule`.
+
+Per candidate: the family's order for ``(ranks, m, stages per rank)`` is simulated with
+each stage's F/I/W time at the candidate's microbatch size (under checkpointing the
+backward also re-runs the forward; an unsplit backward ``B`` costs ``I + W``), each
+cross-rank link's ``CommModel.time(bytes)``, and each stage's held bytes; a rank's
+predicted peak is its parameters, gradients and optimizer state plus the simulated
+peak of held activations (and, under checkpointing, one stage's rebuilt activations).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from ..schedule.orders import ORDERS, get_order_spec
+from ..schedule.placement import placement_of_order
+from ..schedule.simulate import simulate
+from ..split.trace import trace_model
+from .costs import CommModel, SplitCosts, parse_bytes, price_split
+from .report import Candidate, Plan, PlanError
+
+__all__ = ["plan", "evaluate"]
+
+PROFILE_PASSES = 5
+"""Whole-graph profiling passes (the first warms up; each op keeps its least time)."""
+
+ADAM_STATE = 2.0
+"""Optimizer state per parameter byte by default (Adam: two moments)."""
+
+
+def plan(
+    model: torch.nn.Module,
+    example_args: tuple | Any,
+    *,
+    num_ranks: int,
+    memory_budget: str | float,
+    loss_fn: Callable | None,
+    global_batch: int,
+    schedules: Sequence[str] | None = None,
+    activation_checkpoint: Iterable[bool] = (False, True),
+    stages_per_rank: Iterable[int] = (1, 2),
+    microbatches: Iterable[int] | None = None,
+    balance: Iterable[str] = ("time",),
+    comm: CommModel | None = None,
+    optimizer_state: float = ADAM_STATE,
+    example_kwargs: dict | None = None,
+) -> Plan:
+    """Choose split, schedule, stages per rank, microbatches and checkpointing for ``model``.
+
+    Profiles ``model`` once on ``example_args`` (one microbatch, batch in dim 0),
+    prices every split and simulates every candidate (see the module docstring).
+
+    Args:
+        model: the model (not modified).
+        example_args: one microbatch of inputs.
+        num_ranks: pipeline ranks.
+        memory_budget: per-rank bytes (a number, or ``"2GB"``, ``"40GiB"``).
+        loss_fn: the loss the schedules will use (kept for ``plan.best.build_schedule``).
+        global_batch: samples per step; a candidate's microbatch is ``global_batch / m``.
+        schedules: families to try (default all of ``ORDERS``).
+        activation_checkpoint: settings to try (``True`` = ``activation_checkpoint="full"``).
+        stages_per_rank: tried for families that take any count (others use theirs).
+        microbatches: ``m`` values to try (default the divisors of ``global_batch`` from
+            ``num_ranks`` up to ``8 x num_ranks``, and ``num_ranks / 2`` and up if few).
+        balance: cost models whose balanced split is tried ("time", "memory", ...).
+        comm: link model; default measured on the current process group when one is
+            initialised, else :class:`CommModel`'s defaults.
+        optimizer_state: optimizer bytes per parameter byte (2 for Adam, 0 for SGD).
+
+    Returns:
+        A :class:`Plan`: candidates fitting the budget ranked by predicted step time.
+
+    Raises:
+        PlanError: nothing fits; says the smallest predicted peak and what to change.
+
+    Example:
+        >>> import pippy_split as ps
+        >>> model, x = ps.zoo.mlp(d=32, layers=4), torch.randn(4, 32)  # doctest: +SKIP
+        >>> plan = ps.plan(model, (x,), num_ranks=2, memory_budget="1GB", loss_fn=None,  # doctest: +SKIP
+        ...                global_batch=32)
+        >>> print(plan)  # doctest: +SKIP
+        >>> sched = plan.best.build_schedule(loss_fn=my_loss)  # doctest: +SKIP
+    """
+    if num_ranks < 1 or global_batch < 1:
+        raise ValueError(f"plan() needs num_ranks >= 1 and global_batch >= 1, got {num_ranks}, {global_batch}")
+    budget = parse_bytes(memory_budget)
+    example_args = example_args if isinstance(example_args, tuple) else (example_args,)
+    b0 = _batch_size(example_args)
+    names = list(schedules) if schedules is not None else list(ORDERS)
+    for name in names:
+        get_order_spec(name)  # an unknown name is refused before anything runs
+    comm = comm if comm is not None else _default_comm()
+    traced = trace_model(model, example_args, example_kwargs)
+    flat = traced.flatten_inputs(example_args, example_kwargs or {})
+    from ..split.profile import op_overhead
+
+    overhead = op_overhead()
+    ms = sorted(set(microbatches)) if microbatches is not None else _default_microbatches(global_batch, num_ranks)
+    splits: dict[tuple[str, int], SplitCosts] = {}
+    notes: list[str] = []
+    candidates: list[Candidate] = []
+    for name, spr, metric in itertools.product(names, sorted(set(stages_per_rank)), list(balance)):
+        spec = get_order_spec(name)
+        spr = spec.stages_per_rank if spec.stages_per_rank is not None else max(spr, spec.min_stages_per_rank)
+        key = (metric, spr * num_ranks)
+        if key not in splits:
+            try:
+                splits[key] = price_split(traced, model, flat, spr * num_ranks, metric, overhead,
+                                          (example_args, example_kwargs or {}), b0, passes=PROFILE_PASSES)
+            except Exception as e:  # too few pieces to cut: note it, try the rest
+                notes.append(f"{spr * num_ranks} stages by {metric}: {e}")
+                splits[key] = None  # type: ignore[assignment]
+        if splits[key] is None:
+            continue
+        for m, ac in itertools.product(ms, activation_checkpoint):
+            cand = evaluate(splits[key], spec.name, num_ranks, m, bool(ac), global_batch / m / b0, comm,
+                            optimizer_state, budget)
+            if cand is not None and all(c.key != cand.key for c in candidates):
+                candidates.append(cand)
+    if not candidates:
+        raise PlanError(f"plan(): no candidate could be built for {num_ranks} ranks: " + "; ".join(notes or ["-"]))
+    result = Plan(candidates, budget, comm, loss_fn, num_ranks, global_batch, notes)
+    if not result.fitting:
+        raise PlanError(result.no_fit_message())
+    return result
+
+
+def evaluate(costs: SplitCosts, schedule: str, num_ranks: int, m: int, ac: bool, scale: float, comm: CommModel,
+             optimizer_state: float, budget: float) -> Candidate | None:
+    """Simulate one candidate; ``None`` when the family cannot run these sizes.
+
+    Example:
+        >>> cand = evaluate(costs, "1F1B", 2, 8, False, 1.0, CommModel(), 2.0, 1e9)  # doctest: +SKIP
+        >>> cand.step_time, cand.peak_bytes  # doctest: +SKIP
+    """
+    spec = get_order_spec(schedule)
+    S = costs.num_stages
+    if not spec.fits(S, num_ranks):
+        return None
+    try:
+        order = _order(spec.name, num_ranks, m, S // num_ranks)
+    except ValueError:
+        return None
+    table: dict[tuple[int, str], float] = {}
+    held, work = [], []
+    for s, st in enumerate(costs.stages):
+        f, i, w = st.times(scale)
+        extra = f if ac else 0.0  # the forward re-runs right before the backward
+        table[(s, "F")], table[(s, "I")], table[(s, "W")] = f, i + extra, w
+        table[(s, "B")] = i + w + extra
+        held.append((st.boundary_bytes if ac else st.held_bytes) * scale)
+        work.append(st.held_bytes * scale if ac else 0.0)
+    latency = {link: comm.time(b * scale) for link, b in costs.link_bytes.items()}
+    links = sorted({(s, d, True) for s, d in costs.link_bytes} | {(s, s + 1, True) for s in range(S - 1)})
+    sim = simulate(order, table, links=links, comm_latency=latency, activation_bytes=held, workspace_bytes=work)
+    where = placement_of_order(order)
+    static = {r: 0.0 for r in order}
+    for s, st in enumerate(costs.stages):
+        static[where[s]] += st.param_bytes * (2.0 + optimizer_state)  # weights, grads, optimizer state
+    peak = {r: static[r] + (sim.peak_bytes or {}).get(r, 0.0) for r in order}
+    return Candidate(schedule=spec.name, stages_per_rank=S // num_ranks, split=costs, n_microbatches=m,
+                     microbatch_size=max(1, round(costs.batch * scale)),
+                     activation_checkpoint=ac, step_time=sim.makespan, peak_bytes=peak,
+                     bubble=sim.bubble_fraction, fits=max(peak.values()) <= budget, simulation=sim)
+
+
+@functools.lru_cache(maxsize=512)  # an order depends on the sizes only, not on the split or costs
+def _order(name: str, p: int, m: int, spr: int) -> Any:
+    from ..schedule import get_schedule_class
+
+    return get_schedule_class(name).compute_order(p, m, spr)
+
+
+def _batch_size(args: tuple) -> int:
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() > 0:
+            return int(a.shape[0])
+    raise ValueError("plan() needs a tensor with a batch dimension (dim 0) among example_args, to scale costs to "
+                     "each candidate's microbatch size")
+
+
+def _default_microbatches(global_batch: int, num_ranks: int) -> list[int]:
+    divisors = [m for m in range(1, global_batch + 1) if global_batch % m == 0]
+    ms = [m for m in divisors if num_ranks <= m <= 8 * num_ranks]
+    return ms or [m for m in divisors if m <= 8 * num_ranks][-3:]
+
+
+def _default_comm() -> CommModel:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return CommModel.measure()
+    return CommModel()
