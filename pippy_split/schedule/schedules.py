@@ -10,11 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import os
-import zlib
-
 import torch
-import torch.distributed as dist
 
 from ..microbatch import merge_chunks, split_args_kwargs
 from ..split.spec import InputKind
@@ -23,28 +19,18 @@ from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
 from .actions import Action, ActionKind, Order, order_from_csv
 from .agree import agree_before_step
+from .collectives import (agree_on_order, gather_links, group_info, local_symbols, share_loss, share_symbols,
+                          shared_item_count, sync_shared_grads)
 from .lower import lower
 from .orders import ORDERS, get_order_spec
 from .placement import placement_of_order, replace_placement
 from .runtime import Interpreter, StepContext
+from .train_mode import refuse_train_mode_graph, train_mode_ops
 from .validate import ScheduleError, validate
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
            "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleFromOrder",
-           "replace_placement",
-           "get_schedule_class",
-           "build_schedule"]
-
-
-def _group_info(group: Any) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        if launched > 1 and group is None:
-            raise PipelineError(f"this process was launched as one of WORLD_SIZE={launched} ranks (torchrun?) but "
-                                "no process group exists: call torch.distributed.init_process_group() before "
-                                "building the schedule, or every rank would run the whole pipeline alone")
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+           "replace_placement", "train_mode_ops", "get_schedule_class", "build_schedule"]
 
 
 class PipelineSchedule:
@@ -95,7 +81,7 @@ class PipelineSchedule:
         self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
         self.output_merge_spec = output_merge_spec
         self.group = self.stages[0].group
-        self.rank, self.world = _group_info(self.group)
+        self.rank, self.world = group_info(self.group)
         self.num_stages = self.stages[0].num_stages
         if len({s.stage_index for s in self.stages}) != len(self.stages):
             raise ValueError(f"{type(self).__name__}: the same stage was given twice: "
@@ -125,30 +111,11 @@ class PipelineSchedule:
         self._runtime = Interpreter({s.stage_index: s for s in self.stages}, self.placement, self.rank,
                                     P2P(self.group, timeout) if self.world > 1 else None, self.links)
         if self.world > 1:
-            self._agree_on_order()
+            agree_on_order(type(self).__name__, self.lowered, self.n_microbatches, self.num_stages, self.links,
+                           self.group, self.world, self.rank, self.stages[0].device)
         self._loss: torch.Tensor | None = None
 
     # ---- set-up checks ----------------------------------------------------------
-    def _agree_on_order(self) -> None:
-        """Every rank must run the same lowered order (else messages would pair up wrongly).
-        One small all-gather of a fingerprint, also the group's first collective, which
-        NCCL needs before batched point-to-point calls among a subset of ranks."""
-        text = f"{self.n_microbatches}|{self.num_stages}|{sorted(self.links)}|" + ";".join(
-            ",".join(str(a) for a in self.lowered[r] if a is not None) for r in sorted(self.lowered))
-        mine = torch.tensor([zlib.crc32(text.encode()), self.n_microbatches], dtype=torch.int64,
-                            device=self.stages[0].device)
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(every, mine, group=self.group)
-        prints = [tuple(t.tolist()) for t in every]
-        if len(set(prints)) > 1:
-            groups: dict[tuple, list[int]] = {}
-            for r, fp in enumerate(prints):
-                groups.setdefault(fp, []).append(r)
-            detail = "; ".join(f"ranks {rs} (n_microbatches={fp[1]})" for fp, rs in groups.items())
-            raise ScheduleError(f"{type(self).__name__}: the ranks built different schedules: {detail}. Every rank "
-                                "must pass the same schedule class, n_microbatches, order and stage layout",
-                                rank=self.rank)
-
     def _plan(self) -> tuple[Order, dict[int, int]]:
         """The compute order and the placement it needs (the family's generator)."""
         self.spec = get_order_spec(self.order_name)
@@ -197,24 +164,7 @@ class PipelineSchedule:
                 key = (e.sender_stage, e.dst_stage)
                 out[key] = out.get(key, False) or (e.spec.carries_grad and not e.from_input)
             return [(s, d, g) for (s, d), g in sorted(out.items())]
-        return self._gather_manual_links()
-
-    def _gather_manual_links(self) -> list[tuple[int, int, bool]]:
-        """Hand-built stages declare their own skips: every rank shares its stages'
-        links once (a small int tensor), so all ranks lower the same order."""
-        mine = [link for st in self.stages for link in st.links()]
-        if self.world == 1:
-            return sorted(set(mine))
-        width = 256
-        if len(mine) > width:
-            raise ValueError(f"rank {self.rank}: more than {width} links from its stages")
-        buf = torch.full((width, 3), -1, dtype=torch.int64)
-        if mine:
-            buf[: len(mine)] = torch.tensor([[s, d, int(g)] for s, d, g in mine])
-        gathered = [torch.empty_like(buf) for _ in range(self.world)]
-        dist.all_gather(gathered, buf, group=self.group)
-        links = {(int(s), int(d), bool(g)) for t in gathered for s, d, g in t.tolist() if s >= 0}
-        return sorted(links)
+        return gather_links([link for st in self.stages for link in st.links()], self.group, self.world, self.rank)
 
     def _forward_only(self, n: int) -> list[Action]:
         order = {r: [Action(s, ActionKind.F, mb) for s in sorted(self.placement) if self.placement[s] == r
@@ -241,10 +191,12 @@ class PipelineSchedule:
                           "step()" if train else "eval()")
         last = self._has(lambda s: s.is_last)
         if train and self.loss_count is not None:
-            ctx.loss_divisor = self._shared_item_count(ctx.targets if last is not None else None)
+            ctx.loss_divisor = shared_item_count(self.loss_count, ctx.targets if last is not None else None, self.group,
+                                                 self.world, self.stages[0].device, self.num_stages - 1,
+                                                 self.placement[self.num_stages - 1])
         pipe = self.stages[0].pipe
         if pipe is not None and pipe.symbols:
-            ctx.bindings = self._share_symbols(pipe, symbols)
+            ctx.bindings = share_symbols(pipe, symbols, self.group, self.world, self.placement[0])
         return ctx
 
     def _local_context(self, ctx: StepContext, args: tuple, kwargs: dict, target: Any, train: bool) -> Any:
@@ -278,54 +230,7 @@ class PipelineSchedule:
         if last is not None and train and self.loss_count is None:
             ctx.loss_divisor = float(self.n_microbatches) if self.scale_grads else 1.0
         ctx.loss_scale = self.loss_scale
-        return self._local_symbols(pipe, ctx) if pipe is not None and pipe.symbols else None
-
-    def _shared_item_count(self, targets: list | None) -> float:
-        """The batch's item count (``loss_count`` over every microbatch's target), worked out
-        where the last stage lives and shared with every rank before the first action, so
-        that a bad count stops every rank with the same error instead of leaving them waiting."""
-        last_stage = self.num_stages - 1
-        counts: list[float] = []
-        failure = ""
-        if targets is not None:
-            for mb, t in enumerate(targets):
-                try:
-                    counts.append(float(self.loss_count(t)))
-                except Exception as e:  # reported on every rank below
-                    failure = f"microbatch {mb}: loss_count raised {type(e).__name__}: {e}"
-                    break
-        total = torch.tensor([float("nan") if failure else sum(counts)], dtype=torch.float64)
-        if self.world > 1:
-            total = total.to(self.stages[0].device)
-            dist.broadcast(total, group=self.group, group_src=self.placement[last_stage])
-        value = float(total.item())
-        where = f"stage {last_stage} (rank {self.placement[last_stage]})"
-        if value != value:  # NaN: loss_count failed there
-            raise PipelineError(f"{where}: {failure or 'loss_count failed on that rank (see its error)'}")
-        if not value > 0:
-            per_mb = f" (per microbatch: {counts})" if counts else ""
-            raise PipelineError(f"{where}: loss_count gives {value:g} items for the whole batch{per_mb}; there is "
-                                "nothing to average the loss over — check the padding value it looks for, or drop "
-                                "loss_count for a mean over microbatches")
-        return value
-
-    @staticmethod
-    def _local_symbols(pipe: Any, ctx: StepContext) -> torch.Tensor:
-        values = torch.zeros(len(pipe.symbols), dtype=torch.int64)
-        if ctx.flat_inputs is not None:
-            first = pipe.bind_symbols(ctx.flat_inputs[0])
-            for mb, flat in enumerate(ctx.flat_inputs[1:], 1):
-                if pipe.bind_symbols(flat) != first:
-                    raise PipelineError(f"microbatch {mb} has different dynamic sizes than microbatch 0: "
-                                        f"{pipe.bind_symbols(flat)} vs {first}")
-            values = torch.tensor([first[s.symbol] for s in pipe.symbols], dtype=torch.int64)
-        return values
-
-    def _share_symbols(self, pipe: Any, values: torch.Tensor) -> dict:
-        if self.world > 1:
-            # One tiny message per step: the rank given the data tells everyone the sizes.
-            dist.broadcast(values, group=self.group, group_src=self.placement[0])
-        return {s.symbol: int(v) for s, v in zip(pipe.symbols, values.tolist())}
+        return local_symbols(pipe, ctx.flat_inputs) if pipe is not None and pipe.symbols else None
 
     def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
         """One training step over ``n_microbatches``; the same call on every rank.
@@ -338,7 +243,7 @@ class PipelineSchedule:
         for st in self.stages:
             st.peak_held_microbatches = 0
         self._run(self.actions, ctx)
-        self._sync_shared_grads()
+        sync_shared_grads(self.stages[0].pipe, self.stages, self.group, self.world, self.stages[0].device)
         for st in self.stages:
             st.sync_data_parallel()
         last = self._has(lambda s: s.is_last)
@@ -347,7 +252,8 @@ class PipelineSchedule:
             st.clear()
         if last is not None and losses is not None:
             losses[:] = mb_losses  # replaced, not appended: a list reused every step holds this step's
-        self._share_loss(mb_losses, ctx.loss_divisor if self.loss_count is not None else None)
+        self._loss = share_loss(mb_losses, ctx.loss_divisor if self.loss_count is not None else None, self.group,
+                                self.world, self.stages[0].device, self.placement[self.num_stages - 1])
         return self._merge(ctx) if last is not None else None
 
     def eval(self, *args: Any, **kwargs: Any) -> Any:
@@ -358,24 +264,11 @@ class PipelineSchedule:
         since it would not give the model's eval behaviour; trace an eval pipe with
         ``ps.pipeline(model.eval(), ...)`` for it.
         """
-        self._refuse_train_mode_graph()
+        refuse_train_mode_graph(self.stages[0].pipe)
         ctx = self._context(args, kwargs, None, False, self.n_microbatches)
         with torch.no_grad():
             self._run(self._eval_actions, ctx)
         return self._merge(ctx) if self._has(lambda s: s.is_last) else None
-
-    def _refuse_train_mode_graph(self) -> None:
-        pipe = self.stages[0].pipe
-        if pipe is None:
-            return  # hand-built stages: their modules' own train()/eval() applies
-        found = train_mode_ops(pipe)
-        if found:
-            stage, op, module = found[0]
-            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-            raise PipelineError(f"eval(): stage {stage} runs {op} of module {module!r} in training mode{more}: the "
-                                "pipe was traced with the model in train mode, so eval() would drop activations and "
-                                "use (and update) batch statistics. Trace an eval pipe for it: "
-                                "ps.pipeline(model.eval(), ...) and build a schedule on that pipe")
 
     def _run(self, actions: list[Action], ctx: StepContext) -> None:
         try:
@@ -412,71 +305,6 @@ class PipelineSchedule:
         """The last step's loss, on every rank (None before the first step): the mean over
         microbatches, or with ``loss_count`` the loss sum over the batch's item count."""
         return self._loss
-
-    def _share_loss(self, mb_losses: list, items: float | None) -> None:
-        """The step's loss on every rank: the mean over microbatches, or the sum over items."""
-        known = bool(mb_losses) and all(l is not None for l in mb_losses)
-        if not known:
-            value = torch.zeros(())
-        elif items is None:
-            value = torch.stack(mb_losses).mean().detach()
-        else:
-            value = torch.stack(mb_losses).sum().detach() / items
-        value = value.to(torch.float32).clone()
-        self._loss = value
-        if self.world > 1:
-            # Waited for here: a step leaves no work outstanding, so destroy_process_group()
-            # right after the last step() finds nothing in flight.
-            value = value.to(self.stages[0].device)
-            dist.broadcast(value, group=self.group, group_src=self.placement[self.num_stages - 1])
-            self._loss = value
-
-    def _sync_shared_grads(self) -> None:
-        """Tied parameters held by several stages end the step with the summed gradient."""
-        pipe = self.stages[0].pipe
-        if pipe is None or not pipe.shared_parameters:
-            return
-        for fqn, holders in sorted(pipe.shared_parameters.items()):
-            local = {}
-            for s, names in holders:
-                st = self._has(lambda x, s=s: x.stage_index == s)
-                if st is not None:
-                    p = st.module.get_parameter(names[0])
-                    local[id(p)] = p
-            ref = pipe.stages[holders[0][0]].module.get_parameter(holders[0][1][0])
-            total = torch.zeros_like(ref, device=self.stages[0].device)
-            for p in local.values():
-                if p.grad is not None:
-                    total += p.grad
-            if self.world > 1:
-                dist.all_reduce(total, group=self.group)
-            for p in local.values():
-                p.grad = total.clone() if len(local) > 1 else total
-
-
-_TRAIN_ARG = {"aten.dropout.default": 2, "aten.feature_dropout.default": 2, "aten.alpha_dropout.default": 2,
-              "aten.native_dropout.default": 2, "aten.batch_norm.default": 5,
-              "aten._native_batch_norm_legit_functional.default": 5, "aten._native_batch_norm_legit.default": 5,
-              "aten.instance_norm.default": 5}
-
-
-def train_mode_ops(pipe: Any) -> list[tuple[int, str, str]]:
-    """``(stage, op, module)`` for every op of the pipe's graphs that behaves differently
-    in train mode and was traced in it (dropout with ``train=True``, batch norm with
-    ``training=True``). Empty for a pipe traced in eval mode. Cached on the pipe."""
-    cached = pipe.derived.get("train_mode_ops")
-    if cached is None:
-        cached = []
-        for info in pipe.stages:
-            for node in info.module.graph.nodes:
-                index = _TRAIN_ARG.get(str(node.target)) if node.op == "call_function" else None
-                if index is None or len(node.args) <= index or node.args[index] is not True:
-                    continue
-                stack = node.meta.get("nn_module_stack") or {}
-                module = next(reversed(stack.values()))[0] if stack else "?"
-                cached.append((info.index, str(node.target).split(".")[1], module))
-        pipe.derived["train_mode_ops"] = cached
-    return cached
 
 
 class ScheduleFromOrder(PipelineSchedule):
@@ -559,7 +387,7 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
         >>> sched.step(x, target=y); print(sched.loss)  # doctest: +SKIP
     """
     cls = get_schedule_class(name_or_class) if isinstance(name_or_class, str) else name_or_class
-    rank, world = _group_info(group)
+    rank, world = group_info(group)
     spec = get_order_spec(cls.order_name)
     if not spec.fits(pipe.num_stages, world):
         raise ValueError(f"{pipe.num_stages} stages on {world} rank{'s' if world > 1 else ''}: {cls.__name__} needs "

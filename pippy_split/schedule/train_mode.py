@@ -1,0 +1,60 @@
+"""Train-mode ops in a pipe's graphs: what ``eval()`` refuses to run.
+
+Part of the schedule layer (… → **schedule** → runtime): ``PipelineSchedule.eval``
+runs the graphs the pipe was traced with, so a pipe traced in train mode (dropout
+on, batch norm updating its statistics) would not give the model's eval
+behaviour. This module finds those ops once per pipe (cached in ``pipe.derived``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..stage.errors import PipelineError
+
+__all__ = ["train_mode_ops", "refuse_train_mode_graph"]
+
+# op -> position of its ``train`` / ``training`` argument
+_TRAIN_ARG = {"aten.dropout.default": 2, "aten.feature_dropout.default": 2, "aten.alpha_dropout.default": 2,
+              "aten.native_dropout.default": 2, "aten.batch_norm.default": 5,
+              "aten._native_batch_norm_legit_functional.default": 5, "aten._native_batch_norm_legit.default": 5,
+              "aten.instance_norm.default": 5}
+
+
+def train_mode_ops(pipe: Any) -> list[tuple[int, str, str]]:
+    """``(stage, op, module)`` for every op of the pipe's graphs that behaves differently
+    in train mode and was traced in it (dropout with ``train=True``, batch norm with
+    ``training=True``). Empty for a pipe traced in eval mode. Cached on the pipe.
+
+    Example:
+        >>> train_mode_ops(ps.pipeline(model.eval(), 2, (x,)))  # doctest: +SKIP
+        []
+    """
+    cached = pipe.derived.get("train_mode_ops")
+    if cached is None:
+        cached = []
+        for info in pipe.stages:
+            for node in info.module.graph.nodes:
+                index = _TRAIN_ARG.get(str(node.target)) if node.op == "call_function" else None
+                if index is None or len(node.args) <= index or node.args[index] is not True:
+                    continue
+                stack = node.meta.get("nn_module_stack") or {}
+                module = next(reversed(stack.values()))[0] if stack else "?"
+                cached.append((info.index, str(node.target).split(".")[1], module))
+        pipe.derived["train_mode_ops"] = cached
+    return cached
+
+
+def refuse_train_mode_graph(pipe: Any) -> None:
+    """Raise a ``PipelineError`` naming the first train-mode op of ``pipe`` (``None``: a
+    hand-built pipeline, whose modules' own ``train()``/``eval()`` applies)."""
+    if pipe is None:
+        return
+    found = train_mode_ops(pipe)
+    if found:
+        stage, op, module = found[0]
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise PipelineError(f"eval(): stage {stage} runs {op} of module {module!r} in training mode{more}: the "
+                            "pipe was traced with the model in train mode, so eval() would drop activations and "
+                            "use (and update) batch statistics. Trace an eval pipe for it: "
+                            "ps.pipeline(model.eval(), ...) and build a schedule on that pipe")
