@@ -83,23 +83,29 @@ def materialize_stage(module: torch.nn.Module, model: torch.nn.Module, device: t
         )
     meta = {n: t for n, t in meta.items() if n not in consts}
     if state_dict is not None:
-        # Non-persistent buffers (rotary inv_freq) are in no state dict: their owners rebuild them.
-        persistent = set(module.state_dict().keys())
-        computed = {n: t for n, t in meta.items() if n not in persistent and n not in state_dict}
-        missing = [n for n in meta if n not in state_dict and n not in computed]
-        if missing and strict:
-            raise SplitError(f"state_dict lacks {len(missing)} tensor(s) this stage needs: "
-                             f"{_with_matches(missing, state_dict)}; pass strict=False to initialise them "
-                             "from their modules' reset_parameters() instead")
-        loaded = [n for n in meta if n not in computed and n not in missing]
-        _check_shapes({n: fresh[n] for n in loaded}, state_dict)
-        with torch.no_grad():
-            for name in loaded:
-                fresh[name].copy_(state_dict[name])
-        meta = {n: t for n, t in meta.items() if n not in loaded}
+        meta = _fill_from_state_dict(module, fresh, meta, state_dict, strict)
     if meta:
         _reset_from_owners(fresh, meta, model, device, seed, canonical or {})
     return module
+
+
+def _fill_from_state_dict(module: torch.nn.Module, fresh: dict, meta: dict, state_dict: Mapping[str, Any],
+                          strict: bool) -> dict:
+    """Copy ``state_dict``'s values into the new tensors; returns the ones still to initialise."""
+    # Non-persistent buffers (rotary inv_freq) are in no state dict: their owners rebuild them.
+    persistent = set(module.state_dict().keys())
+    computed = {n: t for n, t in meta.items() if n not in persistent and n not in state_dict}
+    missing = [n for n in meta if n not in state_dict and n not in computed]
+    if missing and strict:
+        raise SplitError(f"state_dict lacks {len(missing)} tensor(s) this stage needs: "
+                         f"{_with_matches(missing, state_dict)}; pass strict=False to initialise them "
+                         "from their modules' reset_parameters() instead")
+    loaded = [n for n in meta if n not in computed and n not in missing]
+    _check_shapes({n: fresh[n] for n in loaded}, state_dict)
+    with torch.no_grad():
+        for name in loaded:
+            fresh[name].copy_(state_dict[name])
+    return {n: t for n, t in meta.items() if n not in loaded}
 
 
 def fill_stage(module: torch.nn.Module, stage_index: int, model: torch.nn.Module | None, known: Iterable[str],

@@ -1,0 +1,234 @@
+"""One rank of ``pippy-split train``: build its stages, train, checkpoint, resume.
+
+Where this sits: after :mod:`pippy_split.training.setup` (the Pipe), on every rank.
+Every rank steps an AdamW over its own stages. With ``--checkpoint-every N`` every
+rank writes its stages, AdamW state and the run's position (step, data generator,
+losses so far) with :mod:`pippy_split.checkpoint` at the start and after every N
+steps; when the launcher restarts the group after a failure
+(``TORCHELASTIC_RESTART_COUNT`` > 0), every rank loads the last complete one and
+carries on from its step, so the run ends as an uninterrupted one would. The
+global RNG is seeded from (seed, step) at every step, so a resumed step draws
+what the first attempt drew (dropout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .setup import SUM_MAX, Prepared, prepare
+
+__all__ = ["worker", "train_rank", "RunState", "TRAIN_STATE_DIR"]
+
+TRAIN_STATE_DIR = "train_state"  # pippy_split.checkpoint of the stages + AdamW, beside model.pt
+
+
+@dataclass
+class RunState:
+    """Where a run stands: the next step, the data generator, rank 0's losses so far."""
+
+    step: int
+    data_gen: torch.Generator
+    losses: list[float] = field(default_factory=list)
+    resumed_from: int | None = None
+
+    def extra(self, cfg: argparse.Namespace) -> dict:
+        return {"step": self.step, "data_rng": self.data_gen.get_state(), "losses": list(self.losses),
+                "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "steps": cfg.steps, "seed": cfg.seed}
+
+
+def worker(cfg: argparse.Namespace, prepared: Prepared | None = None) -> None:
+    """One rank of the training run (call under torchrun or the elastic launcher).
+
+    ``prepared``: the launcher's :func:`~pippy_split.training.setup.prepare` result,
+    inherited by forked ranks; None to prepare here.
+    """
+    import torch.distributed as dist
+
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    _init_group("nccl" if use_cuda else "gloo")
+    try:
+        train_rank(cfg, prepared, dist.get_rank(), dist.get_world_size(), device)
+    finally:
+        dist.destroy_process_group()
+
+
+def train_rank(cfg: argparse.Namespace, prepared: Prepared | None, rank: int, world: int,
+               device: torch.device) -> None:
+    """Build this rank's stages, train ``cfg.steps`` steps (resuming if restarted), save, finish."""
+    import pippy_split as ps
+    from rich.console import Console
+
+    from .finish import finish
+
+    console = Console(stderr=False)
+    log = console.print if rank == 0 else (lambda *a, **k: None)
+    prep = prepared if prepared is not None and prepared.world == world else prepare(cfg, world, log)
+    sched, opt = _build(cfg, prep, device)
+    dcp_dir = os.path.join(cfg.checkpoint, TRAIN_STATE_DIR)
+    state = _start(cfg, sched, opt, dcp_dir, log)
+    bubble = _banner(cfg, prep, world, device, log)
+    _loop(cfg, prep, sched, opt, state, rank, device, console, dcp_dir, bubble)
+    # every rank writes its stages and optimizer state (DCP, original FQNs) for --resume
+    ps.checkpoint.save(dcp_dir, sched, opt, extra=state.extra(cfg))
+    if rank == 0:
+        finish(cfg, prep, dcp_dir, state.losses, world, log)
+
+
+def _build(cfg: argparse.Namespace, prep: Prepared, device: torch.device) -> tuple[Any, torch.optim.Optimizer]:
+    import pippy_split as ps
+
+    sched = ps.build_schedule(prep.pipe, cfg.schedule, cfg.microbatches, loss_fn=prep.loss_fn, device=device,
+                              activation_checkpoint="full" if cfg.activation_checkpoint else None,
+                              mixed_precision=torch.bfloat16 if cfg.bf16 else None, compile=cfg.compile)
+    params = list({id(p): p for st in sched.stages for p in st.module.parameters()}.values())
+    return sched, torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+
+
+def _init_group(backend: str) -> None:
+    """``init_process_group`` from the launcher's environment, its keys under this attempt's prefix.
+
+    After a restart the launcher's store can still hold the killed group's addresses under
+    the default keys, and a rank that reads one connects to a dead port ("Connection
+    refused"); a prefix per attempt keeps each group's set-up apart."""
+    import torch.distributed as dist
+
+    store, rank, world = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"pippy_split/attempt_{restart_count()}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+
+
+def restart_count() -> int:
+    """How many times the launcher has restarted this group (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _start(cfg: argparse.Namespace, sched: Any, opt: torch.optim.Optimizer, dcp_dir: str,
+           log: Callable[..., None]) -> RunState:
+    """Step 0, or (after a restart) the last complete checkpoint of this run; --resume's optimizer state."""
+    import pippy_split as ps
+
+    state = RunState(0, torch.Generator().manual_seed(cfg.seed))  # same stream on every rank -> same batches
+    if cfg.checkpoint_every and restart_count() > 0 and _ours(cfg, dcp_dir):
+        extra = ps.checkpoint.load(dcp_dir, sched, opt)
+        state.step, state.losses, state.resumed_from = extra["step"], list(extra["losses"]), extra["step"]
+        state.data_gen.set_state(extra["data_rng"])
+        log(f"[green]restart {restart_count()}: resumed[/] from step {state.step} ({dcp_dir})")
+        return state
+    if cfg.resume and os.path.isdir(dcp_dir):
+        # Weights came from model.pt before pipelining; this restores AdamW's state too,
+        # whatever stage layout wrote it (the checkpoint is keyed by original FQNs).
+        ps.checkpoint.load(dcp_dir, sched, opt)
+        log(f"[green]resumed optimizer state[/] from {dcp_dir}")
+    if cfg.checkpoint_every:  # a restart before the first N steps finds this, not an older run's
+        ps.checkpoint.save(dcp_dir, sched, opt, extra=state.extra(cfg))
+    return state
+
+
+def _ours(cfg: argparse.Namespace, dcp_dir: str) -> bool:
+    """A complete checkpoint written by this run (same run id, steps and seed)?"""
+    import pippy_split as ps
+
+    if not os.path.isfile(os.path.join(dcp_dir, ".metadata")):
+        return False
+    probe = torch.nn.Module()  # no keys: reads only ``extra``
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # every key of the checkpoint is "unexpected" to the probe
+        extra = ps.checkpoint.load(dcp_dir, probe, strict=False, no_dist=True)
+    return (isinstance(extra, dict) and "data_rng" in extra and extra.get("steps") == cfg.steps
+            and extra.get("seed") == cfg.seed and extra.get("run_id") == os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
+def _banner(cfg: argparse.Namespace, prep: Prepared, world: int, device: torch.device,
+            log: Callable[..., None]) -> float:
+    import pippy_split as ps
+    from ..schedule import simulate
+
+    pipe, M = prep.pipe, cfg.microbatches
+    order = ps.get_schedule_class(cfg.schedule).compute_order(world, M, pipe.num_stages // world)
+    bubble = simulate(order).bubble_fraction
+    log(f"[bold]pippy-split train[/]: {type(prep.model).__name__}, {pipe.num_stages} stages on {world} ranks "
+        f"({'nccl' if device.type == 'cuda' else 'gloo'}), schedule {cfg.schedule}, {M} microbatches, "
+        f"{sum(s.num_params for s in pipe.stages):,} params, simulated bubble {bubble:.1%}")
+    if prep.corpus is not None and not cfg.data:
+        log(f"data: sums a+b=c of 0..{SUM_MAX}, operands zero-padded, c's digits backwards (07+45=25 is "
+            "7+45=52), windows starting at line starts; the loss is the answers' (the operands are random)")
+    return bubble
+
+
+def lr_at(cfg: argparse.Namespace, step: int) -> float:
+    """Short warmup, then cosine decay to 10% of ``cfg.lr``."""
+    warm = max(1, min(20, cfg.steps // 10))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    frac = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _batch(cfg: argparse.Namespace, prep: Prepared, state: RunState) -> tuple[tuple, dict, Any]:
+    if prep.corpus is None:
+        return prep.args, prep.kwargs, prep.target
+    x, y = prep.corpus.batch(prep.batch_size, cfg.seq_len, state.data_gen)
+    return (x,), {}, y
+
+
+def _maybe_fail(cfg: argparse.Namespace, rank: int, step: int) -> None:
+    """``--simulate-failure RANK:STEP``: SIGKILL this rank there, on the first attempt only."""
+    if cfg.simulate_failure and restart_count() == 0:
+        r, s = (int(v) for v in cfg.simulate_failure.split(":"))
+        if (r, s) == (rank, step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _loop(cfg: argparse.Namespace, prep: Prepared, sched: Any, opt: torch.optim.Optimizer, state: RunState,
+          rank: int, device: torch.device, console: Any, dcp_dir: str, bubble: float) -> None:
+    import pippy_split as ps
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                        TextColumn("bubble {task.fields[bubble]}"), TimeElapsedColumn(),
+                        console=console, disable=rank != 0)
+    tokens, t0 = 0, time.perf_counter()
+    with progress:
+        task = progress.add_task("train", total=cfg.steps, completed=state.step, loss="-", tps="-",
+                                 bubble=f"{bubble:.1%}")
+        while state.step < cfg.steps:
+            _maybe_fail(cfg, rank, state.step)
+            a, k, y = _batch(cfg, prep, state)
+            a = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in a)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(cfg, state.step)
+            torch.manual_seed(cfg.seed + 1_000_003 * (state.step + 1))  # the same draws on a resumed step
+            sched.step(*a, target=y.to(device), **k)
+            if cfg.clip_grad_norm is not None:
+                ps.clip_grad_norm_(sched, cfg.clip_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            state.step += 1
+            if rank == 0:  # only rank 0 reports: reading sched.loss elsewhere would wait for its broadcast
+                state.losses.append(float(sched.loss))
+                tokens += a[0].numel() if isinstance(a[0], torch.Tensor) else 0
+                tps = tokens / max(time.perf_counter() - t0, 1e-9)
+                progress.update(task, advance=1, loss=f"{state.losses[-1]:.4f}", tps=f"{tps:,.0f}")
+            if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
+                ps.checkpoint.save(dcp_dir, sched, opt, extra=state.extra(cfg))
+    if rank == 0 and state.losses:
+        log = console.print
+        log(f"first loss {state.losses[0]:.4f}   last loss {state.losses[-1]:.4f}   ({cfg.steps} steps, "
+            f"{time.perf_counter() - t0:.1f} s)")

@@ -1,0 +1,183 @@
+"""What every rank of ``pippy-split train`` trains: data, model and the traced, split Pipe.
+
+Where this sits: the first half of :mod:`pippy_split.train`, before any rank runs.
+:func:`prepare` gives the same :class:`Prepared` on every rank (same seed); the
+launcher runs it once before forking the local ranks and hands it to each
+(:func:`pippy_split.training.loop.worker`); under torchrun every rank runs it itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["Prepared", "prepare", "load_factory", "unpack_entry", "parse_split", "SUM_MAX", "CHECKPOINT_FILE"]
+
+SUM_MAX = 99  # operands of the built-in sums: 0..SUM_MAX
+CHECKPOINT_FILE = "model.pt"
+
+
+@dataclass
+class Prepared:
+    """The run's data, model and Pipe, the same on every rank.
+
+    ``corpus``/``gpt_cfg`` are set for the built-in TinyGPT (None with ``--model``);
+    ``args``/``kwargs``/``target`` are the factory's batch (trained on every step);
+    ``batch_size`` is the global batch.
+    """
+
+    world: int
+    corpus: Any
+    gpt_cfg: dict | None
+    model: torch.nn.Module
+    loss_fn: Callable
+    args: tuple
+    kwargs: dict
+    target: Any
+    batch_size: int
+    pipe: Any
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """``module:factory`` or ``zoo:NAME`` -> a zero-argument callable.
+
+    Example:
+        >>> load_factory("zoo:mlp_stack")().model.__class__.__name__
+        'MLPStack'
+    """
+    if spec.startswith("zoo:"):
+        from .. import zoo
+
+        name = spec[4:]
+        return lambda: zoo.get(name)
+    if ":" not in spec:
+        raise ValueError(f"expected module:factory or zoo:NAME, got {spec!r}")
+    mod_name, attr = spec.split(":", 1)
+    sys.path.insert(0, os.getcwd())
+    obj: Any = importlib.import_module(mod_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def unpack_entry(entry: Any) -> tuple[torch.nn.Module, tuple, dict, Any, Any, Any]:
+    """(model, args, kwargs, split_spec, loss_fn, target) from a ZooEntry-like or a tuple."""
+    if hasattr(entry, "model") and hasattr(entry, "args"):
+        return (entry.model, tuple(entry.args), dict(getattr(entry, "kwargs", None) or {}),
+                getattr(entry, "split_spec", None), getattr(entry, "loss_fn", None), getattr(entry, "target", None))
+    if isinstance(entry, tuple) and len(entry) in (2, 3) and isinstance(entry[0], torch.nn.Module):
+        args = entry[1] if isinstance(entry[1], tuple) else (entry[1],)
+        kwargs = entry[2] if len(entry) == 3 else {}
+        return entry[0], args, dict(kwargs or {}), None, None, None
+    raise TypeError("factory must return a ZooEntry-like object (model, args, kwargs, ...) or a tuple "
+                    f"(model, args[, kwargs]); got {type(entry).__name__}")
+
+
+def parse_split(split: str | None) -> list[str] | None:
+    return [s.strip() for s in split.split(",") if s.strip()] if split else None
+
+
+def _stages_per_rank(schedule: str) -> int:
+    from ..schedule.orders import ORDERS
+
+    return ORDERS[schedule].default_stages_per_rank()
+
+
+def gpt_config(cfg: argparse.Namespace, vocab_size: int, num_stages: int) -> dict:
+    n_layer = cfg.n_layer or max(4, num_stages)
+    return dict(vocab_size=vocab_size, d_model=cfg.d_model, n_layer=n_layer, n_head=4,
+                block_size=max(64, cfg.seq_len))
+
+
+def corpus_of(cfg: argparse.Namespace, chars: str = "") -> Any:
+    """The user's text (plain next-character prediction), or the built-in sums: operands
+    zero-padded, answers written backwards, windows starting at line starts, loss on the
+    answers only (see :mod:`pippy_split.data`)."""
+    from ..data import CharCorpus, addition_corpus
+
+    if cfg.data:
+        with open(cfg.data, encoding="utf-8") as f:
+            text = f.read()
+        return CharCorpus(text, chars=chars)
+    return CharCorpus(addition_corpus(max_value=SUM_MAX, seed=cfg.seed, reverse=True, pad=True), chars=chars,
+                      prompt_end="=")
+
+
+def load_model_file(path: str) -> dict:
+    return torch.load(os.path.join(path, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
+
+
+def fresh_model(cfg: argparse.Namespace, prep: Prepared) -> torch.nn.Module:
+    """A new unsplit model of the run's kind (what ``model.pt`` is loaded into)."""
+    from ..zoo.gpt import TinyGPT
+
+    if prep.corpus is not None:
+        return TinyGPT(**prep.gpt_cfg)
+    torch.manual_seed(cfg.seed)
+    return unpack_entry(load_factory(cfg.model)())[0]
+
+
+def prepare(cfg: argparse.Namespace, world: int, log: Callable[..., None]) -> Prepared:
+    """Data, model and the traced, split Pipe: the same on every rank (same seed)."""
+    import pippy_split as ps
+
+    num_stages = world * _stages_per_rank(cfg.schedule)
+    M, B = cfg.microbatches, cfg.batch_size
+    if B % M:
+        raise SystemExit(f"--batch-size {B} is not divisible by --microbatches {M}")
+    resume_state = load_model_file(cfg.checkpoint) if cfg.resume else None
+    if cfg.model is None:
+        prep, split_spec, ex_args, ex_kwargs = _builtin(cfg, num_stages, resume_state)
+    else:
+        prep, split_spec, ex_args, ex_kwargs = _factory(cfg, num_stages)
+    if resume_state is not None:
+        missing, unexpected = prep.model.load_state_dict(resume_state["state_dict"], strict=False)
+        if missing or unexpected:
+            raise SystemExit(f"checkpoint {cfg.checkpoint} does not match the model: "
+                             f"missing {missing}, unexpected {unexpected}")
+        log(f"[green]resumed[/] from {os.path.join(cfg.checkpoint, CHECKPOINT_FILE)}")
+    prep.world = world
+    prep.pipe = ps.pipeline(prep.model, split_spec, ex_args, ex_kwargs)
+    if prep.pipe.num_stages % world:
+        raise SystemExit(f"{prep.pipe.num_stages} stages cannot be spread over {world} ranks")
+    return prep
+
+
+def _builtin(cfg: argparse.Namespace, num_stages: int, resume_state: dict | None) -> tuple:
+    from ..zoo import layer_split
+    from ..zoo.gpt import TinyGPT, lm_loss
+
+    saved_chars = resume_state["meta"].get("chars", "") if resume_state else ""
+    corpus = corpus_of(cfg, chars=saved_chars)
+    gpt_cfg = gpt_config(cfg, corpus.vocab_size, num_stages)
+    if resume_state and resume_state["meta"].get("gpt_config"):
+        gpt_cfg = resume_state["meta"]["gpt_config"]
+    torch.manual_seed(cfg.seed)
+    model = TinyGPT(**gpt_cfg)
+    split_spec = parse_split(cfg.split) or layer_split("blocks", gpt_cfg["n_layer"], num_stages)
+    B, M = cfg.batch_size, cfg.microbatches
+    x0, _ = corpus.batch(B, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1))
+    prep = Prepared(world=0, corpus=corpus, gpt_cfg=gpt_cfg, model=model, loss_fn=lm_loss, args=(), kwargs={},
+                    target=None, batch_size=B, pipe=None)
+    return prep, split_spec, (x0[: B // M],), {}
+
+
+def _factory(cfg: argparse.Namespace, num_stages: int) -> tuple:
+    torch.manual_seed(cfg.seed)
+    model, args, kwargs, spec, loss_fn, target = unpack_entry(load_factory(cfg.model)())
+    split_spec = parse_split(cfg.split) or spec or num_stages
+    if loss_fn is None or target is None:
+        raise SystemExit(f"{cfg.model} gives no loss_fn/target; train needs a ZooEntry-like with both")
+    B, M = args[0].shape[0], cfg.microbatches
+    if B % M:
+        raise SystemExit(f"the factory's batch ({B}) is not divisible by --microbatches {M}")
+    ex_args = tuple(a[: B // M] if isinstance(a, torch.Tensor) else a for a in args)
+    prep = Prepared(world=0, corpus=None, gpt_cfg=None, model=model, loss_fn=loss_fn, args=args, kwargs=kwargs,
+                    target=target, batch_size=B, pipe=None)
+    return prep, split_spec, ex_args, kwargs
