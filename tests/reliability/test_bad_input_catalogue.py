@@ -198,3 +198,47 @@ def test_22_state_dict_of_other_stages_only_is_fine_but_an_unknown_key_is_not(gp
     pipe.build_stage(2, state_dict={k: v for k, v in sd.items() if k.startswith("blocks.2.")})
     with pytest.raises(ps.SplitError, match=r"1 key\(s\) of state_dict name no parameter.*blocks\.7\.ln1\.weight"):
         pipe.build_stage(2, state_dict={**sd, "blocks.7.ln1.weight": torch.zeros(3)})
+
+
+def _meta_gpt():
+    from pippy_split.zoo.gpt import TinyGPT
+
+    sizes = dict(vocab_size=64, d_model=32, n_layer=4, n_head=4, block_size=64)
+    with torch.device("meta"):
+        model = TinyGPT(**sizes)
+    torch.manual_seed(0)
+    return TinyGPT(**sizes), ps.pipeline(model, ["blocks.1", "blocks.2", "blocks.3"], (torch.randint(0, 64, (2, 16)),))
+
+
+def test_23_meta_stage_given_a_state_dict_with_a_typo_or_a_wrong_shape():
+    full, pipe = _meta_gpt()
+    sd = dict(full.state_dict())
+    with pytest.raises(ps.SplitError, match=r"name no parameter or buffer of the model: blocks\.1\.ln1\.weigth"):
+        pipe.build_stage(1, "cpu", state_dict={**sd, "blocks.1.ln1.weigth": sd["blocks.1.ln1.weight"]})
+    sd["blocks.1.ln1.bias"] = torch.zeros(1)  # copy_ would broadcast it silently
+    with pytest.raises(ps.SplitError, match=r"another shape.*blocks\.1\.ln1\.bias: \(1,\) vs \(32,\)"):
+        pipe.build_stage(1, "cpu", state_dict=sd)
+
+
+def test_24_loading_a_checkpoint_that_is_not_there(tmp_path):
+    with pytest.raises(ps.checkpoint.CheckpointError, match=r"no checkpoint at .*nowhere: the directory does not exist"):
+        ps.checkpoint.load(tmp_path / "nowhere", zoo.get("mlp_stack").model, no_dist=True)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--simulate-failure", "one"], "--simulate-failure takes RANK:STEP"),
+    (["--checkpoint-every", "-1"], "must be >= 0"),
+    (["--schedule", "Zigzag"], "unknown schedule 'Zigzag'"),
+])
+def test_25_train_options_refused_before_any_rank_starts(capsys, args, message):
+    from pippy_split import train
+
+    assert train.main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_26_step_checks_on_one_rank_raise_the_rank_s_own_error():
+    from pippy_split.schedule.agree import agree_before_step
+
+    with pytest.raises(KeyError, match="mask"):  # alone, the error is raised as it is
+        agree_before_step(KeyError("mask"), None, 1, 0, torch.device("cpu"))
