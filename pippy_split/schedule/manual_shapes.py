@@ -1,0 +1,142 @@
+"""The shape handshake of hand-built stages: what a stage built without a Pipe receives
+and sends, learned once, before the first step's actions.
+
+Part of the runtime (… → schedule → **runtime**): stages made with
+``PipelineStage(module, ...)`` know only whom they send to (``outputs_to``, else the
+next stage). On the first step every stage, in index order, runs a fake
+(FakeTensor) forward of microbatch 0 and its rank broadcasts the outputs' specs as
+plain int64 metadata; each receiving stage builds its input slots from them. A
+collective sequence every rank runs identically, so no point-to-point message
+depends on it. The stages' slots and routes are :class:`~pippy_split.split.spec.StageInput`
+and :class:`~pippy_split.split.spec.Edge`, as for a Pipe's stages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..split.spec import Edge, InputKind, StageInput, TensorSpec
+from ..stage.errors import PipelineError
+from ..stage.stage import PipelineStage
+from ..stage.transport import P2P
+
+__all__ = ["infer_manual_shapes"]
+
+
+def infer_manual_shapes(stages: Mapping[int, PipelineStage], stage_rank: Mapping[int, int], rank: int,
+                        p2p: P2P | None, ctx: Any) -> None:
+    """Every stage in index order works out its outputs' shapes with a fake forward
+    (no compute, no memory) and its rank broadcasts them: a collective sequence that
+    every rank runs identically, so no point-to-point message depends on it."""
+    described: dict[int, list[tuple[int, int, int, TensorSpec]]] = {}
+    device = next(iter(stages.values())).device
+    for s in range(len(stage_rank)):
+        owner = stage_rank[s]
+        header = None
+        if owner == rank:
+            stage = stages[s]
+            if stage.in_slots is None:
+                stage.in_slots = _build_slots(stage, described.get(s, []))
+            if not stage.routes:
+                stage.routes = _manual_routes(stage, _fake_outputs(stage, ctx))
+            header = _encode_routes(stage.routes).to(device)
+        if p2p is not None:
+            if header is None:
+                header = torch.empty(1 + _HEADER_ROWS * _HEADER_COLS, dtype=torch.int64, device=device)
+            dist.broadcast(header, group=p2p.group, group_src=owner)
+        if header is not None:
+            for src, out, dst_in, spec, dst in _decode_routes(header.cpu(), s):
+                described.setdefault(dst, []).append((src, out, dst_in, spec))
+
+
+_HEADER_ROWS, _HEADER_COLS, _MAX_DIMS = 32, 16, 8  # a row: 6 fields + up to 8 dims
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+def _encode_routes(routes: list[Edge]) -> torch.Tensor:
+    """Plain int64 metadata (no pickling): count, then per route
+    [src_output, dst_input, ndim, dtype code, requires_grad, dims...]."""
+    if len(routes) > _HEADER_ROWS:
+        raise PipelineError(f"a hand-built stage can send at most {_HEADER_ROWS} tensors to one stage")
+    header = torch.zeros(1 + _HEADER_ROWS * _HEADER_COLS, dtype=torch.int64)
+    header[0] = len(routes)
+    for k, r in enumerate(routes):
+        if len(r.spec.shape) > _MAX_DIMS or r.spec.dtype not in _DTYPES:
+            raise PipelineError(f"output {r.src_output} of a hand-built stage has more than {_MAX_DIMS} dims or an "
+                                f"unsupported dtype {r.spec.dtype} (supported: {_DTYPES}); build the stages with "
+                                "pipeline() instead")
+        row = [r.src_output, r.dst_input, r.dst_stage, len(r.spec.shape), _DTYPES.index(r.spec.dtype),
+               int(r.spec.requires_grad), *r.spec.shape]
+        header[1 + k * _HEADER_COLS: 1 + k * _HEADER_COLS + len(row)] = torch.tensor(row)
+    return header
+
+
+def _decode_routes(header: torch.Tensor, src: int) -> list[tuple[int, int, int, TensorSpec, int]]:
+    """``(src stage, src output, dst input, spec, dst stage)`` per route in the header."""
+    out = []
+    for k in range(int(header[0])):
+        row = header[1 + k * _HEADER_COLS: 1 + (k + 1) * _HEADER_COLS].tolist()
+        ndim = row[3]
+        spec = TensorSpec(tuple(row[6:6 + ndim]), _DTYPES[row[4]], bool(row[5]))
+        out.append((src, row[0], row[1], spec, row[2]))
+    return out
+
+
+def _build_slots(stage: PipelineStage, described: list[tuple[int, int, int, TensorSpec]]) -> list[StageInput]:
+    """Slots of a hand-built stage: declared positions first, chain values fill the rest in order."""
+    fixed = {d: (src, out, spec) for src, out, d, spec in described if d >= 0}
+    chain = sorted(((out, src, spec) for src, out, d, spec in described if d < 0))
+    n = len(fixed) + len(chain)
+    slots, free = [], iter(i for i in range(n) if i not in fixed)
+    placed = dict(fixed)
+    for out, src, spec in chain:
+        placed[next(free)] = (src, out, spec)
+    for i in range(n):
+        if i not in placed:
+            raise PipelineError(f"stage {stage.stage_index}: nothing is sent to input {i}")
+        src, out, spec = placed[i]
+        slots.append(StageInput(i, InputKind.EDGE, edge=Edge(src, out, stage.stage_index, i, spec)))
+    return slots
+
+
+def _fake_outputs(stage: PipelineStage, ctx: Any) -> tuple:
+    """The stage's outputs for microbatch 0 under FakeTensorMode: shapes, dtypes and
+    requires-grad of the real ones, without computing anything or touching the real
+    parameters and buffers (BatchNorm statistics stay as they are)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    state = {n: mode.from_tensor(t) for n, t in [*stage.module.named_parameters(), *stage.module.named_buffers()]}
+    if stage.is_first:
+        args = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in ctx.mb_args[0]]
+        kwargs = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in ctx.mb_kwargs[0].items()}
+    else:
+        with mode:
+            args = [torch.empty(slot.spec.shape, dtype=slot.spec.dtype, device=stage.device).requires_grad_(
+                slot.spec.carries_grad) for slot in stage.in_slots]
+        kwargs = {}
+    try:
+        with mode, torch.enable_grad():
+            out = torch.func.functional_call(stage.module, state, tuple(args), kwargs)
+    except Exception as e:
+        raise PipelineError(f"stage {stage.stage_index}: could not work out the shapes of this hand-built stage's "
+                            f"outputs with a fake forward ({type(e).__name__}: {e}); build the stages with "
+                            "pipeline() so the shapes come from the trace") from e
+    return tuple(out) if isinstance(out, tuple) else (out,)
+
+
+def _manual_routes(stage: PipelineStage, outs: tuple) -> list[Edge]:
+    """Routes (outgoing edges) of a hand-built stage, from its declared outputs_to and the chain."""
+    routes = []
+    for i, out in enumerate(outs):
+        dsts = stage.outputs_to[i] if i in stage.outputs_to else [] if stage.is_last else [(stage.stage_index + 1, -1)]
+        if dsts and not isinstance(out, torch.Tensor):
+            raise PipelineError(f"output {i} sent to stage {dsts[0][0]} is not a tensor")
+        for dst, dst_in in dsts:
+            routes.append(Edge(stage.stage_index, i, dst, dst_in,
+                               TensorSpec(tuple(out.shape), out.dtype, bool(out.requires_grad))))
+    return routes
