@@ -11,6 +11,7 @@ import io
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from rich import box
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
@@ -33,6 +34,14 @@ def human_bytes(n: float) -> str:
             return f"{n:.3g} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return f"{n:.2f} TB"
+
+
+def _short_bytes(n: float) -> str:
+    for unit in ("B", "K", "M", "G"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}T"
 
 
 def human_time(t: float) -> str:
@@ -157,15 +166,20 @@ class Plan:
         """The ``top`` fitting candidates as a rich table."""
         t = Table(title=f"Plan: {len(self.fitting)} of {len(self.candidates)} candidates fit "
                         f"{human_bytes(self.budget)} per rank ({self.num_ranks} ranks, batch {self.global_batch})",
-                  title_justify="left")
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
         for col in ("#", "schedule", "split", "m", "AC", "step time", "peak memory per rank", "bubble"):
-            t.add_column(col, justify="right" if col in ("#", "m", "step time", "bubble") else "left")
+            t.add_column(col, justify="right" if col in ("#", "m", "step time", "bubble") else "left",
+                         no_wrap=col in ("schedule", "step time"))
         for k, c in enumerate(self.fitting[:top]):
-            peaks = " ".join(human_bytes(c.peak_bytes[r]) for r in sorted(c.peak_bytes))
-            t.add_row(str(k + 1), f"{c.schedule} x{c.stages_per_rank}", c.split_label, str(c.n_microbatches),
+            peaks = " ".join(_short_bytes(c.peak_bytes[r]) for r in sorted(c.peak_bytes))
+            t.add_row(str(k + 1), c.schedule, f"{c.split.num_stages} {c.split.metric}", str(c.n_microbatches),
                       "full" if c.activation_checkpoint else "off", human_time(c.step_time), peaks, f"{c.bubble:.0%}")
         t.caption = (f"comm: {human_bytes(self.comm.bandwidth)}/s, {human_time(self.comm.latency)} per message "
                      f"({self.comm.source})")
+        if self.fitting:
+            best = self.fitting[0]
+            t.caption += (f"; best split's stage shares of F+B time: "
+                          + "/".join(f"{x:.0%}" for x in best.split.shares))
         t.caption_justify = "left"
         return t
 

@@ -20,7 +20,6 @@ stuck steps marked. Every failure names the rank, step and action.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Iterable, Mapping
 
 from .actions import Action, ActionKind, Order
@@ -322,30 +321,31 @@ class _Checker:
 
     # -- pass 4: all ranks together ----------------------------------------------
     def dry_run(self) -> None:
-        """Run every rank's list, each as far as it can, until all end or none can move."""
+        """Run every rank's list, each as far as it can, until all end or none can move.
+
+        A compute-only order runs on :mod:`.event_loop` (the loop :func:`.simulate`
+        times, here with zero costs); a lowered one under the batch rule."""
         self.done = bytearray(len(self.pos))  # event key -> happened
         if self.lowered:
             self._dry_run_batches()
             return
-        self.waiters: dict[int, list[int]] = {}  # event key -> ranks blocked on it
-        self.ready = deque(sorted(self.order))
-        self.templates = self._dep_templates()
-        self.recv_from = {  # RECV code -> (matching SEND code, remote peer stages per stage)
-            _RECV_F: (_SEND_F, [self.table[s].recv_f for s in range(self.S)]),
-            _RECV_B: (_SEND_B, [self.table[s].recv_b for s in range(self.S)]),
-        }
-        ptr = {r: 0 for r in self.order}
-        blocked: dict[int, int] = {}  # rank -> the event key it waits for
-        while self.ready:
-            rank = self.ready.popleft()
-            ptr[rank], wait = self._advance(rank, ptr[rank])
-            if wait is None:
-                blocked.pop(rank, None)
-            else:
-                self.waiters.setdefault(wait, []).append(rank)
-                blocked[rank] = wait
-        if blocked:
-            self._deadlock(ptr, blocked)
+        from .deps import DepIndex
+        from .event_loop import encode, requirement_table, run_loop
+
+        enc = encode(self.order, self.S)
+        table = requirement_table(DepIndex(self.links, self.S), self.where, enc.num_mb, lambda src, dst: 0.0)
+        run = run_loop(enc, table, [0.0] * (4 * self.S))
+        if not run.blocked:
+            return
+        ptr, blocked = {}, {}
+        for r in sorted(run.blocked):
+            stage, kind, mb = enc.action(run.blocked[r])
+            step = enc.steps(self.order, r)[len(run.starts[r])]
+            key = self.key(_CODE[kind.value], stage, mb)
+            if self.where.get(stage) == r:  # it can only come later on this very rank
+                self._runs_later(self.order[r][step], (r, step), key)
+            ptr[r], blocked[r] = step, key
+        self._deadlock(ptr, blocked)
 
     def _dry_run_batches(self) -> None:
         """Lowered orders under NCCL's rule (:func:`~pippy_split.schedule.simulate.run_batches`):
@@ -382,44 +382,6 @@ class _Checker:
                       f"(NCCL's rule); {len(stuck)} rank(s) stuck:\n" + "\n".join(lines))
             self.fail(reason, (first, run.ptr[first]), order[first][run.ptr[first]],
                       marks={r: run.ptr[r] for r in stuck})
-
-    def _advance(self, rank: int, i: int) -> tuple[int, int | None]:
-        """Run ``rank`` from step ``i`` until it ends or blocks: ``(step, awaited key or None)``."""
-        acts, S, M, done = self.order[rank], self.S, self.M, self.done
-        templates, lowered, code_of, fire = self.templates, self.lowered, _CODE, self._fire
-        for i in range(i, len(acts)):
-            a = acts[i]
-            if a is None:
-                continue
-            code = code_of[a.kind._value_]
-            s, mb = a.stage, a.mb
-            if code <= _W:
-                for dcode, ds, local in templates[s * 4 + code]:
-                    k = (dcode * S + ds) * M + mb
-                    if done[k]:
-                        continue
-                    if local:  # it can only come later on this very rank
-                        self._runs_later(a, (rank, i), k)
-                    if not lowered:  # in a lowered order the RECV before `a` covers it
-                        return i, k
-                fire((code * S + s) * M + mb)
-                if code == _B:  # a full backward meets a required I too
-                    fire((_I * S + s) * M + mb)
-            elif code == _SEND_F or code == _SEND_B:
-                fire((code * S + s) * M + mb)  # sends never block
-            else:
-                send, peer_stages = self.recv_from[code]
-                for peer in peer_stages[s]:
-                    k = (send * S + peer) * M + mb
-                    if not done[k]:
-                        return i, k
-        return len(acts), None
-
-    def _fire(self, key: int) -> None:
-        self.done[key] = 1
-        woken = self.waiters.pop(key, None)
-        if woken:
-            self.ready.extend(woken)
 
     def _dep_templates(self) -> dict[int, list[tuple[int, int, bool]]]:
         """``compute_deps`` per (stage, compute kind), for mb 0: deps keep the mb."""

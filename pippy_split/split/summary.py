@@ -31,14 +31,35 @@ def _module_range(mods: list[str]) -> str:
 
 
 def imbalance_warning(pipe: "Pipe") -> str | None:
-    """A warning when the costliest stage costs over 1.5x the cheapest (by FLOPs)."""
-    flops = [s.flops for s in pipe.stages]
-    if len(flops) < 2 or min(flops) <= 0:
+    """A warning when the split is uneven under the cost model it was made with.
+
+    An int split (``pipeline(model, N, balance=...)``) is judged as the balancer judged
+    it: its costliest stage over ``TARGET_RATIO`` x an even one, by its metric. Split
+    points given by the user are judged by FLOPs (or the pipe's metric): the costliest
+    stage over 1.5x the cheapest.
+
+    Example:
+        >>> imbalance_warning(ps.pipeline(model, ["layers.7"], (x,)))  # doctest: +SKIP
+        'imbalanced: stage 0 costs 7.0x stage 1 (flops); consider moving split points'
+    """
+    from .balance import TARGET_RATIO
+
+    report = getattr(pipe, "balance", None)
+    metric, shares = stage_shares(pipe)
+    if len(shares) < 2:
         return None
-    ratio = max(flops) / min(flops)
+    if report is not None and report.best_ratio is not None and len(report.stage_costs) == pipe.num_stages:
+        if report.ratio <= TARGET_RATIO:
+            return None
+        hi = shares.index(max(shares))
+        return (f"imbalanced: stage {hi} costs {report.ratio:.2f}x an even stage ({metric}); the best any cuts "
+                f"can do is {report.best_ratio:.2f}x")
+    if min(shares) <= 0:
+        return None
+    ratio = max(shares) / min(shares)
     if ratio > 1.5:
-        hi, lo = flops.index(max(flops)), flops.index(min(flops))
-        return f"imbalanced: stage {hi} costs {ratio:.1f}x stage {lo} (FLOPs); consider moving split points"
+        hi, lo = shares.index(max(shares)), shares.index(min(shares))
+        return f"imbalanced: stage {hi} costs {ratio:.1f}x stage {lo} ({metric}); consider moving split points"
     return None
 
 
