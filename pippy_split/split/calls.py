@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .trace import ROOT_PREFIX
+from .trace import user_module_path
 
 __all__ = ["Call", "CallTree", "module_paths", "all_module_paths", "region_nodes", "call_stack", "call_tree"]
 
@@ -30,10 +30,8 @@ def _stack_entries(node: torch.fx.Node) -> list[tuple[str, str, str]]:
     stack = node.meta.get("nn_module_stack") or {}
     out = []
     for key, (path, cls) in stack.items():
-        path = path.split("@")[0]
-        if path.startswith(ROOT_PREFIX):
-            path = path[len(ROOT_PREFIX):]
-        elif path in ("", "mod") or path.startswith(_NO_STACK):
+        path = user_module_path(path.split("@")[0])
+        if path is None or path.startswith(_NO_STACK):
             continue
         name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
         out.append((key, path, name))

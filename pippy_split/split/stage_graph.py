@@ -226,16 +226,38 @@ class _Builder:
         return chosen or [canonical]
 
     def _build_stage(self, s, ops, reads, outs, out_index, installed):
+        """Stage ``s``'s GraphModule and StageInfo from its ops, the values it reads and the
+        values it outputs; ``installed`` collects which stages hold each tensor."""
         g = torch.fx.Graph()
         env: dict[torch.fx.Node, Any] = {}
+        sources, edges = self._inputs(s, g, env, reads, out_index)
+        mutated = {a for op in ops for a in mutated_args(op)}
+        for v in list(env):
+            if v in mutated and isinstance(env[v], torch.fx.Node):
+                # Received values are autograd leaves: an in-place op on them would fail.
+                env[v] = g.call_function(torch.ops.aten.clone.default, (env[v],))
+        root = torch.nn.Module()
+        attrs = [v for v in reads if v.op == "placeholder" and v.name not in self.input_index]
+        param_fqns, installs = self._attributes(s, g, env, root, attrs, set(ops), installed)
+        modules, flops = self._copy_ops(g, env, root, ops)
+        g.output(tuple(env[v] for v in outs))
+        module = self._module(s, root, g, installs)
+        out_specs = [
+            _spec_of(v, self.rg[v], self.known_symbols, self.rename) if isinstance(v.meta.get("val"), torch.Tensor) else None
+            for v in outs
+        ]
+        info = StageInfo(s, module, sources, [v.name for v in outs], out_specs, modules, flops, param_fqns)
+        return info, edges
+
+    def _inputs(self, s: int, g: torch.fx.Graph, env: dict, reads: list, out_index: dict
+                ) -> tuple[list[StageInput], list[Edge]]:
+        """Placeholders for what stage ``s`` reads from outside: model inputs, values of
+        earlier stages (one Edge each, from the true producer), dynamic sizes."""
         sources: list[StageInput] = []
         edges: list[Edge] = []
-        mutated = {a for op in ops for a in mutated_args(op)}
-        stage_set = set(ops)
         user_in = sorted((v for v in reads if v.name in self.input_index), key=lambda v: self.input_index[v.name])
         received = [v for v in reads if v.op == "call_function" and not isinstance(v.meta.get("val"), torch.SymInt)]
         symbolic = [v for v in reads if v.op == "call_function" and isinstance(v.meta.get("val"), torch.SymInt)]
-        attrs = [v for v in reads if v.op == "placeholder" and v.name not in self.input_index]
         for v in user_in:
             val = v.meta.get("val")
             if not isinstance(val, torch.Tensor):
@@ -265,11 +287,12 @@ class _Builder:
                 raise SplitError(f"size {v.name!r} = {expr} crosses into stage {s} but depends on data; move the split")
             env[v] = g.placeholder(f"sym_{v.name}")
             sources.append(StageInput(len(sources), InputKind.SYMBOL, v.name, expr=expr.xreplace(self.rename)))
-        for v in list(env):
-            if v in mutated and isinstance(env[v], torch.fx.Node):
-                # Received values are autograd leaves: an in-place op on them would fail.
-                env[v] = g.call_function(torch.ops.aten.clone.default, (env[v],))
-        root = torch.nn.Module()
+        return sources, edges
+
+    def _attributes(self, s: int, g: torch.fx.Graph, env: dict, root: torch.nn.Module, attrs: list,
+                    stage_set: set, installed: dict) -> tuple[list[str], list[tuple[str, torch.Tensor, bool]]]:
+        """Install the parameters, buffers and lifted constants stage ``s`` reads on ``root``
+        under every name the stage uses for them; ``(param_fqns, installs)``."""
         param_fqns = []
         installs = []  # (fqn, tensor, is_buffer): every name the stage holds the tensor under
         for v in attrs:
@@ -293,6 +316,10 @@ class _Builder:
             else:
                 holders.append((s, list(names)))
             env[v] = g.get_attr(names[0])
+        return param_fqns, installs
+
+    def _copy_ops(self, g: torch.fx.Graph, env: dict, root: torch.nn.Module, ops: list) -> tuple[list, int]:
+        """Copy the stage's ops into ``g``; ``(module call paths in order, forward FLOPs)``."""
         modules: dict[str, None] = {}
         flops = 0
         for op in ops:
@@ -306,8 +333,10 @@ class _Builder:
                 modules.setdefault(paths, None)
             if op.target is not operator.getitem:
                 flops += node_flops(op)
-        out_vals = [env[v] for v in outs]
-        g.output(tuple(out_vals))
+        return list(modules), flops
+
+    def _module(self, s: int, root: torch.nn.Module, g: torch.fx.Graph,
+                installs: list[tuple[str, torch.Tensor, bool]]) -> GraphModule:
         module = GraphModule(root, g, class_name=f"Stage{s}")
         # GraphModule copies only what the graph reads; a tied tensor's other names
         # (head.weight beside tok_emb.weight in one stage) must be there too.
@@ -317,12 +346,7 @@ class _Builder:
             if name in self.traced.non_persistent or name.startswith("_const_"):
                 mod_path, _, leaf = name.rpartition(".")
                 module.get_submodule(mod_path).register_buffer(leaf, buf, persistent=False)
-        out_specs = [
-            _spec_of(v, self.rg[v], self.known_symbols, self.rename) if isinstance(v.meta.get("val"), torch.Tensor) else None
-            for v in outs
-        ]
-        info = StageInfo(s, module, sources, [v.name for v in outs], out_specs, list(modules), flops, param_fqns)
-        return info, edges
+        return module
 
     def _place_unused(self, stages: list[StageInfo], installed: dict) -> None:
         """Parameters no op reads (and tied names never called) still belong somewhere:

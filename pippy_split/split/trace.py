@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import TraceError
 
-__all__ = ["Traced", "trace_model", "ROOT_PREFIX"]
+__all__ = ["Traced", "trace_model", "ROOT_PREFIX", "user_module_path"]
 
 ROOT_PREFIX = "mod."
 _PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, complex, type(None), torch.SymInt, torch.SymFloat)
@@ -60,6 +60,20 @@ def _root_for(model: torch.nn.Module) -> torch.nn.Module:
 
 def _strip(fqn: str) -> str:
     return fqn[len(ROOT_PREFIX):] if fqn.startswith(ROOT_PREFIX) else fqn
+
+
+def user_module_path(path: str) -> str | None:
+    """The user's FQN for a module path of export's ``nn_module_stack`` (``"mod.blocks.0"``
+    -> ``"blocks.0"``), or ``None`` for the model itself and the tracing wrapper. Only this
+    module knows the wrapper's name.
+
+    Example:
+        >>> user_module_path("mod.blocks.0"), user_module_path("mod")
+        ('blocks.0', None)
+    """
+    if path.startswith(ROOT_PREFIX):
+        return path[len(ROOT_PREFIX):]
+    return None if path in ("", ROOT_PREFIX.rstrip(".")) else path
 
 
 @dataclass
@@ -214,6 +228,36 @@ def _example_names(sig: inspect.Signature | None, args: tuple, kwargs: dict) -> 
     return positional[: len(args)], list(kwargs)
 
 
+def _graph_inputs(ep: ExportedProgram) -> tuple[dict[str, str], dict[str, str], dict[str, str], set[str], list[str]]:
+    """What each graph input is: ``(params, buffers, constants, non-persistent buffer FQNs,
+    user inputs)``, placeholder names mapped to the user's own FQNs (wrapper prefix gone)."""
+    params, buffers, constants, non_persistent = {}, {}, {}, set()
+    user_inputs = []
+    for spec in ep.graph_signature.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            params[name] = _strip(spec.target)
+        elif spec.kind == InputKind.BUFFER:
+            buffers[name] = _strip(spec.target)
+            if spec.persistent is False:
+                non_persistent.add(_strip(spec.target))
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            constants[name] = spec.target
+        elif spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(name)
+        else:
+            raise TraceError(f"unsupported graph input kind {spec.kind} for {name!r}")
+    return params, buffers, constants, non_persistent, user_inputs
+
+
+def _aliases(model: torch.nn.Module) -> dict[str, list[str]]:
+    """``{fqn: every FQN of the same tensor}`` (tied weights share one list)."""
+    by_id: dict[int, list[str]] = {}
+    for fqn, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        by_id.setdefault(id(t), []).append(fqn)
+    return {fqn: names for names in by_id.values() for fqn in names}
+
+
 def trace_model(
     model: torch.nn.Module,
     args: tuple,
@@ -236,33 +280,8 @@ def trace_model(
             "the parts that work, or build the stages by hand with pippy_split.PipelineStage."
         ) from e
 
-    params, buffers, constants, non_persistent = {}, {}, {}, set()
-    user_inputs = []
-    for spec in ep.graph_signature.input_specs:
-        name = spec.arg.name
-        if spec.kind == InputKind.PARAMETER:
-            params[name] = _strip(spec.target)
-        elif spec.kind == InputKind.BUFFER:
-            buffers[name] = _strip(spec.target)
-            if spec.persistent is False:
-                non_persistent.add(_strip(spec.target))
-        elif spec.kind == InputKind.CONSTANT_TENSOR:
-            constants[name] = spec.target
-        elif spec.kind == InputKind.USER_INPUT:
-            user_inputs.append(name)
-        else:
-            raise TraceError(f"unsupported graph input kind {spec.kind} for {name!r}")
-
-    aliases: dict[str, list[str]] = {}
-    by_id: dict[int, list[str]] = {}
-    for fqn, t in list(model.named_parameters(remove_duplicate=False)) + list(
-        model.named_buffers(remove_duplicate=False)
-    ):
-        by_id.setdefault(id(t), []).append(fqn)
-    for names in by_id.values():
-        for fqn in names:
-            aliases[fqn] = names
-
+    params, buffers, constants, non_persistent, user_inputs = _graph_inputs(ep)
+    aliases = _aliases(model)
     try:
         sig = inspect.signature(model.forward)
     except (TypeError, ValueError):
