@@ -90,7 +90,7 @@ class Pipe(torch.nn.Module):
 
     def info(self) -> PipeInfo:
         """The :class:`PipeInfo` for :func:`pippy_split.compat.build_stage`."""
-        return PipeInfo(self.core_pipe._traced.graph, self.num_stages, False, pipe=self.core_pipe)
+        return PipeInfo(self.core_pipe.graph, self.num_stages, False, pipe=self.core_pipe)
 
     def build_stage(self, stage_index: int, device: torch.device | None,
                     group: torch.distributed.ProcessGroup | None = None) -> PipelineStage:
