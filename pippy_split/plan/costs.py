@@ -126,6 +126,8 @@ class StageCosts:
             union of the storages autograd saves), without checkpointing.
         boundary_bytes: what it keeps under full checkpointing (its inputs and outputs).
         param_bytes: its parameters.
+        wgrad_bytes: what a split backward keeps from I until W (the output gradients of
+            the ops that read parameters).
     """
 
     forward: float
@@ -135,6 +137,7 @@ class StageCosts:
     held_bytes: float
     boundary_bytes: float
     param_bytes: float
+    wgrad_bytes: float = 0.0
 
     def times(self, scale: float) -> tuple[float, float, float]:
         """``(F, I, W)`` seconds at ``scale`` x the example microbatch."""
@@ -259,7 +262,8 @@ def price_split(traced: Traced, model: torch.nn.Module, flat_inputs: Sequence[An
             forward=sum(p.forward for _, p in items), input_grad=sum(p.input_grad for _, p in items),
             weight_grad=sum(p.weight_grad for _, p in items), overhead=(fixed[0], fixed[1], fixed[2]),
             held_bytes=float(sum(saved.values())) + boundary, boundary_bytes=float(boundary),
-            param_bytes=float(pipe.stages[s].param_bytes)))
+            param_bytes=float(pipe.stages[s].param_bytes),
+            wgrad_bytes=float(sum(p.output_bytes for _, p in items if p.reads_params))))
     return SplitCosts(pipe, metric, stages, links, [c.index for c in plan.cuts], model, example, batch)
 
 

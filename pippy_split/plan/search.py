@@ -152,7 +152,7 @@ def evaluate(costs: SplitCosts, schedule: str, num_ranks: int, m: int, ac: bool,
     except ValueError:
         return None
     table: dict[tuple[int, str], float] = {}
-    held, work = [], []
+    held, work, wgrad = [], [], []
     for s, st in enumerate(costs.stages):
         f, i, w = st.times(scale)
         extra = f if ac else 0.0  # the forward re-runs right before the backward
@@ -160,9 +160,11 @@ def evaluate(costs: SplitCosts, schedule: str, num_ranks: int, m: int, ac: bool,
         table[(s, "B")] = i + w + extra
         held.append((st.boundary_bytes if ac else st.held_bytes) * scale)
         work.append(st.held_bytes * scale if ac else 0.0)
+        wgrad.append(st.wgrad_bytes * scale if spec.split_backward else 0.0)
     latency = {link: comm.time(b * scale) for link, b in costs.link_bytes.items()}
     links = sorted({(s, d, True) for s, d in costs.link_bytes} | {(s, s + 1, True) for s in range(S - 1)})
-    sim = simulate(order, table, links=links, comm_latency=latency, activation_bytes=held, workspace_bytes=work)
+    sim = simulate(order, table, links=links, comm_latency=latency, activation_bytes=held, workspace_bytes=work,
+                   input_grad_bytes=wgrad)
     where = placement_of_order(order)
     static = {r: 0.0 for r in order}
     for s, st in enumerate(costs.stages):

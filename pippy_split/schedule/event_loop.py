@@ -173,26 +173,25 @@ def run_loop(enc: Encoded, table: Sequence[Sequence[tuple[int, float]]], cost: S
     return LoopRun(dict(zip(enc.ranks, starts)), dict(zip(enc.ranks, free)), blocked)
 
 
-def held_peaks(enc: Encoded, held: Sequence[float], extra: Sequence[float] | None = None) -> dict[int, float]:
-    """Per rank, the most activation held at once: ``held[stage]`` from its F until its B or
-    W; ``extra[code * S + stage]`` (optional) on top while that action runs.
+def held_peaks(enc: Encoded, add: Sequence[float], release: Sequence[float],
+               extra: Sequence[float] | None = None) -> dict[int, float]:
+    """Per rank, the most bytes held at once when each action ``code * S + stage`` adds
+    ``add[...]`` as it starts and frees ``release[...]`` once it ends (optional ``extra``
+    on top while it runs): e.g. a stage's activations added by F, freed by B or W.
 
     Depends on each rank's list only, not on timing.
     """
-    S, M = enc.num_stages, enc.num_mb
-    w_first = 2 * S
+    M = enc.num_mb
     out: dict[int, float] = {}
     for r in enc.ranks:
         cur = peak = 0.0
         for k in enc.keys[r]:
             sk = k // M
-            if sk < S:
-                cur += held[sk]
+            cur += add[sk]
             if extra is not None and cur + extra[sk] > peak:
                 peak = cur + extra[sk]
             if cur > peak:
                 peak = cur
-            if sk >= w_first:
-                cur -= held[sk % S]
+            cur -= release[sk]
         out[r] = peak
     return out

@@ -176,6 +176,7 @@ def simulate(
     comm_latency: float | Mapping[tuple[int, int], float] = 0.0,
     activation_bytes: Mapping[int, float] | Sequence[float] | None = None,
     workspace_bytes: Mapping[int, float] | Sequence[float] | None = None,
+    input_grad_bytes: Mapping[int, float] | Sequence[float] | None = None,
 ) -> Simulation:
     """Simulate ``order`` and report makespan, bubble and activation memory.
 
@@ -193,6 +194,8 @@ def simulate(
             holds from its F until its backward ends (B, or W); gives ``peak_bytes``.
         workspace_bytes: per stage, extra bytes while one of its backwards (B or I)
             runs (e.g. activations recomputed under checkpointing).
+        input_grad_bytes: per stage, what a split backward keeps from its I until its
+            W (the output gradients of the ops W differentiates).
 
     Returns:
         A :class:`Simulation`.
@@ -218,8 +221,7 @@ def simulate(
         num_stages = max((a.stage + 1 for acts in order.values() for a in acts if a is not None), default=0)
         table = stage_cost_table(costs, num_stages)
         return _simulate_batches(order, table, chain_links(num_stages) if link_list is None else link_list,
-                                 num_stages, latency, _per_stage(activation_bytes, num_stages),
-                                 _per_stage(workspace_bytes, num_stages))
+                                 num_stages, latency, activation_bytes, workspace_bytes, input_grad_bytes)
     num_stages = enc.num_stages
     table = stage_cost_table(costs, num_stages)
     link_list = chain_links(num_stages) if link_list is None else link_list
@@ -230,22 +232,26 @@ def simulate(
     makespan = max((run.free[r] for r in enc.ranks if enc.keys[r]), default=0.0)
     M = enc.num_mb
     busy = sum(table[k // M] for r in enc.ranks for k in enc.keys[r])
-    return _finish(order, enc, makespan, busy, table, activation_bytes, workspace_bytes,
+    return _finish(order, enc, makespan, busy, table, activation_bytes, workspace_bytes, input_grad_bytes,
                    lambda: _timeline(order, enc, run, table))
 
 
 def _finish(order: Order, enc: Encoded, makespan: float, busy: float, table: list[float], activation_bytes,
-            workspace_bytes, build: Callable) -> Simulation:
+            workspace_bytes, input_grad_bytes, build: Callable) -> Simulation:
     S = enc.num_stages
-    counts = held_peaks(enc, [1.0] * S)
+    ones, zeros = [1.0] * S, [0.0] * S
+    counts = held_peaks(enc, ones + zeros * 3, zeros * 2 + ones * 2)  # F holds one, W or B frees it
     held = _per_stage(activation_bytes, S)
     peak_bytes = None
     if held is not None:
+        grads = _per_stage(input_grad_bytes, S) or zeros
         work = _per_stage(workspace_bytes, S)
         extra = None
         if work is not None:  # only while a backward that rebuilds or reads them runs (B or I)
-            extra = [0.0] * S + work + [0.0] * S + work
-        peak_bytes = held_peaks(enc, held, extra)
+            extra = zeros + work + zeros + work
+        add = held + grads + zeros + zeros  # F: activations; I: the output gradients W needs
+        release = zeros + zeros + [h + g for h, g in zip(held, grads)] + held
+        peak_bytes = held_peaks(enc, add, release, extra)
     num_ranks = len(order)
     return Simulation(
         makespan=makespan,
@@ -267,8 +273,8 @@ def _timeline(order: Order, enc: Encoded, run: LoopRun, table: list[float]) -> d
 
 
 def _simulate_batches(order: Order, table: list[float], links: list[Link], num_stages: int,
-                      latency: Callable[[int, int], float], activation_bytes: list[float] | None,
-                      workspace_bytes: list[float] | None) -> Simulation:
+                      latency: Callable[[int, int], float], activation_bytes: Any, workspace_bytes: Any,
+                      input_grad_bytes: Any) -> Simulation:
     """A lowered order under the batch rule (see the module docstring)."""
     from .lower import peer_table
 
@@ -290,7 +296,8 @@ def _simulate_batches(order: Order, table: list[float], links: list[Link], num_s
     enc = encode(compute, num_stages)
     makespan = max((t[-1][1] for t in run.timeline.values() if t), default=0.0)
     busy = sum(end - start for t in run.timeline.values() for start, end, _ in t)
-    return _finish(order, enc, makespan, busy, table, activation_bytes, workspace_bytes, lambda: run.timeline)
+    return _finish(order, enc, makespan, busy, table, activation_bytes, workspace_bytes, input_grad_bytes,
+                   lambda: run.timeline)
 
 
 @dataclass

@@ -39,6 +39,7 @@ class OpProfile:
             parameters left out; storages are shared between ops, so a stage holds the
             union (ids are only meaningful within one profile).
         output_bytes: bytes of its tensor outputs.
+        reads_params: whether it reads a parameter (a split backward's W differentiates it).
     """
 
     forward: float
@@ -46,6 +47,7 @@ class OpProfile:
     weight_grad: float
     saved: tuple[tuple[int, int], ...] = ()
     output_bytes: int = 0
+    reads_params: bool = False
 
     @property
     def total(self) -> float:
@@ -148,7 +150,7 @@ def _time_op(op: torch.fx.Node, args: tuple, kwargs: dict, device: torch.device,
             i_s = _grad_seconds(outs, acts, grads, device, retain=bool(weights))
             w_s = _grad_seconds(outs, weights, grads, device, retain=False)
     detached = pytree.tree_map(lambda o: o.detach() if isinstance(o, torch.Tensor) else o, out)
-    return detached, OpProfile(fwd, i_s, w_s, tuple(saved.items()), _out_bytes(out))
+    return detached, OpProfile(fwd, i_s, w_s, tuple(saved.items()), _out_bytes(out), bool(weights))
 
 
 class _null:
@@ -209,11 +211,11 @@ def _measure(traced: Traced, model: torch.nn.Module, flat_inputs: Sequence[Any],
         for k in range(max(passes, 2)):
             profs = _one_pass(traced, tensors, flat_inputs, device, record=k == 0)
             if k == 0:
-                saved = [(p.saved, p.output_bytes) for p in profs]
+                saved = [(p.saved, p.output_bytes, p.reads_params) for p in profs]
             else:
                 best = profs if best is None else [_least(a, b) for a, b in zip(best, profs)]
     assert best is not None
-    return [OpProfile(p.forward, p.input_grad, p.weight_grad, s, ob) for p, (s, ob) in zip(best, saved)]
+    return [OpProfile(p.forward, p.input_grad, p.weight_grad, *rest) for p, rest in zip(best, saved)]
 
 
 def _least(a: OpProfile, b: OpProfile) -> OpProfile:

@@ -12,7 +12,7 @@ from pippy_split.schedule.actions import Action, ActionKind
 from pippy_split.schedule.deps import chain_links, compute_deps, satisfies
 from pippy_split.schedule.orders import ORDERS, get_order_spec
 
-F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
+F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
 
 
 def reference(order, cost, latency=0.0):
@@ -124,3 +124,11 @@ def test_deadlock_still_named() -> None:
     order = {0: [Action(0, F, 0), Action(0, B, 0)], 1: [Action(1, B, 0), Action(1, F, 0)]}
     with pytest.raises(ValueError, match=r"rank 1 step 0 \(1B0\) waits for 1F0"):
         simulate(order)
+
+
+def test_input_grad_bytes_held_from_i_until_w() -> None:
+    order = {0: [Action(0, F, 0), Action(0, F, 1), Action(0, I, 0), Action(0, I, 1), Action(0, W, 0), Action(0, W, 1)]}
+    sim = simulate(order, activation_bytes=[10], input_grad_bytes=[3])
+    assert sim.peak_bytes == {0: 10 + 10 + 3 + 3}
+    sim = simulate(order, activation_bytes=[10])
+    assert sim.peak_bytes == {0: 20}
