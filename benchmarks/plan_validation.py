@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import statistics
 import time
 from pathlib import Path
@@ -125,6 +126,7 @@ def _pick(plan: "Plan") -> list:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--profile-passes", type=int, default=9, help="ps.plan(profile_passes=): more resist load")
     parser.add_argument("--out", default=str(RESULTS / "plan_validation.json"))
     args = parser.parse_args(argv)
     comm_fig = run_ranks(_comm_body, 2, timeout=300)[0]
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     plan = ps.plan(entry.model, mb_args, example_kwargs=mb_kwargs or None, num_ranks=2, memory_budget="4GB",
                    loss_fn=entry.loss_fn, global_batch=GLOBAL_BATCH, microbatches=(2, 4, 8, 16),
-                   balance=("flops",), comm=comm)
+                   balance=("flops",), comm=comm, profile_passes=args.profile_passes)
     plan_s = time.perf_counter() - t0
     print(plan)
     chosen = _pick(plan)
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     top = rows[:3]
     predicted_order = [r["config"] for r in sorted(top, key=lambda r: r["predicted_s"])]
     measured_order = [r["config"] for r in sorted(top, key=lambda r: r["measured_s"])]
-    result = {"command": "python -m benchmarks.plan_validation" + (f" --reps {args.reps}" if args.reps != 5 else ""),
+    result = {"command": " ".join(["python -m benchmarks.plan_validation"] + (argv if argv is not None else sys.argv[1:])),
               "model": "tiny GPT d=256, 8 blocks, batch 32, seq 128; 2 gloo ranks, 1 thread each",
               "comm": comm_fig, "plan_seconds": plan_s, "cpus": os.cpu_count(),
               "loadavg_before_after": [load_before, load_after], "candidates": len(plan.candidates), "rows": rows,

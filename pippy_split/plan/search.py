@@ -54,6 +54,7 @@ def plan(
     comm: CommModel | None = None,
     optimizer_state: float = ADAM_STATE,
     example_kwargs: dict | None = None,
+    profile_passes: int = PROFILE_PASSES,
 ) -> Plan:
     """Choose split, schedule, stages per rank, microbatches and checkpointing for ``model``.
 
@@ -76,6 +77,8 @@ def plan(
         comm: link model; default measured on the current process group when one is
             initialised, else :class:`CommModel`'s defaults.
         optimizer_state: optimizer bytes per parameter byte (2 for Adam, 0 for SGD).
+        example_kwargs: keyword inputs of the example microbatch.
+        profile_passes: whole-graph profiling passes (more resist a busy machine better).
 
     Returns:
         A :class:`Plan`: candidates fitting the budget ranked by predicted step time.
@@ -85,11 +88,14 @@ def plan(
 
     Example:
         >>> import pippy_split as ps
-        >>> model, x = ps.zoo.mlp(d=32, layers=4), torch.randn(4, 32)  # doctest: +SKIP
-        >>> plan = ps.plan(model, (x,), num_ranks=2, memory_budget="1GB", loss_fn=None,  # doctest: +SKIP
-        ...                global_batch=32)
+        >>> from pippy_split import zoo
+        >>> entry = zoo.get("mlp_stack", d=16)  # 8 layers, batch 8
+        >>> plan = ps.plan(entry.model, (entry.args[0][:2],), num_ranks=2, memory_budget="1GB",
+        ...                loss_fn=entry.loss_fn, global_batch=8, schedules=["1F1B", "GPipe"])
+        >>> plan.best.schedule in ("1F1B", "GPipe"), plan.best.fits
+        (True, True)
         >>> print(plan)  # doctest: +SKIP
-        >>> sched = plan.best.build_schedule(loss_fn=my_loss)  # doctest: +SKIP
+        >>> sched = plan.best.build_schedule(group=group)  # on every rank  # doctest: +SKIP
     """
     if num_ranks < 1 or global_batch < 1:
         raise ValueError(f"plan() needs num_ranks >= 1 and global_batch >= 1, got {num_ranks}, {global_batch}")
@@ -116,7 +122,7 @@ def plan(
         if key not in splits:
             try:
                 splits[key] = price_split(traced, model, flat, spr * num_ranks, metric, overhead,
-                                          (example_args, example_kwargs or {}), b0, passes=PROFILE_PASSES)
+                                          (example_args, example_kwargs or {}), b0, passes=profile_passes)
             except Exception as e:  # too few pieces to cut: note it, try the rest
                 notes.append(f"{spr * num_ranks} stages by {metric}: {e}")
                 splits[key] = None  # type: ignore[assignment]
@@ -160,7 +166,9 @@ def evaluate(costs: SplitCosts, schedule: str, num_ranks: int, m: int, ac: bool,
         table[(s, "B")] = i + w + extra
         held.append((st.boundary_bytes if ac else st.held_bytes) * scale)
         work.append(st.held_bytes * scale if ac else 0.0)
-        wgrad.append(st.wgrad_bytes * scale if spec.split_backward else 0.0)
+        # a split backward keeps W's output gradients from I until W, and under
+        # checkpointing the whole recomputed graph too
+        wgrad.append((st.wgrad_bytes + (st.held_bytes if ac else 0.0)) * scale if spec.split_backward else 0.0)
     latency = {link: comm.time(b * scale) for link, b in costs.link_bytes.items()}
     links = sorted({(s, d, True) for s, d in costs.link_bytes} | {(s, s + 1, True) for s in range(S - 1)})
     sim = simulate(order, table, links=links, comm_latency=latency, activation_bytes=held, workspace_bytes=work,

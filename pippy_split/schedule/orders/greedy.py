@@ -14,9 +14,11 @@ rank picks, among its ready actions,
 2. else the oldest pending ``W`` (weight gradient: nobody waits for it, so it
    fills what would be a bubble, and it frees an activation).
 
-Each stage runs its forwards and its backwards in microbatch order. Because
-the result is read off a feasible execution, the order can never deadlock,
-whatever the real costs turn out to be. :func:`best_greedy_order` runs it
+Each stage runs its forwards and its backwards in microbatch order. What an
+action waits for is :mod:`..deps`'s rule (the one the simulator and the
+validator use), indexed once per stage. Because the result is read off a
+feasible execution, the order can never deadlock, whatever the real costs
+turn out to be. :func:`best_greedy_order` runs it
 with and without strict F/I alternation and keeps the shorter.
 
 Used where no hand-drawn pattern fits (ZB-V with fewer than ``2p - 1``
@@ -30,6 +32,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..actions import Action, ActionKind, Order
+from ..deps import DepIndex, chain_links
 from .common import F, I, W
 
 __all__ = ["greedy_split_order", "best_greedy_order", "ALL_VARIANTS_UP_TO"]
@@ -49,6 +52,12 @@ class _State:
         self.m, self.last, self.alternate = m, n - 1, alternate
         self.f_end = [[_INF] * m for _ in range(n)]
         self.i_end = [[_INF] * m for _ in range(n)]
+        # What F and I of each stage wait for (deps.DepIndex: a required I is met by I,
+        # the only backward this scheduler emits), as the end-time rows to look up.
+        index = DepIndex(chain_links(n), n)
+        ends = {F: self.f_end, I: self.i_end}
+        self.f_needs = [[ends[k][ds] for ds, k, _ in index.keys(s, F, 0)] for s in range(n)]
+        self.i_needs = [[ends[k][ds] for ds, k, _ in index.keys(s, I, 0)] for s in range(n)]
         self.f_queues: list[list[list]] = []  # per rank: [[(stage, mb), ...], head index]
         self.i_queues: list[list[list]] = []
         for r in range(num_ranks):
@@ -62,13 +71,13 @@ class _State:
 
     def pick(self, rank: int, t: float, cap: float) -> tuple[ActionKind, list | None, int, int] | None:
         """The best ready ``(kind, queue, stage, mb)`` of ``rank`` at time ``t``."""
-        f_end, i_end, last = self.f_end, self.i_end, self.last
+        f_needs, i_needs = self.f_needs, self.i_needs
         bi, bi_mb = None, self.m
         for q in self.i_queues[rank]:  # an I needs its own F and the gradient from stage + 1
             seq, pos = q
             if pos < len(seq):
                 s, mb = seq[pos]
-                if mb < bi_mb and f_end[s][mb] <= t and (s == last or i_end[s + 1][mb] <= t):
+                if mb < bi_mb and all(row[mb] <= t for row in i_needs[s]):
                     bi, bi_mb = q, mb
         bf, bf_mb = None, self.m
         if self.held[rank] < cap:
@@ -76,7 +85,7 @@ class _State:
                 seq, pos = q
                 if pos < len(seq):
                     s, mb = seq[pos]
-                    if mb < bf_mb and (s == 0 or f_end[s - 1][mb] <= t):
+                    if mb < bf_mb and all(row[mb] <= t for row in f_needs[s]):
                         bf, bf_mb = q, mb
         # 1F1B rhythm (when ``alternate``): after a backward prefer a forward,
         # so that neither direction of the pipeline starves the other.
