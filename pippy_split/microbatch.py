@@ -159,7 +159,7 @@ def _split(value: Any, spec: Any, path: str, st: _SplitState) -> list:
         items, treespec = _flatten_one(value, path) if _is_container(value) else ([], None)
         specs = _child_specs(value, items, spec, path)
         parts = [_split(c, s, p, st) for (_, p, c), s in zip(items, specs)]
-        return [pytree.tree_unflatten([part[i] for part in parts], treespec) for i in range(st.n)]
+        return [pytree.tree_unflatten([part[i] for part in parts], treespec) for i in range(st.n)]  # type: ignore[arg-type]
     _check_leaf_spec(spec, path)
     if spec is Replicate:
         return [value] * st.n

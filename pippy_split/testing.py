@@ -174,7 +174,7 @@ def run_ranks(
 # --------------------------------------------------------------------------- #
 
 
-def _start_rank(ctx: mp.context.BaseContext, spec: _RankSpec, fn: Callable, args: tuple, procs: list,
+def _start_rank(ctx: Any, spec: _RankSpec, fn: Callable, args: tuple, procs: list,
                 conns: list[Connection]) -> None:
     recv, send = ctx.Pipe(duplex=False)
     # Not daemonic: a rank may start its own workers (e.g. a DataLoader).
@@ -214,6 +214,7 @@ def _collect(procs: list, conns: list[Connection], tmp: str, deadline: float, ti
         if not ready:
             break
         for conn in ready:
+            assert isinstance(conn, Connection)
             rank = pending.pop(conn)
             _receive(rank, conn, procs[rank], results, failures)
     hung = sorted(pending.values())

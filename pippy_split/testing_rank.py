@@ -87,7 +87,7 @@ def _rank_main(spec: _RankSpec, fn: Callable, args: tuple, conn: Connection) -> 
     try:
         store = _init_group(spec)
         result = fn(spec.rank, spec.world_size, *args)
-        report = ("ok", _pickle_result(result), time.time())
+        report: tuple[str, bytes | str, float] = ("ok", _pickle_result(result), time.time())
     except BaseException:
         # The time lets the harness tell the first failure from its echoes.
         report = ("error", traceback.format_exc(), time.time())

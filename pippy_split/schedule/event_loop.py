@@ -18,8 +18,8 @@ makes a 1F1B order of 1024 ranks and 2048 microbatches (4M actions) run in secon
 from __future__ import annotations
 
 from collections import deque
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 from typing import Callable, Sequence
 
 from .actions import ActionKind, Order

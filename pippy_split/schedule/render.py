@@ -19,7 +19,7 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.measure import Measurement
 from rich.text import Text
 
-from .actions import Action, ActionKind, Order
+from .actions import Action, ActionKind, Order  # noqa: F401 - ActionKind: the doctests use it
 
 __all__ = ["format_order", "render_text", "render_rich", "render_svg", "render_html", "KIND_COLORS"]
 

@@ -95,7 +95,7 @@ class Interpreter:
 
     def run(self, actions: list[Action], ctx: StepContext) -> None:
         last_backward = {}
-        for i, action in enumerate(actions):
+        for action in actions:
             if action.kind in (ActionKind.B, ActionKind.W):
                 last_backward[action.stage] = action
         for st in self.stages.values():

@@ -19,8 +19,16 @@ from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
 from .actions import Action, ActionKind, Order, order_from_csv
 from .agree import agree_before_step
-from .collectives import (agree_on_order, gather_links, group_info, local_symbols, share_loss, share_symbols,
-                          shared_item_count, sync_shared_grads)
+from .collectives import (
+    agree_on_order,
+    gather_links,
+    group_info,
+    local_symbols,
+    share_loss,
+    share_symbols,
+    shared_item_count,
+    sync_shared_grads,
+)
 from .lower import lower
 from .orders import ORDERS, get_order_spec
 from .placement import placement_of_order, replace_placement
@@ -167,12 +175,10 @@ class PipelineSchedule:
         return gather_links([link for st in self.stages for link in st.links()], self.group, self.world, self.rank)
 
     def _forward_only(self, n: int) -> list[Action]:
-        order = {r: [Action(s, ActionKind.F, mb) for s in sorted(self.placement) if self.placement[s] == r
-                     for mb in range(n)] for r in range(self.world)}
         # Stage-major forward order is a valid forward-only schedule for any placement.
-        for r in order:
-            order[r].sort(key=lambda a: (a.stage, a.mb))
-        return list(lower(order, self.links, self.placement)[self.rank])
+        order: Order = {r: [Action(s, ActionKind.F, mb) for s in sorted(self.placement) if self.placement[s] == r
+                            for mb in range(n)] for r in range(self.world)}
+        return [a for a in lower(order, self.links, self.placement)[self.rank] if a is not None]
 
     # ---- running ---------------------------------------------------------------------
     def _has(self, pred: Callable[[PipelineStage], bool]) -> PipelineStage | None:
@@ -342,8 +348,8 @@ def _make(name: str, order_name: str, doc: str) -> type[PipelineSchedule]:
         spec = get_order_spec(order_name)
         return spec.compute_order(num_ranks, n_microbatches, stages_per_rank or spec.default_stages_per_rank())
 
-    cls.compute_order = staticmethod(compute_order)
-    cls.placement = ORDERS[order_name].placement
+    setattr(cls, "compute_order", staticmethod(compute_order))  # noqa: B010 - a class made at run time
+    setattr(cls, "placement", ORDERS[order_name].placement)  # noqa: B010
     return cls
 
 

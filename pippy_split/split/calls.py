@@ -44,10 +44,10 @@ def region_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     owner = node.graph.owning_module
     if owner is None:
         return []
-    out = []
+    out: list[torch.fx.Node] = []
     for a in node.args:
         if isinstance(a, torch.fx.Node) and a.op == "get_attr":
-            sub = getattr(owner, a.target, None)
+            sub = getattr(owner, str(a.target), None)
             if isinstance(sub, torch.fx.GraphModule):
                 out.extend(n for n in sub.graph.nodes if n.op == "call_function")
     return out

@@ -74,7 +74,7 @@ def _normalize_spec(split_spec: Any) -> list[tuple[str, SplitPoint]]:
                 try:
                     point = SplitPoint[point.upper()]
                 except KeyError:
-                    raise SplitError(f"split point for {fqn!r} must be SplitPoint.BEGINNING or END, got {point!r}")
+                    raise SplitError(f"split point for {fqn!r} must be SplitPoint.BEGINNING or END, got {point!r}") from None
             elif isinstance(point, enum.Enum) and point.name in SplitPoint.__members__:
                 point = SplitPoint[point.name]  # torch.distributed.pipelining's SplitPoint works too
             if not isinstance(point, SplitPoint):

@@ -9,7 +9,7 @@ module (:meth:`Pipe.fill_stage_module`) and its inputs and edges.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import sympy
 import torch
@@ -19,6 +19,9 @@ from .partition import check_balance, check_split_spec, plan_stages
 from .spec import MODEL_INPUT, Edge, SymbolSource, gather_inputs
 from .stage_graph import StageInfo, build_stages
 from .trace import Traced, trace_model
+
+if TYPE_CHECKING:
+    from ..stage import PipelineStage
 
 __all__ = ["Pipe", "pipeline"]
 
@@ -127,7 +130,8 @@ class Pipe:
     # ---- building stages for ranks -------------------------------------------------
     def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: Any = None, *,
                     state_dict: Any = None, seed: int = 0, activation_checkpoint: Any = None,
-                    mixed_precision: torch.dtype | None = None, compile: Any = False, strict: bool = True):
+                    mixed_precision: torch.dtype | None = None, compile: Any = False,
+                    strict: bool = True) -> PipelineStage:
         """The :class:`pippy_split.PipelineStage` for one stage, its module moved to ``device``.
 
         ``activation_checkpoint="full"`` recomputes the stage before its backward
@@ -183,7 +187,7 @@ class Pipe:
 
         return pipe_text(self)
 
-    def __rich__(self):
+    def __rich__(self) -> Any:
         from .summary import pipe_rich
 
         return pipe_rich(self)

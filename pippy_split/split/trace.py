@@ -50,10 +50,10 @@ def _root_for(model: torch.nn.Module) -> torch.nn.Module:
         return _TraceRoot(model)
     self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
-    def forward(self, *args, **kwargs):  # noqa: ANN001
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         return _TraceRoot.forward(self, *args, **kwargs)
 
-    forward.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])
+    forward.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])  # type: ignore[attr-defined]
     cls = type(f"TraceRoot_{type(model).__name__}", (_TraceRoot,), {"forward": forward})
     return cls(model)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,7 @@ def capture(index: int, value: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def capturing():
+def capturing() -> Iterator[dict[int, torch.Tensor]]:
     """Collect the captured op outputs of the stage forward run inside this block."""
     sink: dict[int, torch.Tensor] = {}
     token = _SINK.set(sink)
@@ -90,7 +91,7 @@ def plan_weight_grads(gm: GraphModule) -> WeightGradPlan:
         if ids:
             captures.append((node, ids))
     uses: dict[int, int] = {}
-    for node, ids in captures:
+    for _, ids in captures:
         for i in ids:
             uses[i] = uses.get(i, 0) + 1
     whole = {i for i, n in uses.items() if n > 1}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..actions import Order
 from ..placement import Style
-from .common import B, F, Action, check_sizes, local_stages
+from .common import Action, B, F, check_sizes, local_stages
 
 __all__ = ["compute_order"]
 
@@ -39,5 +39,6 @@ def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 1)
     mbs = range(n_microbatches)
     order: Order = {}
     for r, (stage,) in local_stages(num_ranks, stages_per_rank, PLACEMENT).items():
-        order[r] = [Action(stage, F, mb) for mb in mbs] + [Action(stage, B, mb) for mb in mbs]
+        ops: list[Action | None] = [Action(stage, F, mb) for mb in mbs]
+        order[r] = ops + [Action(stage, B, mb) for mb in mbs]
     return order

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from ..actions import Order
 from ..placement import Style
-from .common import B, F, Action, check_sizes, local_stages
+from .common import Action, B, F, check_sizes, local_stages
 
 __all__ = ["compute_order", "microbatch_groups", "virtual_sequence"]
 

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 from ..actions import Order
 from ..placement import Style
-from .common import ZB_PAPER
-from .common import RankOps, check_sizes
+from .common import ZB_PAPER, RankOps, check_sizes
 from .interleaved_1f1b import microbatch_groups, virtual_sequence
 
 __all__ = ["compute_order"]

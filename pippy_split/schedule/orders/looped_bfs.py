@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ..actions import Order
 from ..placement import Style
-from .common import B, F, Action, check_sizes, local_stages
+from .common import Action, B, F, check_sizes, local_stages
 
 __all__ = ["compute_order"]
 
@@ -42,7 +42,7 @@ def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 1)
     mbs = range(n_microbatches)
     order: Order = {}
     for rank, stages in local_stages(num_ranks, stages_per_rank, PLACEMENT).items():
-        fwd = [Action(s, F, mb) for s in stages for mb in mbs]
-        bwd = [Action(s, B, mb) for s in reversed(stages) for mb in reversed(mbs)]
+        fwd: list[Action | None] = [Action(s, F, mb) for s in stages for mb in mbs]
+        bwd: list[Action | None] = [Action(s, B, mb) for s in reversed(stages) for mb in reversed(mbs)]
         order[rank] = fwd + bwd
     return order
