@@ -240,18 +240,7 @@ def pipeline(
         >>> pipe = pipeline(model, 4, (x,), balance="time")  # doctest: +SKIP
         >>> pipe.balance.shares, pipe.balance.ratio      # ((0.26, 0.25, 0.24, 0.25), 1.04)  # doctest: +SKIP
     """
-    if mb_args is not None:
-        if example_args is not None:
-            raise TypeError("pass example_args or mb_args, not both")
-        example_args = mb_args
-    if mb_kwargs is not None:
-        if example_kwargs is not None:
-            raise TypeError("pass example_kwargs or mb_kwargs, not both")
-        example_kwargs = mb_kwargs
-    if example_args is None:
-        example_args = ()
-    if not isinstance(example_args, tuple):
-        example_args = (example_args,)
+    example_args, example_kwargs = _example(example_args, example_kwargs, mb_args, mb_kwargs)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"pipeline() needs an nn.Module, got {type(model).__name__}")
     check_split_spec(split_spec)  # before tracing: a bad spec costs no export
@@ -264,3 +253,19 @@ def pipeline(
     built = build_stages(traced, plan, model)
     return Pipe(traced, built.stages, built.edges, built.symbols, built.output_leaves, built.shared_parameters,
                 type(model).__name__, model=model, balance=plan.balance)
+
+
+def _example(args: Any, kwargs: dict | None, mb_args: tuple | None, mb_kwargs: dict | None) -> tuple[tuple, dict | None]:
+    """The example microbatch as ``(args tuple, kwargs)``, from either spelling (``mb_*`` as
+    in torch.distributed.pipelining)."""
+    if mb_args is not None:
+        if args is not None:
+            raise TypeError("pass example_args or mb_args, not both")
+        args = mb_args
+    if mb_kwargs is not None:
+        if kwargs is not None:
+            raise TypeError("pass example_kwargs or mb_kwargs, not both")
+        kwargs = mb_kwargs
+    if args is None:
+        args = ()
+    return (args if isinstance(args, tuple) else (args,)), kwargs
