@@ -3,14 +3,16 @@
 Run: ``python -m benchmarks.training_kit [--reps N]``. Tiny GPT d=256, 8 blocks, batch 32,
 seq 128, 8 microbatches, 2 gloo ranks (one thread each), 1F1B on 2 stages and
 ZBVZeroBubble on 4. In the same rank processes, the schedule without and with
-``activation_checkpoint="full"``, with ``mixed_precision=torch.bfloat16`` and with
+``activation_checkpoint="full"``, with selective ``activation_checkpoint=["blocks.*.mlp"]``, with ``mixed_precision=torch.bfloat16`` and with
 ``compile=True`` (compiled during the warm-up step) take turns step by step; per step
 and rank:
 
     activation peak   the most bytes autograd holds for backward at once during the step
                       (distinct storages saved through ``saved_tensors_hooks``, parameters
                       left out), counted while they live: what checkpointing trades for
-                      recompute (RSS cannot show it: the allocator keeps freed pages)
+                      recompute (RSS cannot show it: the allocator keeps freed pages); a
+                      selective region's recomputed tensors bypass outer hooks, so they are
+                      counted from the region's own cache, alive until its graph goes
     step time         wall clock, fenced by a barrier (the same on both ranks)
 
 Figures are medians of per-step values; the ratio is checkpointed / plain.
@@ -43,12 +45,39 @@ class _SavedBytes:
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda held: held.t)
 
+    def counting_regions(self) -> "_CountedRecompute":
+        return _CountedRecompute(self)
+
+
+class _CountedRecompute:
+    """While active, a selective region's recompute registers what it keeps with the counter."""
+
+    def __init__(self, counter: _SavedBytes) -> None:
+        from pippy_split.stage import recompute
+
+        self.counter, self.cls = counter, recompute._RegionCall
+        self.original = self.cls.recompute
+
+    def __enter__(self) -> None:
+        original, counter = self.original, self.counter
+
+        def recompute(call) -> None:
+            original(call)
+            call.held = [_Held(counter, t) for t in call.saved]  # freed with the call, i.e. with its graph
+
+        self.cls.recompute = recompute
+
+    def __exit__(self, *exc: object) -> None:
+        self.cls.recompute = self.original
+
 
 class _Held:
     __slots__ = ("owner", "t", "ptr")
 
     def __init__(self, owner: _SavedBytes, t: torch.Tensor) -> None:
-        self.owner, self.t = owner, t
+        # detached: holding t itself would tie the graph node that saved it (t.grad_fn) into a cycle
+        # through this object, and a graph the I/W split retains would never be freed
+        self.owner, self.t = owner, t.detach()
         storage = t.untyped_storage()
         self.ptr = storage.data_ptr()
         if self.ptr in owner.skip:
@@ -80,7 +109,8 @@ def _build(schedule: str, num_stages: int, **options: object) -> common.Runner:
 
 
 def _body(rank: int, world: int, schedule: str, num_stages: int, reps: int) -> dict:
-    options = {"plain": {}, "full": {"activation_checkpoint": "full"}, "bf16": {"mixed_precision": torch.bfloat16},
+    options = {"plain": {}, "full": {"activation_checkpoint": "full"},
+               "selective": {"activation_checkpoint": ["blocks.*.mlp"]}, "bf16": {"mixed_precision": torch.bfloat16},
                "compiled": {"compile": True}}
     runners = {v: _build(schedule, num_stages, **options[v]) for v in VARIANTS}
     out: dict[str, dict[str, list[float]]] = {ac: {"peak_mb": [], "s": []} for ac in runners}
@@ -96,13 +126,13 @@ def _body(rank: int, world: int, schedule: str, num_stages: int, reps: int) -> d
         for ac, r in runners.items():
             params = {p.untyped_storage().data_ptr() for st in r.stages for p in st.module.parameters()}
             counter = _SavedBytes(params)
-            with counter.hooks():
+            with counter.hooks(), counter.counting_regions():
                 r.step()
             out[ac]["peak_mb"].append(counter.peak / 2**20)
     return out
 
 
-VARIANTS = ("plain", "full", "bf16", "compiled")
+VARIANTS = ("plain", "full", "selective", "bf16", "compiled")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -115,9 +145,10 @@ def main(argv: list[str] | None = None) -> None:
         for rank, res in enumerate(ranks):
             peak = {v: statistics.median(res[v]["peak_mb"]) for v in VARIANTS}
             print(f"{schedule:14s} rank {rank}: activation peak plain {peak['plain']:.1f} MiB, "
-                  f"full AC {peak['full']:.1f} MiB -> {peak['full'] / peak['plain']:.2f}x")
+                  f"full AC {peak['full']:.1f} MiB -> {peak['full'] / peak['plain']:.2f}x, "
+                  f"selective (blocks.*.mlp) {peak['selective']:.1f} MiB -> {peak['selective'] / peak['plain']:.2f}x")
         print(f"{schedule:14s} step time plain {t['plain']:.2f} s, full AC {t['full']:.2f} s -> "
-              f"{t['full'] / t['plain']:.2f}x, bf16 {t['bf16']:.2f} s -> {t['bf16'] / t['plain']:.2f}x, "
+              f"{t['full'] / t['plain']:.2f}x, selective {t['selective'] / t['plain']:.2f}x, bf16 {t['bf16']:.2f} s -> {t['bf16'] / t['plain']:.2f}x, "
               f"compiled {t['compiled']:.2f} s -> {t['compiled'] / t['plain']:.2f}x")
 
 

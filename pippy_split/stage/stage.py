@@ -190,7 +190,7 @@ class PipelineStage:
         tracking = train and self.track_saved_storages
         try:
             # full checkpointing: forward without a graph now, again with one right before backward
-            with torch.set_grad_enabled(train and not recompute), capturing() as sink, _recording_saved(
+            with torch.set_grad_enabled(train and not recompute), capturing(self._wplan) as sink, _recording_saved(
                     graph_storages, tracking), self._autocast(), self._regions.recording(
                     train, graph_storages if tracking else None):
                 out = self._forward_call()(*args, **(kwargs or {}))
@@ -250,7 +250,7 @@ class PipelineStage:
         kwargs, target, rng = saved.recompute
         saved.recompute = None
         try:
-            with restored_rng(self.device, rng), unchanged(list(self.module.buffers())), torch.enable_grad(), capturing() as sink, self._autocast():
+            with restored_rng(self.device, rng), unchanged(list(self.module.buffers())), torch.enable_grad(), capturing(self._wplan) as sink, self._autocast():
                 outputs = self._as_outputs(self._call(*saved.inputs, **kwargs))
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: recomputing the forward for activation "
@@ -422,22 +422,39 @@ class PipelineStage:
             self.module.set_requires_gradient_sync(enabled)
 
     def sync_data_parallel(self) -> None:
-        """Average gradients of a DDP-wrapped stage over its data-parallel group (one all-reduce)."""
+        """Average gradients of a DDP-wrapped stage over its data-parallel group.
+
+        One all-reduce per parameter dtype, over every trainable parameter in module
+        order (the same on every replica), so replicas that differ in which parameters
+        got a gradient (a branch one replica took) still reduce buffers of one size: a
+        missing gradient counts as zeros, and a parameter no replica touched keeps
+        ``grad=None``.
+        """
         group = getattr(self.module, "process_group", None)
         if not hasattr(self.module, "require_backward_grad_sync") or group is None:
             return
         import torch.distributed as dist
 
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat /= dist.get_world_size(group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in self.module.parameters():
+            if p.requires_grad:
+                by_dtype.setdefault(p.dtype, []).append(p)
+        replicas = dist.get_world_size(group)
+        for dtype, params in by_dtype.items():
+            present = torch.tensor([p.grad is not None for p in params], dtype=dtype, device=params[0].device)
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                             + [present])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for p, count in zip(params, flat[-len(params):].tolist()):
+                mean = flat[offset: offset + p.numel()].view_as(p) / replicas
+                offset += p.numel()
+                if count == 0:
+                    continue
+                if p.grad is None:
+                    p.grad = mean.clone()
+                else:
+                    p.grad.copy_(mean)
 
     def clear(self) -> None:
         """Drop every saved microbatch (after a failed step)."""
@@ -457,7 +474,9 @@ class _recording_saved:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.storages.add(t.untyped_storage().data_ptr())
-        return t
+        # detached: packing t itself (an op's own output, with grad_fn) ties its node into a
+        # reference cycle, and a graph the I/W split retains for W would outlive the step
+        return t.detach()
 
     def __enter__(self) -> None:
         if self.hooks is not None:
