@@ -256,8 +256,7 @@ class TimelineView:
         total = max(1, round(sim.makespan * scale))
         yield Text(_summary(sim), style="bold")
         ruler = _ruler(sim.makespan, scale, total, 0)
-        for b0 in range(0, total, avail):  # one band unless wrapping a wide timeline
-            b1 = min(b0 + avail, total)
+        for b0, b1 in _bands(spans, scale, total, avail):  # one band unless wrapping a wide timeline
             yield Text(" " * (label_w + 2) + ruler[b0:b1].rstrip(), style="dim", no_wrap=True, overflow="crop")
             for r, entries in spans.items():
                 row = Text(f"{f'rank {r}'.ljust(label_w)} |", no_wrap=True, overflow="crop")
@@ -277,6 +276,26 @@ class TimelineView:
         peaks = _peaks(sim)
         if peaks:
             yield Text(peaks, style="dim")
+
+
+def _bands(spans: dict[int, list[tuple[float, float, Action]]], scale: float, total: int,
+           avail: int) -> Iterator[tuple[int, int]]:
+    """Column ranges of at most ``avail`` columns, each ending where no rank's action is
+    cut in two (an idle stretch may be), unless no such column is in reach."""
+    inside = [False] * (total + 1)  # inside[c]: column c falls strictly inside an action
+    for entries in spans.values():
+        for c0, c1, a in _segments(entries, scale, total):
+            if a is not None:
+                for c in range(c0 + 1, c1):
+                    inside[c] = True
+    b0 = 0
+    while b0 < total:
+        b1 = min(b0 + avail, total)
+        if b1 < total:
+            clean = next((c for c in range(b1, b0, -1) if not inside[c]), b1)
+            b1 = clean
+        yield b0, b1
+        b0 = b1
 
 
 def render_rich(sim: Any, wrap: bool = False) -> TimelineView:
