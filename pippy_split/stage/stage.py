@@ -190,7 +190,7 @@ class PipelineStage:
         tracking = train and self.track_saved_storages
         try:
             # full checkpointing: forward without a graph now, again with one right before backward
-            with torch.set_grad_enabled(train and not recompute), capturing(self._wplan) as sink, _recording_saved(
+            with torch.set_grad_enabled(train and not recompute), capturing() as sink, _recording_saved(
                     graph_storages, tracking), self._autocast(), self._regions.recording(
                     train, graph_storages if tracking else None):
                 out = self._forward_call()(*args, **(kwargs or {}))
@@ -250,7 +250,7 @@ class PipelineStage:
         kwargs, target, rng = saved.recompute
         saved.recompute = None
         try:
-            with restored_rng(self.device, rng), unchanged(list(self.module.buffers())), torch.enable_grad(), capturing(self._wplan) as sink, self._autocast():
+            with restored_rng(self.device, rng), unchanged(list(self.module.buffers())), torch.enable_grad(), capturing() as sink, self._autocast():
                 outputs = self._as_outputs(self._call(*saved.inputs, **kwargs))
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: recomputing the forward for activation "
