@@ -66,3 +66,16 @@ def dropout_bn_step(rank: int, world: int, schedule: str, checkpoint):
         state.update({k: v.clone() for k, v in st.module.state_dict().items()})
         state.update({"grad:" + k: p.grad.clone() for k, p in st.module.named_parameters()})
     return {"losses": losses, "state": state}
+
+
+def bf16_step(rank: int, world: int, schedule: str, checkpoint):
+    """One bf16 (autocast) step of tiny_gpt; loss and this rank's grads."""
+    from .bodies import _mb_example
+
+    entry = zoo.get("tiny_gpt")
+    pipe = ps.pipeline(entry.model, entry.split_spec, *_mb_example(entry, 4))
+    sched = ps.build_schedule(pipe, schedule, 4, loss_fn=entry.loss_fn, activation_checkpoint=checkpoint,
+                              mixed_precision=torch.bfloat16)
+    sched.step(*entry.args, target=entry.target, **entry.kwargs)
+    return {"loss": float(sched.loss),
+            "grads": {n: p.grad.clone() for st in sched.stages for n, p in st.module.named_parameters()}}

@@ -55,3 +55,17 @@ def test_recompute_draws_the_same_dropout_and_moves_batchnorm_statistics_once(sc
         assert a["state"].keys() == b["state"].keys()
         for k in a["state"]:
             assert torch.equal(a["state"][k], b["state"][k]), k  # running_mean/var, num_batches_tracked, grads
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule,world", [("ZBVZeroBubble", 2), ("1F1B", 4)])
+def test_a_region_recomputes_under_the_autocast_its_forward_ran_in(schedule, world):
+    from .recompute_bodies import bf16_step
+
+    plain = run_ranks(bf16_step, world, schedule, None, timeout=150)
+    selective = run_ranks(bf16_step, world, schedule, ["blocks.*.attn", "blocks.*.mlp"], timeout=150)
+    for a, b in zip(plain, selective):
+        assert a["loss"] == b["loss"]
+        for k in a["grads"]:
+            assert torch.equal(a["grads"][k], b["grads"][k]), k  # the same bf16 ops in the same order
