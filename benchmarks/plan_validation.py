@@ -3,12 +3,13 @@
 Run: ``python -m benchmarks.plan_validation [--reps N] [--out PATH]``. Tiny GPT d=256,
 8 blocks, batch 32, seq 128 (``common.gpt``), 2 gloo ranks, one thread each.
 
-1. The link is measured on 2 ranks (``CommModel.measure``: ping-pong, 4 B and 1 MiB).
-2. ``ps.plan`` runs here, in one process on one thread (as a rank has), on a microbatch
-   of 4 samples, with that link, over every family, stages per rank 1 and 2,
-   m in {2, 4, 8, 16}, checkpointing off and on; splits are balanced by ``"flops"`` so
-   that every rank process rebuilds exactly the planned cuts (time-balanced cuts would
-   move with timing noise between processes).
+1. On both ranks at once (each as busy as the runs that follow), ``ps.plan`` profiles
+   the model on a microbatch of 4 samples (``--profile-passes``, least time per op),
+   measures the link on the group (``CommModel.measure``) and simulates every family,
+   stages per rank 1 and 2, m in {2, 4, 8, 16}, checkpointing off and on; splits are
+   balanced by ``"flops"`` so that both ranks cut exactly where the plan did (time-
+   balanced cuts would move with timing noise). Rank 0's plan is the prediction.
+2. Rank 0 picks the configurations to run (below) and sends them to rank 1.
 3. The 3 fastest fitting candidates and 5 more of other families/m/AC run on 2 ranks:
    ``ps.pipeline(model, S, mb, balance="flops")`` + ``ps.build_schedule``, all
    configurations taking turns step by step; ``step time`` is the wall clock of a
@@ -30,8 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 import pippy_split as ps
-from pippy_split.plan import CommModel, Plan
+from pippy_split.plan import Plan, evaluate
 from pippy_split.testing import run_ranks
 
 from . import common
@@ -47,11 +48,6 @@ from .training_kit import _SavedBytes
 
 GLOBAL_BATCH, EXAMPLE_MB = 32, 4
 RESULTS = Path(__file__).parent / "results"
-
-
-def _comm_body(rank: int, world: int) -> dict:
-    c = CommModel.measure()
-    return {"bandwidth": c.bandwidth, "latency": c.latency, "source": c.source}
 
 
 def _config_key(c: dict) -> str:
@@ -72,7 +68,36 @@ def _static_bytes(stages: list, opt: torch.optim.Optimizer) -> float:
     return float(sum(seen.values()))
 
 
-def _run_body(rank: int, world: int, configs: list[dict], reps: int) -> dict:
+def _plan_here(profile_passes: int) -> tuple["Plan", float]:
+    entry = common.gpt(256)
+    mb_args, mb_kwargs = common.mb_example(entry, GLOBAL_BATCH // EXAMPLE_MB)
+    t0 = time.perf_counter()
+    plan = ps.plan(entry.model, mb_args, example_kwargs=mb_kwargs or None, num_ranks=2, memory_budget="4GB",
+                   loss_fn=entry.loss_fn, global_batch=GLOBAL_BATCH, microbatches=(2, 4, 8, 16),
+                   balance=("flops",), profile_passes=profile_passes)
+    return plan, time.perf_counter() - t0
+
+
+def _predictions(plan: "Plan") -> tuple[list[dict], list[dict]]:
+    """Configurations to run (rank 0's picks) and what rank 0's plan predicts for each."""
+    configs, preds = [], []
+    for c in _pick(plan):
+        configs.append({"schedule": c.schedule, "stages": c.split.num_stages, "m": c.n_microbatches,
+                        "ac": c.activation_checkpoint})
+        saved_only = evaluate(c.split, c.schedule, 2, c.n_microbatches, c.activation_checkpoint,
+                              c.microbatch_size / c.split.batch, plan.comm, 2.0, plan.budget, output_grads=False)
+        preds.append({"s": c.step_time, "peak": [c.peak_bytes[r] for r in range(2)],
+                      "peak_saved_only": [saved_only.peak_bytes[r] for r in range(2)], "bubble": c.bubble})
+    return configs, preds
+
+
+def _run_body(rank: int, world: int, reps: int, profile_passes: int) -> dict:
+    """Plan here (both ranks profile at once, as busy as the runs that follow), then run
+    rank 0's picks, all taking turns step by step."""
+    plan, plan_s = _plan_here(profile_passes)
+    shared = [_predictions(plan) + (str(plan), plan_s, len(plan.candidates), plan.comm) if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    configs, preds, plan_text, plan_s, n_candidates, comm = shared[0]
     entry = common.gpt(256)
     runs = {}
     for c in configs:  # a trace has static shapes: each m traces its own microbatch
@@ -105,7 +130,9 @@ def _run_body(rank: int, world: int, configs: list[dict], reps: int) -> dict:
         with counter.hooks():
             step(sched)
         out[k]["saved_peak"].append(counter.peak)
-    return out
+    return {"runs": out, "configs": configs, "preds": preds, "plan": plan_text, "plan_s": plan_s,
+            "candidates": n_candidates, "comm": {"bandwidth": comm.bandwidth, "latency": comm.latency,
+                                                 "source": comm.source}}
 
 
 def _pick(plan: "Plan") -> list:
@@ -129,42 +156,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-passes", type=int, default=9, help="ps.plan(profile_passes=): more resist load")
     parser.add_argument("--out", default=str(RESULTS / "plan_validation.json"))
     args = parser.parse_args(argv)
-    comm_fig = run_ranks(_comm_body, 2, timeout=300)[0]
-    comm = CommModel(comm_fig["bandwidth"], comm_fig["latency"], comm_fig["source"])
-    torch.set_num_threads(1)
-    entry = common.gpt(256)
-    mb_args, mb_kwargs = common.mb_example(entry, GLOBAL_BATCH // EXAMPLE_MB)
-    t0 = time.perf_counter()
-    plan = ps.plan(entry.model, mb_args, example_kwargs=mb_kwargs or None, num_ranks=2, memory_budget="4GB",
-                   loss_fn=entry.loss_fn, global_batch=GLOBAL_BATCH, microbatches=(2, 4, 8, 16),
-                   balance=("flops",), comm=comm, profile_passes=args.profile_passes)
-    plan_s = time.perf_counter() - t0
-    print(plan)
-    chosen = _pick(plan)
-    configs = [{"schedule": c.schedule, "stages": c.split.num_stages, "m": c.n_microbatches,
-                "ac": c.activation_checkpoint} for c in chosen]
     load_before = os.getloadavg()
-    ranks = run_ranks(_run_body, 2, configs, args.reps, timeout=1800)
+    ranks = run_ranks(_run_body, 2, args.reps, args.profile_passes, timeout=2400)
     load_after = os.getloadavg()
+    head = ranks[0]
+    print(head["plan"])
     rows = []
-    for c, cfg in zip(chosen, configs):
+    for cfg, pred in zip(head["configs"], head["preds"]):
         k = _config_key(cfg)
-        steps = [max(a, b) for a, b in zip(ranks[0][k]["s"], ranks[1][k]["s"])]
+        steps = [max(a, b) for a, b in zip(ranks[0]["runs"][k]["s"], ranks[1]["runs"][k]["s"])]
         measured_s = min(steps)  # the least-disturbed step, as the profile keeps each op's least time
-        measured_mem = {r: ranks[r][k]["static"] + max(ranks[r][k]["saved_peak"]) for r in range(2)}
-        rows.append({"config": k, "predicted_s": c.step_time, "measured_s": measured_s,
-                     "time_error": c.step_time / measured_s - 1,
-                     "predicted_peak_bytes": [c.peak_bytes[r] for r in range(2)],
-                     "measured_peak_bytes": [measured_mem[r] for r in range(2)],
-                     "memory_error": [c.peak_bytes[r] / measured_mem[r] - 1 for r in range(2)],
+        measured_mem = [ranks[r]["runs"][k]["static"] + max(ranks[r]["runs"][k]["saved_peak"]) for r in range(2)]
+        rows.append({"config": k, "predicted_s": pred["s"], "measured_s": measured_s,
+                     "time_error": pred["s"] / measured_s - 1,
+                     "predicted_peak_bytes": pred["peak"],
+                     "predicted_saved_only_peak_bytes": pred["peak_saved_only"],
+                     "measured_peak_bytes": measured_mem,
+                     "memory_error": [p / m - 1 for p, m in zip(pred["peak_saved_only"], measured_mem)],
                      "measured_median_s": statistics.median(steps), "measured_steps_s": steps})
     top = rows[:3]
     predicted_order = [r["config"] for r in sorted(top, key=lambda r: r["predicted_s"])]
     measured_order = [r["config"] for r in sorted(top, key=lambda r: r["measured_s"])]
     result = {"command": " ".join(["python -m benchmarks.plan_validation"] + (argv if argv is not None else sys.argv[1:])),
               "model": "tiny GPT d=256, 8 blocks, batch 32, seq 128; 2 gloo ranks, 1 thread each",
-              "comm": comm_fig, "plan_seconds": plan_s, "cpus": os.cpu_count(),
-              "loadavg_before_after": [load_before, load_after], "candidates": len(plan.candidates), "rows": rows,
+              "comm": head["comm"], "plan_seconds": head["plan_s"], "cpus": os.cpu_count(),
+              "loadavg_before_after": [load_before, load_after], "candidates": head["candidates"], "rows": rows,
               "top3_predicted_order": predicted_order, "top3_measured_order": measured_order,
               "top3_order_matches": predicted_order == measured_order}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -182,13 +198,18 @@ def _markdown(res: dict) -> str:
              f"{res['cpus']} CPUs. Measured step = least of the reps (max over ranks), median in brackets", "",
              "| config | predicted step | measured step | error | predicted peak (rank 0 / 1) | "
              "measured peak (rank 0 / 1) | error |", "|---|---|---|---|---|---|---|"]
+    note = ("Predicted peak: parameters, gradients, Adam state and autograd-saved activations (the split "
+            "backward's output gradients held from I to W, which the count of saved storages cannot see, "
+            "in brackets where they change it)")
     for r in res["rows"]:
-        pp = " / ".join(f"{b / 2**20:.1f}" for b in r["predicted_peak_bytes"])
+        pp = " / ".join(f"{b / 2**20:.1f}" for b in r["predicted_saved_only_peak_bytes"])
+        if r["predicted_peak_bytes"] != r["predicted_saved_only_peak_bytes"]:
+            pp += " (" + " / ".join(f"{b / 2**20:.1f}" for b in r["predicted_peak_bytes"]) + ")"
         mp = " / ".join(f"{b / 2**20:.1f}" for b in r["measured_peak_bytes"])
         me = " / ".join(f"{e:+.0%}" for e in r["memory_error"])
         lines.append(f"| {r['config']} | {r['predicted_s'] * 1e3:.0f} ms | {r['measured_s'] * 1e3:.0f} ms | "
                      f"{r['time_error']:+.0%} | {pp} MiB | {mp} MiB | {me} |")
-    lines += ["", f"top 3 predicted order: {res['top3_predicted_order']}",
+    lines += ["", note, "", f"top 3 predicted order: {res['top3_predicted_order']}",
               f"top 3 measured order:  {res['top3_measured_order']}",
               f"order matches: {res['top3_order_matches']}", ""]
     return "\n".join(lines)

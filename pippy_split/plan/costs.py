@@ -28,7 +28,7 @@ from ..split.cost import value_bytes
 from ..split.partition import Cut, plan_stages
 from ..split.partition import Plan as PartitionPlan
 from ..split.pipe import Pipe
-from ..split.profile import OpProfile, op_overhead, op_profiles
+from ..split.profile import OpProfile, op_profiles
 from ..split.stage_graph import build_stages
 from ..split.trace import Traced, trace_model
 

@@ -178,7 +178,7 @@ class Plan:
                      f"({self.comm.source})")
         if self.fitting:
             best = self.fitting[0]
-            t.caption += (f"; best split's stage shares of F+B time: "
+            t.caption += ("; best split's stage shares of F+B time: "
                           + "/".join(f"{x:.0%}" for x in best.split.shares))
         t.caption_justify = "left"
         return t

@@ -25,6 +25,8 @@ import torch
 from ..schedule.orders import ORDERS, get_order_spec
 from ..schedule.placement import placement_of_order
 from ..schedule.simulate import simulate
+from ..split.errors import SplitError
+from ..split.profile import op_overhead
 from ..split.trace import trace_model
 from .costs import CommModel, SplitCosts, parse_bytes, price_split
 from .report import Candidate, Plan, PlanError
@@ -108,31 +110,13 @@ def plan(
     comm = comm if comm is not None else _default_comm()
     traced = trace_model(model, example_args, example_kwargs)
     flat = traced.flatten_inputs(example_args, example_kwargs or {})
-    from ..split.profile import op_overhead
-
-    overhead = op_overhead()
     ms = sorted(set(microbatches)) if microbatches is not None else _default_microbatches(global_batch, num_ranks)
-    splits: dict[tuple[str, int], SplitCosts] = {}
+    grid = itertools.product(names, sorted(set(stages_per_rank)), list(balance))
     notes: list[str] = []
-    candidates: list[Candidate] = []
-    for name, spr, metric in itertools.product(names, sorted(set(stages_per_rank)), list(balance)):
-        spec = get_order_spec(name)
-        spr = spec.stages_per_rank if spec.stages_per_rank is not None else max(spr, spec.min_stages_per_rank)
-        key = (metric, spr * num_ranks)
-        if key not in splits:
-            try:
-                splits[key] = price_split(traced, model, flat, spr * num_ranks, metric, overhead,
-                                          (example_args, example_kwargs or {}), b0, passes=profile_passes)
-            except Exception as e:  # too few pieces to cut: note it, try the rest
-                notes.append(f"{spr * num_ranks} stages by {metric}: {e}")
-                splits[key] = None  # type: ignore[assignment]
-        if splits[key] is None:
-            continue
-        for m, ac in itertools.product(ms, activation_checkpoint):
-            cand = evaluate(splits[key], spec.name, num_ranks, m, bool(ac), global_batch / m / b0, comm,
-                            optimizer_state, budget)
-            if cand is not None and all(c.key != cand.key for c in candidates):
-                candidates.append(cand)
+    price = functools.partial(price_split, traced, model, flat, overhead=op_overhead(),
+                              example=(example_args, example_kwargs or {}), batch=b0, passes=profile_passes)
+    candidates = _search(price, grid, ms, [bool(a) for a in activation_checkpoint], num_ranks, global_batch / b0,
+                         comm, optimizer_state, budget, notes)
     if not candidates:
         raise PlanError(f"plan(): no candidate could be built for {num_ranks} ranks: " + "; ".join(notes or ["-"]))
     result = Plan(candidates, budget, comm, loss_fn, num_ranks, global_batch, notes)
@@ -141,9 +125,41 @@ def plan(
     return result
 
 
+def _search(price: Callable[..., SplitCosts], grid: Iterable[tuple[str, int, str]], ms: list[int], acs: list[bool],
+            num_ranks: int, batches: float, comm: CommModel, optimizer_state: float, budget: float,
+            notes: list[str]) -> list[Candidate]:
+    """Every (family, stages per rank, split metric) of ``grid`` x m x AC, each split priced
+    once; ``batches`` is the global batch in example microbatches."""
+    splits: dict[tuple[str, int], SplitCosts | None] = {}
+    seen: set[tuple] = set()
+    out: list[Candidate] = []
+    for name, spr, metric in grid:
+        spec = get_order_spec(name)
+        spr = spec.stages_per_rank if spec.stages_per_rank is not None else max(spr, spec.min_stages_per_rank)
+        key = (metric, spr * num_ranks)
+        if key not in splits:
+            try:
+                splits[key] = price(spr * num_ranks, metric)
+            except (SplitError, ValueError) as e:  # too few pieces to cut: note it, try the rest
+                notes.append(f"{spr * num_ranks} stages by {metric}: {e}")
+                splits[key] = None
+        split = splits[key]
+        if split is None:
+            continue
+        for m, ac in itertools.product(ms, acs):
+            cand = evaluate(split, spec.name, num_ranks, m, ac, batches / m, comm, optimizer_state, budget)
+            if cand is not None and cand.key not in seen:
+                seen.add(cand.key)
+                out.append(cand)
+    return out
+
+
 def evaluate(costs: SplitCosts, schedule: str, num_ranks: int, m: int, ac: bool, scale: float, comm: CommModel,
-             optimizer_state: float, budget: float) -> Candidate | None:
+             optimizer_state: float, budget: float, *, output_grads: bool = True) -> Candidate | None:
     """Simulate one candidate; ``None`` when the family cannot run these sizes.
+
+    ``output_grads=False`` leaves out the output gradients a split backward keeps from I
+    until W (tensors autograd does not save: a count of saved storages cannot see them).
 
     Example:
         >>> cand = evaluate(costs, "1F1B", 2, 8, False, 1.0, CommModel(), 2.0, 1e9)  # doctest: +SKIP
@@ -166,9 +182,8 @@ def evaluate(costs: SplitCosts, schedule: str, num_ranks: int, m: int, ac: bool,
         table[(s, "B")] = i + w + extra
         held.append((st.boundary_bytes if ac else st.held_bytes) * scale)
         work.append(st.held_bytes * scale if ac else 0.0)
-        # a split backward keeps W's output gradients from I until W, and under
-        # checkpointing the whole recomputed graph too
-        wgrad.append((st.wgrad_bytes + (st.held_bytes if ac else 0.0)) * scale if spec.split_backward else 0.0)
+        # a split backward keeps W's output gradients from I until W
+        wgrad.append(st.wgrad_bytes * scale if spec.split_backward and output_grads else 0.0)
     latency = {link: comm.time(b * scale) for link, b in costs.link_bytes.items()}
     links = sorted({(s, d, True) for s, d in costs.link_bytes} | {(s, s + 1, True) for s in range(S - 1)})
     sim = simulate(order, table, links=links, comm_latency=latency, activation_bytes=held, workspace_bytes=work,

@@ -20,12 +20,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from itertools import chain
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence, Union
 
 from .actions import ActionKind, Order
 from .deps import DepIndex
 
-__all__ = ["CODE", "KINDS", "Encoded", "LoopRun", "encode", "requirement_table", "run_loop"]
+__all__ = ["CODE", "KINDS", "DEFAULT_COSTS", "CostSpec", "Encoded", "LoopRun", "encode", "requirement_table",
+           "run_loop", "held_peaks", "stage_cost_table"]
 
 KINDS = (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B)
 """Kind of each code: F=0, I=1, W=2, B=3."""
@@ -195,3 +196,77 @@ def held_peaks(enc: Encoded, add: Sequence[float], release: Sequence[float],
             cur -= release[sk]
         out[r] = peak
     return out
+
+
+# ---- simulate()'s inputs, as the loop's tables -------------------------------------------
+
+DEFAULT_COSTS: dict[str, float] = {"F": 1.0, "I": 1.0, "W": 1.0}
+"""Cost per kind when none is given (``B`` = ``I + W``)."""
+
+CostSpec = Union[Mapping[Any, float], Callable[[int, str], float], None]
+"""``{"F": t, ...}`` per kind, ``{(stage, "F"): t, ...}`` per stage and kind (the two
+may mix: a stage's missing kind takes the kind's value), or ``f(stage, kind) -> t``."""
+
+
+def kind_defaults(costs: Mapping[Any, float] | None) -> dict[str, float]:
+    merged = dict(DEFAULT_COSTS)
+    if costs:
+        flat = {k: v for k, v in costs.items() if not isinstance(k, tuple)}
+        unknown = sorted(map(str, set(flat) - {"F", "B", "I", "W"}))
+        bad = [k for k in costs if isinstance(k, tuple) and (len(k) != 2 or str(k[1]) not in ("F", "B", "I", "W"))]
+        if unknown or bad:
+            raise ValueError(f"unknown cost keys {unknown or bad}: expected some of F, I, W (and B to override "
+                             "I + W), or (stage, kind) pairs such as (0, 'F')")
+        merged.update({k: float(v) for k, v in flat.items()})
+    return merged
+
+
+def stage_cost_table(costs: CostSpec, num_stages: int) -> list[float]:
+    """Cost of each ``code * S + stage`` (codes of :mod:`.event_loop`: F, I, W, B).
+
+    Example:
+        >>> stage_cost_table({"F": 2, (1, "F"): 5}, 2)[:2], stage_cost_table(None, 1)
+        ([2.0, 5.0], [1.0, 1.0, 1.0, 2.0])
+    """
+    S = num_stages
+    table = [0.0] * (4 * S)
+    if callable(costs):
+        for s in range(S):
+            f, i, w = (float(costs(s, k)) for k in "FIW")
+            table[s], table[S + s], table[2 * S + s] = f, i, w
+            try:
+                b = costs(s, "B")
+            except (KeyError, ValueError):
+                b = None
+            table[3 * S + s] = i + w if b is None else float(b)
+        return table
+    kinds = kind_defaults(costs)
+    per = {(int(k[0]), str(k[1])): float(v) for k, v in (costs or {}).items() if isinstance(k, tuple)}
+    for s in range(S):
+        f, i, w = (per.get((s, k), kinds[k]) for k in "FIW")
+        b = per.get((s, "B"), kinds["B"] if "B" in kinds else i + w)
+        table[s], table[S + s], table[2 * S + s], table[3 * S + s] = f, i, w, b
+    return table
+
+
+def kind_summary(table: list[float], num_stages: int) -> dict[str, float]:
+    if num_stages == 0:
+        table, num_stages = stage_cost_table(None, 1), 1
+    return {k.value: table[c * num_stages] for c, k in enumerate(KINDS)}
+
+
+def latency_fn(comm_latency: float | Mapping[tuple[int, int], float]) -> Callable[[int, int], float]:
+    if isinstance(comm_latency, Mapping):
+        table = {(int(a), int(b)): float(t) for (a, b), t in comm_latency.items()}
+        return lambda src, dst: table.get((src, dst), table.get((dst, src), 0.0))
+    value = float(comm_latency)
+    return lambda src, dst: value
+
+
+def per_stage(values: Mapping[int, float] | Sequence[float] | None, num_stages: int) -> list[float] | None:
+    if values is None:
+        return None
+    if isinstance(values, Mapping):
+        return [float(values.get(s, 0.0)) for s in range(num_stages)]
+    out = [float(v) for v in values]
+    return out + [0.0] * (num_stages - len(out))

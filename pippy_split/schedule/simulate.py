@@ -19,11 +19,25 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .actions import Action, ActionKind, Order
 from .deps import DepIndex, Link, chain_links
-from .event_loop import CODE, KINDS, Encoded, LoopRun, encode, held_peaks, requirement_table, run_loop
+from .event_loop import (
+    CODE,
+    DEFAULT_COSTS,
+    CostSpec,
+    Encoded,
+    LoopRun,
+    encode,
+    held_peaks,
+    kind_summary,
+    latency_fn,
+    per_stage,
+    requirement_table,
+    run_loop,
+    stage_cost_table,
+)
 from .messages import Message, action_messages, recv_action, send_action
 from .placement import placement_of_order
 
@@ -31,7 +45,6 @@ __all__ = ["Simulation", "simulate", "DEFAULT_COSTS", "CostSpec", "stage_cost_ta
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
-DEFAULT_COSTS: dict[str, float] = {"F": 1.0, "I": 1.0, "W": 1.0}
 
 _COMM = frozenset(k for k in ActionKind if k.is_comm)
 
@@ -84,75 +97,6 @@ class Simulation:
         from . import render
 
         return render.render_html(self)
-
-
-CostSpec = Union[Mapping[Any, float], Callable[[int, str], float], None]
-"""``{"F": t, ...}`` per kind, ``{(stage, "F"): t, ...}`` per stage and kind (the two
-may mix: a stage's missing kind takes the kind's value), or ``f(stage, kind) -> t``."""
-
-
-def _kind_defaults(costs: Mapping[Any, float] | None) -> dict[str, float]:
-    merged = dict(DEFAULT_COSTS)
-    if costs:
-        flat = {k: v for k, v in costs.items() if not isinstance(k, tuple)}
-        unknown = sorted(map(str, set(flat) - {"F", "B", "I", "W"}))
-        bad = [k for k in costs if isinstance(k, tuple) and (len(k) != 2 or str(k[1]) not in ("F", "B", "I", "W"))]
-        if unknown or bad:
-            raise ValueError(f"unknown cost keys {unknown or bad}: expected some of F, I, W (and B to override "
-                             "I + W), or (stage, kind) pairs such as (0, 'F')")
-        merged.update({k: float(v) for k, v in flat.items()})
-    return merged
-
-
-def stage_cost_table(costs: CostSpec, num_stages: int) -> list[float]:
-    """Cost of each ``code * S + stage`` (codes of :mod:`.event_loop`: F, I, W, B).
-
-    Example:
-        >>> stage_cost_table({"F": 2, (1, "F"): 5}, 2)[:2], stage_cost_table(None, 1)
-        ([2.0, 5.0], [1.0, 1.0, 1.0, 2.0])
-    """
-    S = num_stages
-    table = [0.0] * (4 * S)
-    if callable(costs):
-        for s in range(S):
-            f, i, w = (float(costs(s, k)) for k in "FIW")
-            table[s], table[S + s], table[2 * S + s] = f, i, w
-            try:
-                b = costs(s, "B")
-            except (KeyError, ValueError):
-                b = None
-            table[3 * S + s] = i + w if b is None else float(b)
-        return table
-    kinds = _kind_defaults(costs)
-    per = {(int(k[0]), str(k[1])): float(v) for k, v in (costs or {}).items() if isinstance(k, tuple)}
-    for s in range(S):
-        f, i, w = (per.get((s, k), kinds[k]) for k in "FIW")
-        b = per.get((s, "B"), kinds["B"] if "B" in kinds else i + w)
-        table[s], table[S + s], table[2 * S + s], table[3 * S + s] = f, i, w, b
-    return table
-
-
-def _kind_summary(table: list[float], num_stages: int) -> dict[str, float]:
-    if num_stages == 0:
-        table, num_stages = stage_cost_table(None, 1), 1
-    return {k.value: table[c * num_stages] for c, k in enumerate(KINDS)}
-
-
-def _latency_fn(comm_latency: float | Mapping[tuple[int, int], float]) -> Callable[[int, int], float]:
-    if isinstance(comm_latency, Mapping):
-        table = {(int(a), int(b)): float(t) for (a, b), t in comm_latency.items()}
-        return lambda src, dst: table.get((src, dst), table.get((dst, src), 0.0))
-    value = float(comm_latency)
-    return lambda src, dst: value
-
-
-def _per_stage(values: Mapping[int, float] | Sequence[float] | None, num_stages: int) -> list[float] | None:
-    if values is None:
-        return None
-    if isinstance(values, Mapping):
-        return [float(values.get(s, 0.0)) for s in range(num_stages)]
-    out = [float(v) for v in values]
-    return out + [0.0] * (num_stages - len(out))
 
 
 def _deadlock_error(order: Order, enc: Encoded, run: LoopRun) -> ValueError:
@@ -213,18 +157,14 @@ def simulate(
         >>> sim.makespan, sim.peak_bytes
         (23.0, {0: 20.0, 1: 20.0})
     """
-    link_list = None if links is None else list(links)
-    latency = _latency_fn(comm_latency)
+    latency = latency_fn(comm_latency)
     try:
         enc = encode(order)
     except KeyError:  # a SEND/RECV: a lowered order, run under the batch rule
-        num_stages = max((a.stage + 1 for acts in order.values() for a in acts if a is not None), default=0)
-        table = stage_cost_table(costs, num_stages)
-        return _simulate_batches(order, table, chain_links(num_stages) if link_list is None else link_list,
-                                 num_stages, latency, activation_bytes, workspace_bytes, input_grad_bytes)
+        return _simulate_batches(order, costs, links, latency, activation_bytes, workspace_bytes, input_grad_bytes)
     num_stages = enc.num_stages
     table = stage_cost_table(costs, num_stages)
-    link_list = chain_links(num_stages) if link_list is None else link_list
+    link_list = chain_links(num_stages) if links is None else list(links)
     reqs = requirement_table(DepIndex(link_list, num_stages), placement_of_order(order), enc.num_mb, latency)
     run = run_loop(enc, reqs, table)
     if run.blocked:
@@ -241,11 +181,11 @@ def _finish(order: Order, enc: Encoded, makespan: float, busy: float, table: lis
     S = enc.num_stages
     ones, zeros = [1.0] * S, [0.0] * S
     counts = held_peaks(enc, ones + zeros * 3, zeros * 2 + ones * 2)  # F holds one, W or B frees it
-    held = _per_stage(activation_bytes, S)
+    held = per_stage(activation_bytes, S)
     peak_bytes = None
     if held is not None:
-        grads = _per_stage(input_grad_bytes, S) or zeros
-        work = _per_stage(workspace_bytes, S)
+        grads = per_stage(input_grad_bytes, S) or zeros
+        work = per_stage(workspace_bytes, S)
         extra = None
         if work is not None:  # only while a backward that rebuilds or reads them runs (B or I)
             extra = zeros + work + zeros + work
@@ -258,7 +198,7 @@ def _finish(order: Order, enc: Encoded, makespan: float, busy: float, table: lis
         bubble_fraction=1.0 - busy / (num_ranks * makespan) if makespan > 0 else 0.0,
         peak_activations={r: int(counts[r]) for r in order},
         num_ranks=num_ranks,
-        costs=_kind_summary(table, S),
+        costs=kind_summary(table, S),
         peak_bytes=peak_bytes,
         _build=build,
     )
@@ -272,12 +212,15 @@ def _timeline(order: Order, enc: Encoded, run: LoopRun, table: list[float]) -> d
     return out
 
 
-def _simulate_batches(order: Order, table: list[float], links: list[Link], num_stages: int,
+def _simulate_batches(order: Order, costs: CostSpec, links: Iterable[Link] | None,
                       latency: Callable[[int, int], float], activation_bytes: Any, workspace_bytes: Any,
                       input_grad_bytes: Any) -> Simulation:
     """A lowered order under the batch rule (see the module docstring)."""
     from .lower import peer_table
 
+    num_stages = max((a.stage + 1 for acts in order.values() for a in acts if a is not None), default=0)
+    table = stage_cost_table(costs, num_stages)
+    links = chain_links(num_stages) if links is None else list(links)
     S = num_stages
 
     def cost(stage: int, kind: ActionKind) -> float:
