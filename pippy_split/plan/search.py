@@ -26,7 +26,7 @@ from ..schedule.orders import ORDERS, get_order_spec
 from ..schedule.placement import placement_of_order
 from ..schedule.simulate import simulate
 from ..split.errors import SplitError
-from ..split.profile import op_overhead
+from ..split.profile import op_overhead, op_profiles
 from ..split.trace import trace_model
 from .costs import CommModel, SplitCosts, parse_bytes, price_split
 from .report import Candidate, Plan, PlanError
@@ -73,8 +73,8 @@ def plan(
         schedules: families to try (default all of ``ORDERS``).
         activation_checkpoint: settings to try (``True`` = ``activation_checkpoint="full"``).
         stages_per_rank: tried for families that take any count (others use theirs).
-        microbatches: ``m`` values to try (default the divisors of ``global_batch`` from
-            ``num_ranks`` up to ``8 x num_ranks``, and ``num_ranks / 2`` and up if few).
+        microbatches: ``m`` values to try, each dividing ``global_batch`` (default its
+            divisors from ``num_ranks`` to ``8 x num_ranks``, or the three largest below).
         balance: cost models whose balanced split is tried ("time", "memory", ...).
         comm: link model; default measured on the current process group when one is
             initialised, else :class:`CommModel`'s defaults.
@@ -111,9 +111,15 @@ def plan(
     traced = trace_model(model, example_args, example_kwargs)
     flat = traced.flatten_inputs(example_args, example_kwargs or {})
     ms = sorted(set(microbatches)) if microbatches is not None else _default_microbatches(global_batch, num_ranks)
+    uneven = [m for m in ms if m < 1 or global_batch % m]
+    if uneven:
+        raise ValueError(f"plan(): microbatches {uneven} do not divide global_batch={global_batch}; a traced "
+                         f"microbatch has a fixed size. Divisors: "
+                         f"{[m for m in range(1, global_batch + 1) if global_batch % m == 0][:16]}")
     grid = itertools.product(names, sorted(set(stages_per_rank)), list(balance))
     notes: list[str] = []
-    price = functools.partial(price_split, traced, model, flat, overhead=op_overhead(),
+    overhead = _agree_profile(traced, model, flat, profile_passes)
+    price = functools.partial(price_split, traced, model, flat, overhead=overhead,
                               example=(example_args, example_kwargs or {}), batch=b0, passes=profile_passes)
     candidates = _search(price, grid, ms, [bool(a) for a in activation_checkpoint], num_ranks, global_batch / b0,
                          comm, optimizer_state, budget, notes)
@@ -218,6 +224,21 @@ def _default_microbatches(global_batch: int, num_ranks: int) -> list[int]:
     divisors = [m for m in range(1, global_batch + 1) if global_batch % m == 0]
     ms = [m for m in divisors if num_ranks <= m <= 8 * num_ranks]
     return ms or [m for m in divisors if m <= 8 * num_ranks][-3:]
+
+
+def _agree_profile(traced: Any, model: torch.nn.Module, flat: Sequence[Any], passes: int) -> tuple:
+    """Profile once; inside a process group every rank takes rank 0's figures, so that every
+    rank cuts and ranks candidates alike (``plan.best`` is the same pipeline everywhere).
+    Returns the per-op overhead ``(F, I, W)``."""
+    import torch.distributed as dist
+
+    profs, overhead = op_profiles(traced, model, flat, passes), op_overhead()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        shared = [(profs, overhead)]
+        dist.broadcast_object_list(shared, src=0)
+        profs, overhead = shared[0]
+        traced.__dict__["_op_profiles"][passes] = profs
+    return overhead
 
 
 def _default_comm() -> CommModel:

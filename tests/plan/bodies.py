@@ -9,12 +9,12 @@ GLOBAL_BATCH = 8
 
 
 def plan_best_step(rank: int, world: int) -> dict:
-    """Plan on every rank (flops-balanced splits: the same cuts everywhere), build the best
-    candidate, run one step; return its loss and this rank's grads by FQN."""
+    """Plan on every rank (time-balanced: rank 0's profile is shared, so the cuts agree),
+    build the best candidate, run one step; return its loss and this rank's grads by FQN."""
     entry = zoo.get("mlp_stack", d=16)
     mb = entry.args[0][:2]
     plan = ps.plan(entry.model, (mb,), num_ranks=world, memory_budget="1GB", loss_fn=entry.loss_fn,
-                   global_batch=GLOBAL_BATCH, balance=("flops",), microbatches=(2, 4),
+                   global_batch=GLOBAL_BATCH, microbatches=(2, 4),
                    schedules=["1F1B", "ZBVZeroBubble", "Interleaved1F1B"])
     best = plan.best
     sched = best.build_schedule()
@@ -22,4 +22,4 @@ def plan_best_step(rank: int, world: int) -> dict:
     grads = {n: p.grad.clone() for st in sched.stages
              for n, p in st.module.named_parameters(remove_duplicate=False) if p.grad is not None}
     return {"loss": float(sched.loss), "grads": grads, "m": best.n_microbatches, "schedule": best.schedule,
-            "comm": plan.comm.source}
+            "comm": plan.comm.source, "cuts": best.split.positions, "step_time": best.step_time}

@@ -89,6 +89,13 @@ def test_parse_bytes_and_comm_model() -> None:
         CommModel(bandwidth=0)
 
 
+def test_microbatches_must_divide_the_batch() -> None:
+    entry = zoo.get("mlp_stack", d=16)
+    with pytest.raises(ValueError, match=r"microbatches \[3\] do not divide global_batch=8"):
+        ps.plan(entry.model, (entry.args[0][:2],), num_ranks=2, memory_budget="1GB", loss_fn=None, global_batch=8,
+                microbatches=(2, 3))
+
+
 def test_unknown_schedule_refused_before_profiling() -> None:
     entry = zoo.get("mlp_stack", d=16)
     with pytest.raises(ValueError, match="unknown schedule 'Fancy'"):
@@ -103,6 +110,7 @@ def test_best_candidate_trains_like_the_unsplit_model() -> None:
     entry = zoo.get("mlp_stack", d=16)
     m = results[0]["m"]
     assert all(r["m"] == m and r["schedule"] == results[0]["schedule"] for r in results)
+    assert all(r["cuts"] == results[0]["cuts"] and r["step_time"] == results[0]["step_time"] for r in results)
     assert results[0]["comm"].startswith("measured")
     x, y = entry.args[0], entry.target
     ref = 0.0
