@@ -285,8 +285,9 @@ def checkpointed_graph_module(gm: GraphModule, patterns: Sequence[str], recorder
             name, ops = segments[k]
             region, inputs, outputs = _region_module(ops)
             target = f"_checkpointed_region_{k}"
-            state_args = [i for i, a in enumerate(inputs) if a.op == "get_attr" and
-                          isinstance(attrs.get(a.target), torch.Tensor) and not isinstance(attrs[a.target], torch.nn.Parameter)]
+            buffers = {str(a.target) for a in inputs if a.op == "get_attr" and isinstance(attrs.get(str(a.target)), torch.Tensor)
+                       and not isinstance(attrs[str(a.target)], torch.nn.Parameter)}
+            state_args = [i for i, a in enumerate(inputs) if a.op == "get_attr" and str(a.target) in buffers]
             attrs[target] = CheckpointRegion(region, recorder, name, state_args)
             call = graph.call_module(target, tuple(env[a] for a in inputs))
             for j, o in enumerate(outputs):
@@ -307,8 +308,13 @@ def checkpoint_submodules(module: torch.nn.Module, patterns: Sequence[str], reco
         if not name or any(name.startswith(w + ".") for w in wrapped):
             continue
         if any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            inner, state = sub.forward, list(sub.buffers())
-            sub.forward = lambda *a, _f=inner, _s=state, **kw: _run_region(_f, recorder, a, kw, _s)
+            inner, state = getattr(sub.forward, "_pippy_split_unwrapped", sub.forward), list(sub.buffers())
+
+            def forward(*a: Any, _f: Callable = inner, _s: list = state, **kw: Any) -> Any:
+                return _run_region(_f, recorder, a, kw, _s)
+
+            forward._pippy_split_unwrapped = inner  # type: ignore[attr-defined]  # a second stage rewraps, not nests
+            sub.forward = forward
             wrapped.append(name)
     return len(wrapped)
 

@@ -19,8 +19,17 @@ from ..split.spec import Edge, StageInput
 from .backward import WeightGradPlan, capturing, plan_weight_grads
 from .errors import PipelineError
 from .mixed_precision import autocast_edge_specs, check_mixed_precision
-from .recompute import (RegionRecorder, check_patterns_match, checkpoint_patterns, checkpoint_submodules,
-                        checkpointed_graph_module, graph_module_paths, restored_rng, rng_state, unchanged)
+from .recompute import (
+    RegionRecorder,
+    check_patterns_match,
+    checkpoint_patterns,
+    checkpoint_submodules,
+    checkpointed_graph_module,
+    graph_module_paths,
+    restored_rng,
+    rng_state,
+    unchanged,
+)
 
 __all__ = ["PipelineStage", "InputSlot", "Route"]
 
@@ -152,8 +161,11 @@ class PipelineStage:
             check_patterns_match(stage.activation_checkpoint,
                                  {p for st in pipe.stages for p in graph_module_paths(st.module)},
                                  f"stage {stage_index}")
-        retyped = (lambda e: e) if mixed_precision is None else (  # edges with the dtypes autocast gives them
-            lambda e, specs=autocast_edge_specs(pipe, mixed_precision, stage.device.type): replace(e, spec=specs[id(e)]))
+        specs = None if mixed_precision is None else autocast_edge_specs(pipe, mixed_precision, stage.device.type)
+
+        def retyped(e: Edge) -> Edge:  # the edge with the dtype autocast gives it
+            return e if specs is None else replace(e, spec=specs[id(e)])
+
         stage.in_slots = [slot if slot.edge is None else replace(slot, edge=retyped(slot.edge))
                           for slot in pipe.stages[stage_index].inputs]
         stage.routes = [retyped(e) for e in pipe.edges if e.sender_stage == stage_index]
@@ -190,7 +202,7 @@ class PipelineStage:
         tracking = train and self.track_saved_storages
         try:
             # full checkpointing: forward without a graph now, again with one right before backward
-            with torch.set_grad_enabled(train and not recompute), capturing() as sink, _recording_saved(
+            with torch.set_grad_enabled(train and not recompute), capturing(self._wplan) as sink, _recording_saved(
                     graph_storages, tracking), self._autocast(), self._regions.recording(
                     train, graph_storages if tracking else None):
                 out = self._forward_call()(*args, **(kwargs or {}))
@@ -250,7 +262,7 @@ class PipelineStage:
         kwargs, target, rng = saved.recompute
         saved.recompute = None
         try:
-            with restored_rng(self.device, rng), unchanged(list(self.module.buffers())), torch.enable_grad(), capturing() as sink, self._autocast():
+            with restored_rng(self.device, rng), unchanged(list(self.module.buffers())), torch.enable_grad(), capturing(self._wplan) as sink, self._autocast():
                 outputs = self._as_outputs(self._call(*saved.inputs, **kwargs))
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: recomputing the forward for activation "
@@ -278,6 +290,8 @@ class PipelineStage:
         if self.mixed_precision is not None:  # the loss in fp32, whatever autocast made of the outputs
             outputs = tuple(o.float() if isinstance(o, torch.Tensor) and o.dtype == self.mixed_precision else o
                             for o in outputs)
+        if self.loss_fn is None:
+            raise PipelineError(f"stage {self.stage_index}: computing a loss needs loss_fn on the schedule")
         try:
             with torch.autocast(self.device.type, enabled=False):
                 loss = self.loss_fn(self.model_output(outputs), target)
@@ -352,7 +366,7 @@ class PipelineStage:
         captures = [(k, c) for k, c in enumerate(saved.weight_work)
                     if isinstance(c, GradientEdge) or (isinstance(c, torch.Tensor) and c.requires_grad)] if plan else []
         multi = plan.whole_params if plan else []
-        targets = [a for _, a in leaves] + [c for _, c in captures] + multi
+        targets: list[Any] = [a for _, a in leaves] + [c for _, c in captures] + multi
         results: Sequence[torch.Tensor | None] = []
         if tensors and targets:
             try:
@@ -416,10 +430,11 @@ class PipelineStage:
         follow a pipeline's interleaving of forwards and backwards; a DDP module is
         never synced by its hooks and :meth:`sync_data_parallel` averages once per step.
         """
-        if hasattr(self.module, "require_backward_grad_sync"):
-            self.module.require_backward_grad_sync = False  # DDP: see sync_data_parallel
-        if hasattr(self.module, "set_requires_gradient_sync"):
-            self.module.set_requires_gradient_sync(enabled)
+        module: Any = self.module  # DDP or an FSDP2 module, duck-typed
+        if hasattr(module, "require_backward_grad_sync"):
+            module.require_backward_grad_sync = False  # DDP: see sync_data_parallel
+        if hasattr(module, "set_requires_gradient_sync"):
+            module.set_requires_gradient_sync(enabled)
 
     def sync_data_parallel(self) -> None:
         """Average gradients of a DDP-wrapped stage over its data-parallel group.

@@ -18,5 +18,5 @@ def test_a_parameter_only_one_replica_used_is_averaged_with_zero_from_the_other(
     for rank, grads in enumerate(results):
         for name, g in grads.items():
             assert g is not None, f"rank {rank}: {name} has no gradient after the data-parallel sync"
-            torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=0, msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+            torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=0, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
     assert set().union(*results) == set(expected)
