@@ -19,6 +19,26 @@ SELECTIVE_CASES = [
     ("tiny_llama", "ZBVZeroBubble", 2, ["layers.*.attention"]),
     ("tiny_unet", "1F1B", 4, ["down*", "up*"]),
 ]
+_PATTERNS = {"tied_lm": ["blocks.*.mlp"], "fan_out_skip": ["mid", "tail"]}
+
+
+def _matrix() -> list[tuple[str, str, int, list[str]]]:
+    """Every model x {1F1B, Interleaved1F1B, ZBVZeroBubble, DualPipeV} where its stage count fits 2 ranks or 4."""
+    from pippy_split import zoo
+    from pippy_split.schedule.orders import get_order_spec
+
+    out = []
+    for name, patterns in _PATTERNS.items():
+        stages = zoo.get(name).num_stages
+        for schedule in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"):
+            per_rank = get_order_spec(schedule).default_stages_per_rank()
+            world = stages // per_rank if stages % per_rank == 0 else 0
+            if world >= 2 and not (schedule == "DualPipeV" and 4 < 2 * world - 1):
+                out.append((name, schedule, world, patterns))
+    return out
+
+
+SELECTIVE_CASES += [c for c in _matrix() if c not in SELECTIVE_CASES]
 
 
 @pytest.mark.dist
