@@ -14,20 +14,35 @@ instead — exact, like ``loss.backward()``.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule
 
-__all__ = ["WeightGradPlan", "plan_weight_grads", "capturing", "capture"]
+__all__ = ["WeightGradPlan", "CaptureSink", "plan_weight_grads", "capturing"]
+
+
+class CaptureSink:
+    """Where one instrumented stage module hands over the op outputs W needs: its graph
+    calls :meth:`capture`, which keeps them only while :func:`capturing` collects (no
+    module-level state: each instrumented module has its own sink)."""
+
+    def __init__(self) -> None:
+        self.active: dict[int, torch.Tensor] | None = None
+
+    @torch.compiler.disable  # a graph break under torch.compile: the hand-over runs eagerly, every call
+    def capture(self, index: int, value: torch.Tensor) -> None:
+        """Graph hook: hand ``value`` to the running forward when it collects (else a no-op)."""
+        if self.active is not None:
+            self.active[index] = value
 
 
 @dataclass
 class WeightGradPlan:
     params: list[list[torch.nn.Parameter]]  # per capture index: the parameters W differentiates
     whole_params: list[torch.nn.Parameter]  # parameters whose gradient I computes in full
+    sink: CaptureSink = field(default_factory=CaptureSink)  # what the instrumented graph calls
 
     @property
     def num_captures(self) -> int:
@@ -44,29 +59,23 @@ def _param_of(gm: GraphModule, node: torch.fx.Node) -> torch.nn.Parameter | None
     return obj if obj.requires_grad else None
 
 
-_SINK: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pippy_split_captures", default=None)
-
-
-def capture(index: int, value: torch.Tensor) -> None:
-    """Graph hook: hand ``value`` to the running stage when it asked for captures (else a no-op)."""
-    sink = _SINK.get()
-    if sink is not None:
-        sink[index] = value
-
-
 @contextlib.contextmanager
-def capturing() -> Iterator[dict[int, torch.Tensor]]:
-    """Collect the captured op outputs of the stage forward run inside this block."""
-    sink: dict[int, torch.Tensor] = {}
-    token = _SINK.set(sink)
+def capturing(plan: WeightGradPlan | None) -> Iterator[dict[int, torch.Tensor]]:
+    """Collect the captured op outputs of a forward of ``plan``'s module run inside this
+    block (``None``: a stage without the I/W split; nothing is collected)."""
+    found: dict[int, torch.Tensor] = {}
+    if plan is None:
+        yield found
+        return
+    outer, plan.sink.active = plan.sink.active, found
     try:
-        yield sink
+        yield found
     finally:
-        _SINK.reset(token)
+        plan.sink.active = outer
 
 
 def plan_weight_grads(gm: GraphModule) -> WeightGradPlan:
-    """Instrument ``gm`` in place so a forward run under :func:`capturing` reports the
+    """Instrument ``gm`` in place so a forward run under ``capturing(plan)`` reports the
     op outputs W needs (outputs, hooks and behaviour are otherwise unchanged), and
     return the plan for W. Idempotent: a module is instrumented once."""
     existing = getattr(gm, "_pippy_split_weight_grad_plan", None)
@@ -99,11 +108,11 @@ def plan_weight_grads(gm: GraphModule) -> WeightGradPlan:
         if not isinstance(node.meta.get("val"), torch.Tensor):
             whole |= ids  # tuple-valued op: cannot capture one tensor, differentiate whole
     kept = [(node, ids - whole) for node, ids in captures if ids - whole]
-    for k, (node, _) in enumerate(kept):
-        with graph.inserting_after(node):
-            graph.call_function(capture, (k, node))
-    gm.recompile()
     plan = WeightGradPlan([[params_by_id[i] for i in sorted(ids)] for _, ids in kept],
                           [params_by_id[i] for i in sorted(whole)])
+    for k, (node, _) in enumerate(kept):
+        with graph.inserting_after(node):
+            graph.call_function(plan.sink.capture, (k, node))
+    gm.recompile()
     gm._pippy_split_weight_grad_plan = plan
     return plan
