@@ -76,9 +76,10 @@ class CommModel:
         return self.latency + nbytes / self.bandwidth
 
     @classmethod
-    def measure(cls, group: Any = None, nbytes: int = 1 << 20, repeats: int = 5) -> "CommModel":
+    def measure(cls, group: Any = None, nbytes: int = 1 << 22, repeats: int = 7) -> "CommModel":
         """Ping-pong between ranks 0 and 1 of ``group`` (every rank of it must call this):
-        a 4-byte message gives the latency, an ``nbytes`` one the bandwidth.
+        a 4-byte message gives the latency, an ``nbytes`` one (4 MiB) the bandwidth; each
+        the least one-way time over ``repeats``.
 
         Example:
             >>> comm = CommModel.measure()  # inside an initialised process group  # doctest: +SKIP
@@ -110,7 +111,9 @@ class CommModel:
         if world < 2:
             return cls(source="default (a group of one rank)")
         small, big = one_way(4), one_way(nbytes)
-        bandwidth = nbytes / max(big - small, 1e-9)
+        # On a busy machine the small message can take nearly as long as the big one; then
+        # the difference says nothing and the big message alone bounds the bandwidth.
+        bandwidth = nbytes / (big - small) if big > 1.5 * small else nbytes / big
         return cls(bandwidth=bandwidth, latency=small, source=f"measured on the current group ({dist.get_backend(group)})")
 
 
