@@ -9,14 +9,39 @@ from . import checkpoint
 from .clip import clip_grad_norm_
 from .grad_scaler import PipelineGradScaler
 from .microbatch import Replicate, TensorChunkSpec, merge_chunks, split_args_kwargs
-from .schedule import (Action, PipelineSchedule, Schedule1F1B, ScheduleDualPipeV, ScheduleError, ScheduleGPipe,
-                       ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
-                       ScheduleFromOrder, ScheduleZBVZeroBubble, build_schedule, get_schedule_class, simulate, stage_to_rank, validate)
-from .split import (MODEL_INPUT, Edge, Pipe, SplitError, SplitPoint, SymbolSource, TensorSpec, TraceError,
-                    pipe_split, pipeline)
+from .plan import Candidate, CommModel, Plan, PlanError, plan
+from .schedule import (
+    Action,
+    PipelineSchedule,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleError,
+    ScheduleFromOrder,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+    build_schedule,
+    get_schedule_class,
+    simulate,
+    stage_to_rank,
+    validate,
+)
+from .split import (
+    MODEL_INPUT,
+    Edge,
+    Pipe,
+    SplitError,
+    SplitPoint,
+    SymbolSource,
+    TensorSpec,
+    TraceError,
+    pipe_split,
+    pipeline,
+)
 from .split.balance import BalanceReport
 from .stage import PipelineError, PipelineStage, PipelineTimeout
-from .plan import Candidate, CommModel, Plan, PlanError, plan  # noqa: E402  (after split/schedule: it uses both)
 
 __all__ = ["checkpoint", "clip_grad_norm_", "PipelineGradScaler", "MODEL_INPUT", "Edge", "Pipe", "SplitError", "SplitPoint", "SymbolSource", "TensorSpec", "TraceError",
            "pipe_split", "pipeline", "PipelineError", "PipelineStage", "PipelineTimeout", "Replicate",

@@ -52,6 +52,7 @@ steps (planner, storage writer) over those, and a load reads on each rank alone
 """
 
 from __future__ import annotations
+
 import os
 import shutil
 import warnings
@@ -61,10 +62,15 @@ import torch
 
 from .checkpointing.comm import _Comm, _dcp_write, _describe_dcp_error, _quiet_dcp, _RanksFailed
 from .checkpointing.files import _commit, _find, _prepare, _read_metadata, _reason
-from .checkpointing.keys import (_collect_model, _collect_optimizer, _drop_keys_owned_elsewhere, _holders,
-                                 _LoadPlan, _optimizers)
-from .checkpointing.layout import (_EXTRA, _INFO, _MODEL, FORMAT_VERSION, CheckpointError, _key_report,
-                                   _raise_any, _show)
+from .checkpointing.keys import (
+    _collect_model,
+    _collect_optimizer,
+    _drop_keys_owned_elsewhere,
+    _holders,
+    _LoadPlan,
+    _optimizers,
+)
+from .checkpointing.layout import _EXTRA, _INFO, _MODEL, FORMAT_VERSION, CheckpointError, _key_report, _raise_any, _show
 
 __all__ = ["CheckpointError", "save", "load", "saved_keys"]
 
@@ -120,7 +126,7 @@ def save(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if e.local is not None and not isinstance(e.local, Exception):  # KeyboardInterrupt, SystemExit
-            raise e.local
+            raise e.local  # noqa: B904 - the rank's own KeyboardInterrupt/SystemExit, as it was
         raise CheckpointError(f"cannot write checkpoint {path}: {e}; "
                               f"the previous checkpoint (if any) is unchanged", path) from e.local
     _swap_in(tmp, path, comm)

@@ -43,8 +43,7 @@ import torch
 
 from .testing import free_port
 from .training.loop import TRAIN_STATE_DIR, worker  # noqa: F401  (importable from here, as before)
-from .training.setup import (CHECKPOINT_FILE, SUM_MAX, Prepared, load_factory, parse_split,  # noqa: F401
-                             prepare, unpack_entry)
+from .training.setup import CHECKPOINT_FILE, SUM_MAX, Prepared, load_factory, parse_split, prepare, unpack_entry  # noqa: F401
 
 __all__ = ["build_parser", "main", "run", "worker", "load_factory", "failure_line", "DEFAULT_CHECKPOINT"]
 

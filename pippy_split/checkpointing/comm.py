@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+
 def _describe_dcp_error(e: BaseException, name_ranks: bool = True) -> str:
     """DCP wraps rank failures in a CheckpointException; name the ranks and their errors.
 

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from .layout import _METADATA_FILE, CheckpointError
 
+
 def _read_metadata(path: str) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
 

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layout import _GROUPS, _MODEL, _OPTIM, _STATE, _EXTRA, CheckpointError, _show
+from .comm import _Comm
+from .layout import _EXTRA, _GROUPS, _MODEL, _OPTIM, _STATE, CheckpointError, _show
+
 
 def _holders(obj: Any) -> list[tuple[int | None, nn.Module]]:
     """``[(stage index or None, module)]`` in stage order for a schedule, Pipe, stage, module or list."""
@@ -115,7 +117,7 @@ def _collect_optimizer(optimizers: list, holders: list, flat: dict, order: dict,
                             order[f"{_GROUPS}{fqn}.{k}"] = _order(stage_of.get(fqn), rank)
 
 
-def _drop_keys_owned_elsewhere(flat: dict, order: dict, comm: "_Comm") -> None:
+def _drop_keys_owned_elsewhere(flat: dict, order: dict, comm: _Comm) -> None:
     """Keep only the keys this rank owns: the lowest (stage, rank) holding a key writes it.
 
     A key is held by several ranks when a module is used by stages on two ranks,

@@ -6,9 +6,6 @@ the layout and the guarantees.
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 __all__ = ["CheckpointError"]
 
 FORMAT_VERSION = 1

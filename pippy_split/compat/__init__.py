@@ -26,8 +26,15 @@ Where the peer differs from pippy_split's own API:
 
 from . import microbatch, schedules, stage
 from .pipe import Pipe, PipeInfo, SplitPoint, pipe_split, pipeline
-from .schedules import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
-                        ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
+from .schedules import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
 from .stage import PipelineStage, build_stage
 
 __all__ = ["Pipe", "pipe_split", "SplitPoint", "pipeline", "PipelineStage", "build_stage", "Schedule1F1B",

@@ -58,7 +58,7 @@ def infer_requires_grad(graph: torch.fx.Graph, placeholder_grad: dict[str, bool]
         elif getattr(target, "overloadpacket", None) in _NO_GRAD_PACKETS:
             any_in = False
         val = node.meta.get("val")
-        if target is getattr(__import__("operator"), "getitem"):
+        if target is __import__("operator").getitem:
             rg[node] = any_in and _differentiable_dtype(val)
         else:
             rg[node] = grad_enabled and any_in and _differentiable_dtype(val)

@@ -71,8 +71,9 @@ def worker(cfg: argparse.Namespace, prepared: Prepared | None = None) -> None:
 def train_rank(cfg: argparse.Namespace, prepared: Prepared | None, rank: int, world: int,
                device: torch.device) -> None:
     """Build this rank's stages, train ``cfg.steps`` steps (resuming if restarted), save, finish."""
-    import pippy_split as ps
     from rich.console import Console
+
+    import pippy_split as ps
 
     from .finish import finish
 
@@ -157,6 +158,7 @@ def _ours(cfg: argparse.Namespace, dcp_dir: str) -> bool:
 def _banner(cfg: argparse.Namespace, prep: Prepared, world: int, device: torch.device,
             log: Callable[..., None]) -> float:
     import pippy_split as ps
+
     from ..schedule import simulate
 
     pipe, M = prep.pipe, cfg.microbatches
@@ -197,8 +199,9 @@ def _maybe_fail(cfg: argparse.Namespace, rank: int, step: int) -> None:
 
 def _loop(cfg: argparse.Namespace, prep: Prepared, sched: Any, opt: torch.optim.Optimizer, state: RunState,
           rank: int, device: torch.device, console: Any, dcp_dir: str, bubble: float) -> None:
-    import pippy_split as ps
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    import pippy_split as ps
 
     progress = Progress(TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
