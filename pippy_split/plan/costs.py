@@ -28,7 +28,7 @@ from ..split.cost import value_bytes
 from ..split.partition import Cut, plan_stages
 from ..split.partition import Plan as PartitionPlan
 from ..split.pipe import Pipe
-from ..split.profile import OpProfile, op_profiles
+from ..split.profile import DEFAULT_PASSES, OpProfile, op_profiles
 from ..split.stage_graph import build_stages
 from ..split.trace import Traced, trace_model
 
@@ -243,8 +243,9 @@ def price_split(traced: Traced, model: torch.nn.Module, flat_inputs: Sequence[An
         [0.25, 0.26, 0.24, 0.25]
     """
     profs = op_profiles(traced, model, flat_inputs, passes)
-    if metric == "time":  # the planner's own (possibly longer) profile, not a fresh one
-        traced.__dict__.setdefault("_op_profiles", {}).setdefault(3, profs)
+    # The balancer (balance="time") reads the default profile: let it cut by the figures
+    # priced here (in a process group, rank 0's), not by a fresh, differently noisy one.
+    traced.__dict__.setdefault("_op_profiles", {})[DEFAULT_PASSES] = profs
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an uneven split is priced as it is
         plan = plan_stages(traced.graph, num_stages, model, balance=metric, traced=traced, flat_inputs=flat_inputs)

@@ -26,14 +26,14 @@ from ..schedule.orders import ORDERS, get_order_spec
 from ..schedule.placement import placement_of_order
 from ..schedule.simulate import simulate
 from ..split.errors import SplitError
-from ..split.profile import op_overhead, op_profiles
+from ..split.profile import DEFAULT_PASSES, op_overhead, op_profiles
 from ..split.trace import trace_model
 from .costs import CommModel, SplitCosts, parse_bytes, price_split
 from .report import Candidate, Plan, PlanError
 
 __all__ = ["plan", "evaluate"]
 
-PROFILE_PASSES = 5
+PROFILE_PASSES = DEFAULT_PASSES
 """Whole-graph profiling passes (the first warms up; each op keeps its least time)."""
 
 ADAM_STATE = 2.0

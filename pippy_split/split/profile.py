@@ -24,7 +24,11 @@ from torch.utils import _pytree as pytree
 from .errors import SplitError
 from .trace import Traced
 
-__all__ = ["OpProfile", "graph_tensors", "node_times", "op_profiles", "op_overhead"]
+__all__ = ["OpProfile", "DEFAULT_PASSES", "graph_tensors", "node_times", "op_profiles", "op_overhead"]
+
+DEFAULT_PASSES = 5
+"""Whole-graph passes of a profile: the first warms up, each op keeps its least time over
+the others (four timings resist a busy machine better than two)."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,8 @@ class _null:
         return None
 
 
-def node_times(traced: Traced, model: torch.nn.Module, flat_inputs: Sequence[Any], passes: int = 3) -> list[float]:
+def node_times(traced: Traced, model: torch.nn.Module, flat_inputs: Sequence[Any],
+               passes: int = DEFAULT_PASSES) -> list[float]:
     """Forward + backward seconds of each call node of ``traced.graph``, in graph order.
 
     Args:
@@ -184,7 +189,7 @@ def node_times(traced: Traced, model: torch.nn.Module, flat_inputs: Sequence[Any
 
 
 def op_profiles(traced: Traced, model: torch.nn.Module, flat_inputs: Sequence[Any],
-                passes: int = 3) -> list[OpProfile]:
+                passes: int = DEFAULT_PASSES) -> list[OpProfile]:
     """:class:`OpProfile` of each call node of ``traced.graph``, in graph order; measured
     once per ``traced`` (kept on it), see :func:`node_times` for the arguments.
 
