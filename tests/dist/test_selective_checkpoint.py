@@ -89,3 +89,28 @@ def test_a_region_recomputes_under_the_autocast_its_forward_ran_in(schedule, wor
         assert a["loss"] == b["loss"]
         for k in a["grads"]:
             assert torch.equal(a["grads"][k], b["grads"][k]), k  # the same bf16 ops in the same order
+
+
+HF_CASES = [
+    ("llama", "1F1B", 2, 2, ["model.layers.*.mlp", "model.layers.*.self_attn"]),
+    ("llama", "ZBVZeroBubble", 2, 4, ["model.layers.*"]),
+    ("gpt2", "ZBVZeroBubble", 2, 4, ["transformer.h.*.mlp"]),
+    ("albert", "1F1B", 2, 2, ["*.attention"]),  # one shared layer called 8 times: a region per call
+]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name,schedule,world,stages,patterns", HF_CASES)
+def test_selective_checkpointing_of_hf_models_from_their_module_paths(name, schedule, world, stages, patterns):
+    pytest.importorskip("transformers")
+    from .hf_recompute_bodies import hf_reference, hf_selective_step
+
+    ref_loss, ref_grads = hf_reference(name)
+    results = run_ranks(hf_selective_step, world, name, schedule, stages, patterns, timeout=200)
+    for r in results:
+        assert r["loss"] == pytest.approx(ref_loss, abs=1e-5)
+        for fqn, g in r["grads"].items():
+            torch.testing.assert_close(g, ref_grads[fqn], atol=1e-5, rtol=0, msg=lambda m, f=fqn: f"{f}: {m}")
+        assert all(calls == recomputes for calls, recomputes in r["counts"])
+    assert sum(calls for r in results for calls, _ in r["counts"]) > 0
