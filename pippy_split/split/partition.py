@@ -212,6 +212,7 @@ def plan_stages(graph: torch.fx.Graph, split_spec: Any, model: torch.nn.Module, 
     elif isinstance(split_spec, bool):
         raise SplitError("split_spec must be a dict, a list of FQNs, an int or None, not a bool")
     elif isinstance(split_spec, int):
+        assert costs is not None  # worked out above for an int split_spec
         cuts, report = _balanced_cuts(ops, split_spec, costs, balance)
     else:
         cuts = _fqn_cuts(ops, _normalize_spec(split_spec), model)
@@ -224,8 +225,8 @@ def plan_stages(graph: torch.fx.Graph, split_spec: Any, model: torch.nn.Module, 
     plan = Plan(ops=ops, cuts=cuts, stage_of=stage_of)
     _check_no_empty_stage(plan)
     if costs is not None:  # what the stages hold (getitems moved), with the search's findings
-        plan.balance = BalanceReport(balance, _stage_costs(plan, costs), report and report.best_ratio,
-                                     report and report.indivisible)
+        plan.balance = BalanceReport(balance, _stage_costs(plan, costs), report.best_ratio if report else None,
+                                     report.indivisible if report else None)
     return plan
 
 

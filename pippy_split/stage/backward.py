@@ -53,7 +53,7 @@ def _param_of(gm: GraphModule, node: torch.fx.Node) -> torch.nn.Parameter | None
     if node.op != "get_attr":
         return None
     try:
-        obj = gm.get_parameter(node.target)
+        obj = gm.get_parameter(str(node.target))
     except AttributeError:
         return None
     return obj if obj.requires_grad else None
@@ -114,5 +114,5 @@ def plan_weight_grads(gm: GraphModule) -> WeightGradPlan:
         with graph.inserting_after(node):
             graph.call_function(plan.sink.capture, (k, node))
     gm.recompile()
-    gm._pippy_split_weight_grad_plan = plan
+    gm._pippy_split_weight_grad_plan = plan  # type: ignore[assignment]  # a plain attribute on the module
     return plan

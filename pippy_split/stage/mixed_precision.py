@@ -49,7 +49,8 @@ def autocast_edge_specs(pipe: Any, dtype: torch.dtype, device_type: str) -> dict
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             args = [_fake_arg(src, inputs, specs, bindings) for src in info.inputs]
-        state = {n: mode.from_tensor(t) for n, t in [*info.module.named_parameters(), *info.module.named_buffers()]}
+        state: dict[str, torch.Tensor] = {
+            n: mode.from_tensor(t) for n, t in [*info.module.named_parameters(), *info.module.named_buffers()]}
         try:
             with mode, torch.autocast(device_type, dtype=dtype):
                 outs = torch.func.functional_call(info.module, state, tuple(args))
@@ -57,10 +58,10 @@ def autocast_edge_specs(pipe: Any, dtype: torch.dtype, device_type: str) -> dict
             raise PipelineError(f"stage {info.index}: could not run under torch.autocast({device_type!r}, {dtype}) "
                                 f"to learn its edges' dtypes ({type(e).__name__}: {e})") from e
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-        for e in pipe.edges:
-            if e.src_stage == info.index:
-                out = outs[e.src_output]
-                specs[id(e)] = TensorSpec(e.spec.shape, out.dtype, e.spec.requires_grad)
+        for edge in pipe.edges:
+            if edge.src_stage == info.index:
+                out = outs[edge.src_output]
+                specs[id(edge)] = TensorSpec(edge.spec.shape, out.dtype, edge.spec.requires_grad)
     cache[key] = specs
     return specs
 
