@@ -101,16 +101,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(
-    fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
-    timeout: float = 120.0,
-    backend: str = "gloo",
-    threads_per_rank: int = 1,
-    env: Mapping[str, str] | None = None,
-    start_method: str | None = None,
-) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, backend: str = "gloo",
+              threads_per_rank: int = 1, env: Mapping[str, str] | None = None,
+              start_method: str | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
 
     Each rank is a fresh process with ``torch.set_num_threads(threads_per_rank)``,
@@ -124,8 +117,7 @@ def run_ranks(
         fn: a picklable top-level function ``fn(rank, world_size, *args)``.
         world_size: number of ranks (>= 1).
         *args: extra arguments for ``fn``; must be picklable (tensors are fine).
-        timeout: seconds for the whole run, start-up included; also the process
-            group's timeout, so no collective outlives the harness.
+        timeout: seconds for the whole run, start-up included; also the group's timeout.
         backend: ``torch.distributed`` backend.
         threads_per_rank: intra-op threads per rank (keeps N ranks off each other's cores).
         env: extra environment variables, set in each rank before the group
@@ -143,10 +135,7 @@ def run_ranks(
         RankTimeout: ranks were still running after ``timeout`` seconds; they
             are killed and named, with the Python stacks they were stuck in.
 
-    Example (``_rank_times_ten`` must live at module top level to be picklable)::
-
-        def _rank_times_ten(rank, world_size):
-            return rank * 10
+    Example (``_rank_times_ten(rank, world_size): return rank * 10`` at module top level)::
 
         assert run_ranks(_rank_times_ten, 2) == [0, 10]
     """
