@@ -32,9 +32,16 @@ def _env() -> dict:
     return env
 
 
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # say where it was, not only that it took too long
+        out, err = (x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        pytest.fail(f"{' '.join(cmd)} ran past {timeout} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-6000:]}")
+
+
 def _train(ckpt, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pippy_split.train", *SMALL, "--checkpoint", str(ckpt), *extra],
-                          capture_output=True, text=True, env=_env(), timeout=240)
+    return _run([sys.executable, "-m", "pippy_split.train", *SMALL, "--checkpoint", str(ckpt), *extra], 240)
 
 
 def _torchrun(ckpt, torchrun_args: list[str], *extra: str, wait: bool = True):
@@ -42,7 +49,7 @@ def _torchrun(ckpt, torchrun_args: list[str], *extra: str, wait: bool = True):
            "--checkpoint", str(ckpt), *extra]
     if not wait:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    return _run(cmd, 300)
 
 
 def _ok(r) -> str:
@@ -108,6 +115,11 @@ def test_two_nodes_of_two_processes_train_four_stages_as_one_node_does(tmp_path)
                        "--schedule", "1F1B", wait=False) for k in (0, 1)]
     try:
         outs = [p.communicate(timeout=300) for p in nodes]
+    except subprocess.TimeoutExpired:
+        for p in nodes:
+            p.kill()
+        tails = [f"node {k}:\n{o[-2000:]}\n{e[-4000:]}" for k, (o, e) in enumerate(p.communicate() for p in nodes)]
+        pytest.fail("the two nodes ran past 300 s\n" + "\n".join(tails))
     finally:
         for p in nodes:
             if p.poll() is None:
