@@ -110,14 +110,16 @@ def _fake_outputs(stage: PipelineStage, ctx: Any) -> tuple:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    state = {n: mode.from_tensor(t) for n, t in [*stage.module.named_parameters(), *stage.module.named_buffers()]}
+    state: dict[str, torch.Tensor] = {
+        n: mode.from_tensor(t) for n, t in [*stage.module.named_parameters(), *stage.module.named_buffers()]}
     if stage.is_first:
         args = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in ctx.mb_args[0]]
         kwargs = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in ctx.mb_kwargs[0].items()}
     else:
+        specs = [slot.spec for slot in stage.in_slots or []]  # built just before, every one an edge's
         with mode:
-            args = [torch.empty(slot.spec.shape, dtype=slot.spec.dtype, device=stage.device).requires_grad_(
-                slot.spec.carries_grad) for slot in stage.in_slots]
+            args = [torch.empty(spec.shape, dtype=spec.dtype, device=stage.device).requires_grad_(spec.carries_grad)
+                    for spec in specs if spec is not None]
         kwargs = {}
     try:
         with mode, torch.enable_grad():

@@ -133,7 +133,7 @@ class Interpreter:
 
     def _post_batch(self, batch: list[Action], ctx: StepContext) -> None:
         expanded = [item for a in batch for item in self.posters[a.kind](a, ctx)]
-        posted = self.p2p.post([op for op, _ in expanded])
+        posted = self._net().post([op for op, _ in expanded])
         if any(op.send for op, _ in expanded):
             self._sends.append(posted)
         for index, (op, landing) in enumerate(expanded):
@@ -146,15 +146,16 @@ class Interpreter:
         still = []
         for batch in self._sends:
             if batch.is_completed():
-                self.p2p.wait(batch)  # already complete: surfaces an error without blocking
+                self._net().wait(batch)  # already complete: surfaces an error without blocking
             else:
                 still.append(batch)
         self._sends = still
 
-    def _recv_op(self, spec: TensorSpec, stage: PipelineStage, peer: int, what: str, ctx: StepContext,
+    def _recv_op(self, spec: TensorSpec | None, stage: PipelineStage, peer: int, what: str, ctx: StepContext,
                  box: dict, key: tuple[int, int], where: Any, tag: int) -> tuple[P2POp, Any]:
         """One receive sized exactly by the spec for this step (never a reused buffer); once the
         batch is posted, its Pending lands in ``box[key]`` next to ``where`` (its slot or route)."""
+        assert spec is not None  # every received value is an edge, and an edge has a spec
         op, complex_dtype = P2P.recv_op(self._shape(spec, ctx), spec.dtype, stage.device, peer, what, tag)
         return op, (box, key, where, complex_dtype)
 
@@ -171,7 +172,7 @@ class Interpreter:
     def finish(self) -> None:
         """Wait for every send of the step; a receive nobody consumed is a bug in the order."""
         for batch in self._sends:
-            self.p2p.wait(batch)
+            self._net().wait(batch)
         self._sends.clear()
         left = sorted(set(self._fwd_pending) | set(self._bwd_pending))
         if left:
@@ -193,6 +194,20 @@ class Interpreter:
             st.clear()
 
     # ---- helpers -----------------------------------------------------------------
+    def _net(self) -> P2P:
+        """The transport (a lowered order has comm actions only where there are several ranks)."""
+        if self.p2p is None:
+            raise PipelineError(f"rank {self.rank}: a communication action on a run without a process group")
+        return self.p2p
+
+    @staticmethod
+    def _slots(stage: PipelineStage) -> list[StageInput]:
+        """The stage's inputs (a hand-built stage learns them before its first action)."""
+        if stage.in_slots is None:
+            raise PipelineError(f"stage {stage.stage_index}: its inputs are not known yet (the shape handshake "
+                                "of hand-built stages has not run)")
+        return stage.in_slots
+
     def _local(self, stage: int) -> bool:
         return self.stage_rank[stage] == self.rank
 
@@ -209,7 +224,7 @@ class Interpreter:
         if pending:
             box = self._fwd_inbox.setdefault((stage, mb), {})
             for slot, p in pending:
-                self.p2p.wait_recv(p)
+                self._net().wait_recv(p)
                 box[(slot.src_stage, slot.src_output)] = self._received(p.result(), slot.spec)
 
     def _arrived_backward(self, stage: int, mb: int) -> None:
@@ -217,7 +232,7 @@ class Interpreter:
         if pending:
             box = self._bwd_inbox.setdefault((stage, mb), {})
             for route, p in pending:
-                self.p2p.wait_recv(p)
+                self._net().wait_recv(p)
                 box.setdefault(route.src_output, []).append(p.result())
 
     def _gather(self, stage: PipelineStage, mb: int, ctx: StepContext) -> list[Any]:
@@ -230,8 +245,9 @@ class Interpreter:
                                 "(the schedule ran a forward before its input was received)")
 
         flat = ctx.flat_inputs[mb] if ctx.flat_inputs is not None else None
-        args = gather_inputs(stage.in_slots, flat, inbox, ctx.bindings, on_missing=missing)
-        return [_to(a, stage.device) if slot.kind is InputKind.MODEL else a for a, slot in zip(args, stage.in_slots)]
+        slots = self._slots(stage)
+        args = gather_inputs(slots, flat, inbox, ctx.bindings, on_missing=missing)
+        return [_to(a, stage.device) if slot.kind is InputKind.MODEL else a for a, slot in zip(args, slots)]
 
     def _check(self, t: Any, spec: TensorSpec | None, ctx: StepContext, what: str) -> None:
         if spec is None or not isinstance(t, torch.Tensor):
@@ -248,6 +264,7 @@ class Interpreter:
     def _forward(self, a: Action, ctx: StepContext) -> None:
         stage = self.stages[a.stage]
         if stage.pipe is None and stage.is_first:
+            assert ctx.mb_args is not None and ctx.mb_kwargs is not None  # split where stage 0 lives
             args = [_to(x, stage.device) for x in ctx.mb_args[a.mb]]
             kwargs = {k: _to(v, stage.device) for k, v in ctx.mb_kwargs[a.mb].items()}
         else:
@@ -257,7 +274,11 @@ class Interpreter:
         if stage.is_last:
             ctx.outputs[a.mb] = stage.model_output(tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs))
         for route in stage.routes:
-            value = _to(ctx.flat_inputs[a.mb][route.src_output], stage.device) if route.from_input else outs[route.src_output]
+            if route.from_input:
+                assert ctx.flat_inputs is not None  # the rank given the data forwards model inputs
+                value = _to(ctx.flat_inputs[a.mb][route.src_output], stage.device)
+            else:
+                value = outs[route.src_output]
             what = f"stage {a.stage}, microbatch {a.mb}, forward to stage {route.dst_stage} (rank {self.stage_rank[route.dst_stage]})"
             self._check(value, route.spec, ctx, what)
             if ctx.train and route.spec is not None and not route.spec.carries_grad and not route.from_input \
@@ -277,7 +298,7 @@ class Interpreter:
 
     def _deliver_grads(self, stage: PipelineStage, mb: int, grads: dict[int, torch.Tensor]) -> None:
         for i, g in grads.items():
-            slot = stage.in_slots[i]
+            slot = self._slots(stage)[i]
             if slot.kind is not InputKind.EDGE or slot.src_stage == MODEL_INPUT:
                 continue
             if self._local(slot.src_stage):
@@ -331,7 +352,7 @@ class Interpreter:
 
     def _recv_forward(self, a: Action, ctx: StepContext) -> list[tuple[P2POp, Any]]:
         stage = self.stages[a.stage]
-        remote = [sl for sl in stage.in_slots if sl.kind is InputKind.EDGE and not self._local(sl.sender_stage)]
+        remote = [sl for sl in self._slots(stage) if sl.kind is InputKind.EDGE and not self._local(sl.sender_stage)]
         ops = []
         for src in self._peers(a, [sl.sender_stage for sl in remote]):
             peer = self.stage_rank[src]
