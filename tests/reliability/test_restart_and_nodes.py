@@ -99,8 +99,10 @@ def test_sigkilled_rank_restarts_and_resumes_bitwise_under_torchrun(tmp_path, un
 def test_without_max_restarts_a_killed_rank_fails_the_run_naming_it(tmp_path):
     r = _train(tmp_path / "ckpt", "--checkpoint-every", "4", "--simulate-failure", "1:2")
     assert r.returncode == 1
-    # The launcher names the first failure it sees: rank 1's SIGKILL, or rank 0 losing its peer.
-    assert "SIGKILL" in r.stderr or "Connection reset by peer" in r.stderr, r.stderr[-3000:]
+    # The launcher names the first failure it sees: rank 1's SIGKILL, or rank 0 losing its peer
+    # (gloo says "reset" or "closed" depending on which side of the socket notices first).
+    causes = ("SIGKILL", "Connection reset by peer", "Connection closed by peer", "the peer failed or went away")
+    assert any(c in r.stderr for c in causes), r.stderr[-3000:]
     assert "pippy-split train: rank " in r.stderr.strip().splitlines()[-1]
 
 
