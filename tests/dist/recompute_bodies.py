@@ -7,20 +7,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pippy_split as ps
-from pippy_split import zoo
 
 
 def selective_step(rank: int, world: int, name: str, schedule: str, n_mb: int, patterns: list[str]):
     """One step of a zoo model with selective checkpointing; loss, grads by FQN, region counts."""
-    from .bodies import _mb_example
+    from .training_bodies import zoo_step
 
-    entry = zoo.get(name)
-    pipe = ps.pipeline(entry.model, entry.split_spec, *_mb_example(entry, n_mb))
-    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn, activation_checkpoint=patterns)
-    sched.step(*entry.args, target=entry.target, **entry.kwargs)
-    grads = {n: p.grad.clone() for st in sched.stages
-             for n, p in st.module.named_parameters(remove_duplicate=False) if p.grad is not None}
-    return {"loss": float(sched.loss), "grads": grads, "counts": [st.region_counts for st in sched.stages]}
+    sched, out = zoo_step(name, schedule, n_mb, activation_checkpoint=patterns)
+    return {**out, "counts": [st.region_counts for st in sched.stages]}
 
 
 class DropBlock(nn.Module):
@@ -70,12 +64,6 @@ def dropout_bn_step(rank: int, world: int, schedule: str, checkpoint):
 
 def bf16_step(rank: int, world: int, schedule: str, checkpoint):
     """One bf16 (autocast) step of tiny_gpt; loss and this rank's grads."""
-    from .bodies import _mb_example
+    from .training_bodies import zoo_step
 
-    entry = zoo.get("tiny_gpt")
-    pipe = ps.pipeline(entry.model, entry.split_spec, *_mb_example(entry, 4))
-    sched = ps.build_schedule(pipe, schedule, 4, loss_fn=entry.loss_fn, activation_checkpoint=checkpoint,
-                              mixed_precision=torch.bfloat16)
-    sched.step(*entry.args, target=entry.target, **entry.kwargs)
-    return {"loss": float(sched.loss),
-            "grads": {n: p.grad.clone() for st in sched.stages for n, p in st.module.named_parameters()}}
+    return zoo_step("tiny_gpt", schedule, 4, activation_checkpoint=checkpoint, mixed_precision=torch.bfloat16)[1]

@@ -210,14 +210,20 @@ def fp16_step(rank: int, world: int, name: str, schedule: str, n_mb: int, scale:
     return {"grads": grads, "stepped": stepped, "changed": changed, "scale": scaler.scale}
 
 
-def compile_step(rank: int, world: int, name: str, schedule: str, n_mb: int):
+def zoo_step(name: str, schedule: str, n_mb: int, **options):
+    """One step of a zoo model built with ``build_schedule(..., **options)``: the schedule,
+    and its loss and this rank's grads by FQN."""
     from .bodies import _mb_example
 
-    torch.set_num_threads(1)
     entry = zoo.get(name)
     pipe = ps.pipeline(entry.model, entry.split_spec, *_mb_example(entry, n_mb))
-    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn, compile=True)
+    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn, **options)
     sched.step(*entry.args, target=entry.target, **entry.kwargs)
     grads = {n: p.grad.clone() for st in sched.stages
              for n, p in st.module.named_parameters(remove_duplicate=False) if p.grad is not None}
-    return {"loss": float(sched.loss), "grads": grads}
+    return sched, {"loss": float(sched.loss), "grads": grads}
+
+
+def compile_step(rank: int, world: int, name: str, schedule: str, n_mb: int):
+    torch.set_num_threads(1)
+    return zoo_step(name, schedule, n_mb, compile=True)[1]
