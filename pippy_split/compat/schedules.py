@@ -62,15 +62,13 @@ def _step(self: _core.PipelineSchedule, *args: Any, target: Any = None, losses: 
             raise RuntimeError(f"{type(self).__name__}.step(losses=...): the schedule has no loss_fn, so there are "
                                "no losses; pass loss_fn= to the schedule")
         return out if return_outputs else None
-    saved = [st.loss_fn for st in self.stages]
+    saved = self.loss_fn
     if loss_kwargs:
-        for st in self.stages:
-            st.loss_fn = functools.partial(self.loss_fn, **loss_kwargs)
+        self.loss_fn = functools.partial(saved, **loss_kwargs)
     try:
         out = _core.PipelineSchedule.step(self, *args, target=target, losses=losses, **kwargs)
     finally:
-        for st, fn in zip(self.stages, saved):
-            st.loss_fn = fn
+        self.loss_fn = saved
     return out if return_outputs else None
 
 

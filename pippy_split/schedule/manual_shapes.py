@@ -39,9 +39,9 @@ def infer_manual_shapes(stages: Mapping[int, PipelineStage], stage_rank: Mapping
         if owner == rank:
             stage = stages[s]
             if stage.in_slots is None:
-                stage.in_slots = _build_slots(stage, described.get(s, []))
+                stage.set_links(in_slots=_build_slots(stage, described.get(s, [])))
             if not stage.routes:
-                stage.routes = _manual_routes(stage, _fake_outputs(stage, ctx))
+                stage.set_links(routes=_manual_routes(stage, _fake_outputs(stage, ctx)))
             header = _encode_routes(stage.routes).to(device)
         if p2p is not None:
             if header is None:

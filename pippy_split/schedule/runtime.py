@@ -42,6 +42,7 @@ class StepContext:
     targets: list[Any] | None = None  # per mb, on the rank holding the last stage
     bindings: dict = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
+    loss: Any = None  # the schedule's LossRule (loss_fn, on_nonfinite) for the last stage
 
 
 class Interpreter:
@@ -270,7 +271,7 @@ class Interpreter:
         else:
             args, kwargs = self._gather(stage, a.mb, ctx), None
         target = _to(ctx.targets[a.mb], stage.device) if (stage.is_last and ctx.targets is not None) else None
-        outs = stage.forward(a.mb, args, kwargs, train=ctx.train, target=target)
+        outs = stage.forward(a.mb, args, kwargs, train=ctx.train, target=target, loss=ctx.loss)
         if stage.is_last:
             ctx.outputs[a.mb] = stage.model_output(tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs))
         for route in stage.routes:

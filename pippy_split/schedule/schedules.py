@@ -15,7 +15,7 @@ import torch
 from ..microbatch import merge_chunks, split_args_kwargs
 from ..split.spec import InputKind
 from ..stage.errors import PipelineError
-from ..stage.stage import PipelineStage
+from ..stage.stage import LossRule, PipelineStage
 from ..stage.transport import P2P
 from .actions import Action, ActionKind, Order, order_from_csv
 from .agree import agree_before_step
@@ -85,6 +85,7 @@ class PipelineSchedule:
         self.stages = sorted(stages, key=lambda s: s.stage_index)
         self.n_microbatches = int(n_microbatches)
         self.loss_fn = loss_fn
+        self.on_nonfinite = on_nonfinite  # handed to the last stage with each step (LossRule)
         self.scale_grads = scale_grads
         self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
         self.output_merge_spec = output_merge_spec
@@ -104,8 +105,6 @@ class PipelineSchedule:
                 raise ValueError(f"{type(self).__name__}: stage {st.stage_index} belongs on rank "
                                  f"{self.placement.get(st.stage_index)}, not rank {self.rank}; this rank should hold "
                                  f"stages {mine}")
-            st.loss_fn = loss_fn
-            st.on_nonfinite = on_nonfinite
         if any(a is not None and a.kind in (ActionKind.I, ActionKind.W) for acts in order.values() for a in acts):
             for st in self.stages:
                 st.enable_split_backward()
@@ -187,7 +186,8 @@ class PipelineSchedule:
     def _context(self, args: tuple, kwargs: dict, target: Any, train: bool, n: int) -> StepContext:
         """This step's inputs: first every check this rank can make alone, then (once every
         rank knows they all passed, :func:`.agree.agree_before_step`) what needs messages."""
-        ctx = StepContext(n_microbatches=n, train=train)
+        ctx = StepContext(n_microbatches=n, train=train,
+                          loss=None if self.loss_fn is None else LossRule(self.loss_fn, self.on_nonfinite))
         error: Exception | None = None
         try:
             symbols = self._local_context(ctx, args, kwargs, target, train)

@@ -1,6 +1,6 @@
 """The stage layer: PipelineStage, transports, the backward split, errors."""
 
 from .errors import PipelineError, PipelineTimeout
-from .stage import InputSlot, PipelineStage, Route
+from .stage import InputSlot, LossRule, PipelineStage, Route
 
-__all__ = ["PipelineError", "PipelineTimeout", "PipelineStage", "InputSlot", "Route"]
+__all__ = ["PipelineError", "PipelineTimeout", "PipelineStage", "InputSlot", "Route", "LossRule"]

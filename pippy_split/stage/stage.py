@@ -8,16 +8,17 @@ backward whole (B) or split into input-grad (I) then weight-grad (W).
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 
 from ..split.spec import Edge, StageInput
 from .backward import WeightGradPlan, capturing, plan_weight_grads
+from .data_parallel import set_grad_sync, sync_data_parallel
 from .errors import PipelineError
+from .loss import LossRule, microbatch_loss
 from .mixed_precision import autocast_edge_specs, check_mixed_precision
 from .recompute import (
     RegionRecorder,
@@ -30,22 +31,13 @@ from .recompute import (
     rng_state,
     unchanged,
 )
+from .saved import SavedMicrobatch, accumulate, edge_if_checkpointed, module_device, recording_saved
 
-__all__ = ["PipelineStage", "InputSlot", "Route"]
+__all__ = ["PipelineStage", "InputSlot", "Route", "LossRule"]
 
 
 InputSlot = StageInput  # one description of a stage input (split/spec.py); kept under the stage-layer name
 Route = Edge  # a stage's routes are its outgoing edges (dst_input -1: the next free chain input)
-
-
-@dataclass
-class _Saved:
-    inputs: list[Any]
-    outputs: tuple
-    loss: torch.Tensor | None = None
-    weight_work: list = field(default_factory=list)
-    graph_storages: set[int] = field(default_factory=set)  # storages autograd saved for backward
-    recompute: Any = None  # activation checkpointing: (kwargs, target, RNG state) until recomputed
 
 
 class PipelineStage:
@@ -109,7 +101,7 @@ class PipelineStage:
         self._call = module if not compile else torch.compile(module, **({} if compile is True else dict(compile)))
         self.stage_index = stage_index
         self.num_stages = num_stages
-        self.device = torch.device(device) if device is not None else _module_device(module)
+        self.device = torch.device(device) if device is not None else module_device(module)
         self._regions = RegionRecorder(self.device)
         self._region_call: torch.nn.Module | None = None  # the stage graph with its regions checkpointed, built lazily
         if hasattr(group, "get_group"):  # a 1-D DeviceMesh (or one dimension of one): its process group
@@ -127,9 +119,7 @@ class PipelineStage:
                     raise ValueError(f"stage {stage_index}: output {idx} goes to stage {dst}, which is not a later stage")
         self.in_slots: list[InputSlot] | None = None if stage_index > 0 else []
         self.routes: list[Route] = []  # hand-built stages: filled by the first step's shape pass
-        self.loss_fn: Callable | None = None
-        self.on_nonfinite = "warn"  # "warn" | "raise" | "ignore": a NaN/inf loss
-        self._saved: dict[int, _Saved] = {}
+        self._saved: dict[int, SavedMicrobatch] = {}
         self._losses: dict[int, torch.Tensor] = {}  # per microbatch, unscaled, kept for the whole step
         self.peak_held_microbatches = 0  # most microbatches held at once during the last step
         self._wplan: WeightGradPlan | None = None
@@ -171,6 +161,14 @@ class PipelineStage:
         stage.routes = [retyped(e) for e in pipe.edges if e.sender_stage == stage_index]
         return stage
 
+    def set_links(self, in_slots: Sequence[InputSlot] | None = None, routes: Sequence[Route] | None = None) -> None:
+        """A hand-built stage learns where its inputs come from and where its outputs go
+        (the runtime's shape pass on the first step); a stage of a Pipe knows from the start."""
+        if in_slots is not None:
+            self.in_slots = list(in_slots)
+        if routes is not None:
+            self.routes = list(routes)
+
     @property
     def is_first(self) -> bool:
         return self.stage_index == 0
@@ -194,15 +192,16 @@ class PipelineStage:
 
     # ---- forward -------------------------------------------------------------------
     def forward(self, mb: int, args: list[Any], kwargs: Mapping[str, Any] | None = None, *, train: bool = True,
-                target: Any = None) -> tuple:
-        """Run the module on one microbatch; keep what backward needs when ``train``."""
+                target: Any = None, loss: LossRule | None = None) -> tuple:
+        """Run the module on one microbatch; keep what backward needs when ``train``.
+        On the last stage, with ``target`` and ``loss``, also the microbatch's loss."""
         graph_storages: set[int] = set()
         recompute = train and self.activation_checkpoint == "full"
         rng = rng_state(self.device) if recompute else None
         tracking = train and self.track_saved_storages
         try:
             # full checkpointing: forward without a graph now, again with one right before backward
-            with torch.set_grad_enabled(train and not recompute), capturing(self._wplan) as sink, _recording_saved(
+            with torch.set_grad_enabled(train and not recompute), capturing(self._wplan) as sink, recording_saved(
                     graph_storages, tracking), self._autocast(), self._regions.recording(
                     train, graph_storages if tracking else None):
                 out = self._forward_call()(*args, **(kwargs or {}))
@@ -211,16 +210,16 @@ class PipelineStage:
         outputs = self._as_outputs(out)
         if not train:
             return outputs
-        saved = _Saved(list(args), outputs, graph_storages=graph_storages)
+        saved = SavedMicrobatch(list(args), outputs, graph_storages=graph_storages)
         if recompute:
-            saved.recompute = (dict(kwargs or {}), target, rng)
+            saved.recompute = (dict(kwargs or {}), target, rng, loss)
         elif self._wplan is not None:
             # by capture index; I turns them into (index, tensor, grad). Under selective checkpointing an
             # op output inside a region is kept as its autograd edge only, so its storage can go.
-            saved.weight_work = [_edge_if_checkpointed(sink.get(k), self._region_call is not None)
+            saved.weight_work = [edge_if_checkpointed(sink.get(k), self._region_call is not None)
                                  for k in range(self._wplan.num_captures)]
-        if self.is_last and self.loss_fn is not None and target is not None:
-            saved.loss = self.compute_loss(mb, outputs, target)
+        if self.is_last and loss is not None and target is not None:
+            saved.loss = self.compute_loss(mb, outputs, target, loss)
             self._losses[mb] = saved.loss.detach()
         self._saved[mb] = saved
         self.peak_held_microbatches = max(self.peak_held_microbatches, len(self._saved))
@@ -256,10 +255,10 @@ class PipelineStage:
             return tuple(out)
         return tuple(out) if isinstance(out, tuple) else (out,)
 
-    def _recompute(self, mb: int, saved: _Saved) -> None:
+    def _recompute(self, mb: int, saved: SavedMicrobatch) -> None:
         """Activation checkpointing: rebuild microbatch ``mb``'s graph from its saved inputs
         (same RNG state as its forward), once, before its backward (B, or I; W reuses it)."""
-        kwargs, target, rng = saved.recompute
+        kwargs, target, rng, loss = saved.recompute
         saved.recompute = None
         try:
             with restored_rng(self.device, rng), unchanged(list(self.module.buffers())), torch.enable_grad(), capturing(self._wplan) as sink, self._autocast():
@@ -270,8 +269,8 @@ class PipelineStage:
         saved.outputs = outputs
         if self._wplan is not None:
             saved.weight_work = [sink.get(k) for k in range(self._wplan.num_captures)]
-        if self.is_last and saved.loss is not None:
-            saved.loss = self.compute_loss(mb, outputs, target)
+        if self.is_last and saved.loss is not None and loss is not None:
+            saved.loss = self.compute_loss(mb, outputs, target, loss)
 
     def may_release(self, mb: int, value: torch.Tensor) -> bool:
         """Whether ``value`` (an output of microbatch ``mb`` sent elsewhere) can drop its
@@ -286,33 +285,16 @@ class PipelineStage:
             return self.pipe.unflatten_outputs(outputs)
         return outputs[0] if len(outputs) == 1 else outputs
 
-    def compute_loss(self, mb: int, outputs: tuple, target: Any) -> torch.Tensor:
-        if self.mixed_precision is not None:  # the loss in fp32, whatever autocast made of the outputs
-            outputs = tuple(o.float() if isinstance(o, torch.Tensor) and o.dtype == self.mixed_precision else o
-                            for o in outputs)
-        if self.loss_fn is None:
-            raise PipelineError(f"stage {self.stage_index}: computing a loss needs loss_fn on the schedule")
-        try:
-            with torch.autocast(self.device.type, enabled=False):
-                loss = self.loss_fn(self.model_output(outputs), target)
-        except Exception as e:
-            raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: loss_fn raised {type(e).__name__}: {e}") from e
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: loss_fn must return a scalar tensor, got {shape}")
-        loss = loss.reshape(())
-        if self.on_nonfinite != "ignore" and not bool(torch.isfinite(loss.detach())):
-            msg = f"stage {self.stage_index}, microbatch {mb}: the loss is {loss.item()}"
-            if self.on_nonfinite == "raise":
-                raise PipelineError(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)
-        return loss
+    def compute_loss(self, mb: int, outputs: tuple, target: Any, rule: LossRule) -> torch.Tensor:
+        """The loss of microbatch ``mb``'s ``outputs`` (fp32 under mixed precision), a scalar."""
+        return microbatch_loss(rule, self.model_output, outputs, target, self.mixed_precision, self.device.type,
+                               f"stage {self.stage_index}, microbatch {mb}")
 
     def loss_of(self, mb: int) -> torch.Tensor | None:
         return self._losses.get(mb)
 
     # ---- backward ------------------------------------------------------------------
-    def _roots(self, mb: int, saved: _Saved, output_grads: Mapping[int, torch.Tensor], loss_divisor: float):
+    def _roots(self, mb: int, saved: SavedMicrobatch, output_grads: Mapping[int, torch.Tensor], loss_divisor: float):
         if self.is_last:
             if saved.loss is None:
                 raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: backward needs a loss; pass loss_fn "
@@ -326,7 +308,7 @@ class PipelineStage:
                 grads.append(g)
         return tensors, grads
 
-    def _grad_inputs(self, saved: _Saved) -> list[tuple[int, torch.Tensor]]:
+    def _grad_inputs(self, saved: SavedMicrobatch) -> list[tuple[int, torch.Tensor]]:
         return [(i, a) for i, a in enumerate(saved.inputs)
                 if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf]
 
@@ -347,7 +329,7 @@ class PipelineStage:
                 raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: backward raised {type(e).__name__}: {e}") from e
         return self._collect_input_grads(saved)
 
-    def _collect_input_grads(self, saved: _Saved) -> dict[int, torch.Tensor]:
+    def _collect_input_grads(self, saved: SavedMicrobatch) -> dict[int, torch.Tensor]:
         out = {}
         for i, a in self._grad_inputs(saved):
             out[i] = a.grad if a.grad is not None else torch.zeros_like(a)
@@ -383,7 +365,7 @@ class PipelineStage:
             cap_grads = results[len(leaves): len(leaves) + len(captures)]
             saved.weight_work = [(k, c, g) for (k, c), g in zip(captures, cap_grads) if g is not None]
             for p, g in zip(multi, results[len(leaves) + len(captures):]):
-                _accumulate(p, g)
+                accumulate(p, g)
         else:
             saved.weight_work = [(tensors, grads)]  # W recomputes through the stage for its parameters
         saved.outputs = ()
@@ -405,7 +387,7 @@ class PipelineStage:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: weight-grad backward raised "
                                 f"{type(e).__name__}: {e}") from e
 
-    def _pop(self, mb: int) -> _Saved:
+    def _pop(self, mb: int) -> SavedMicrobatch:
         saved = self._saved.pop(mb, None)
         if saved is None:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: backward before forward (nothing saved)")
@@ -424,52 +406,14 @@ class PipelineStage:
         self._wplan = plan_weight_grads(self.module)
 
     def set_grad_sync(self, enabled: bool) -> None:
-        """Let an FSDP2 (``fully_shard``) module reduce gradients only on the step's last backward.
-
-        DDP decides at *forward* time whether the next backward syncs, which cannot
-        follow a pipeline's interleaving of forwards and backwards; a DDP module is
-        never synced by its hooks and :meth:`sync_data_parallel` averages once per step.
-        """
-        module: Any = self.module  # DDP or an FSDP2 module, duck-typed
-        if hasattr(module, "require_backward_grad_sync"):
-            module.require_backward_grad_sync = False  # DDP: see sync_data_parallel
-        if hasattr(module, "set_requires_gradient_sync"):
-            module.set_requires_gradient_sync(enabled)
+        """Let an FSDP2 module reduce gradients only on the step's last backward (see
+        :func:`pippy_split.stage.data_parallel.set_grad_sync`)."""
+        set_grad_sync(self.module, enabled)
 
     def sync_data_parallel(self) -> None:
-        """Average gradients of a DDP-wrapped stage over its data-parallel group.
-
-        One all-reduce per parameter dtype, over every trainable parameter in module
-        order (the same on every replica), so replicas that differ in which parameters
-        got a gradient (a branch one replica took) still reduce buffers of one size: a
-        missing gradient counts as zeros, and a parameter no replica touched keeps
-        ``grad=None``.
-        """
-        group = getattr(self.module, "process_group", None)
-        if not hasattr(self.module, "require_backward_grad_sync") or group is None:
-            return
-        import torch.distributed as dist
-
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for p in self.module.parameters():
-            if p.requires_grad:
-                by_dtype.setdefault(p.dtype, []).append(p)
-        replicas = dist.get_world_size(group)
-        for dtype, params in by_dtype.items():
-            present = torch.tensor([p.grad is not None for p in params], dtype=dtype, device=params[0].device)
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-                             + [present])
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for p, count in zip(params, flat[-len(params):].tolist()):
-                mean = flat[offset: offset + p.numel()].view_as(p) / replicas
-                offset += p.numel()
-                if count == 0:
-                    continue
-                if p.grad is None:
-                    p.grad = mean.clone()
-                else:
-                    p.grad.copy_(mean)
+        """Average a DDP-wrapped stage's gradients over its data-parallel group (see
+        :func:`pippy_split.stage.data_parallel.sync_data_parallel`)."""
+        sync_data_parallel(self.module)
 
     def clear(self) -> None:
         """Drop every saved microbatch (after a failed step)."""
@@ -478,52 +422,3 @@ class PipelineStage:
 
     def __repr__(self) -> str:
         return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, device={self.device})"
-
-
-class _recording_saved:
-    """Record the storage of every tensor autograd saves for backward (when ``on``)."""
-
-    def __init__(self, storages: set[int], on: bool) -> None:
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack) if on else None
-        self.storages = storages
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self.storages.add(t.untyped_storage().data_ptr())
-        # detached: packing t itself (an op's own output, with grad_fn) ties its node into a
-        # reference cycle, and a graph the I/W split retains for W would outlive the step
-        return t.detach()
-
-    def __enter__(self) -> None:
-        if self.hooks is not None:
-            self.hooks.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.hooks is not None:
-            self.hooks.__exit__(*exc)
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
-    if g is None:
-        return
-    if p.grad is None:
-        p.grad = g.detach().clone()
-    else:
-        p.grad.add_(g)
-
-
-def _module_device(module: torch.nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    for b in module.buffers():
-        return b.device
-    return torch.device("cpu")
-
-
-def _edge_if_checkpointed(value: Any, checkpointed: bool) -> Any:
-    if checkpointed and isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is not None:
-        return get_gradient_edge(value)
-    return value

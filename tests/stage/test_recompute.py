@@ -53,8 +53,7 @@ def test_a_hand_built_stage_checkpoints_matching_submodules():
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     stage = ps.PipelineStage(model, 0, 1, activation_checkpoint=["1"])
-    stage.loss_fn = torch.nn.functional.mse_loss
-    stage.forward(0, [x], target=y)
+    stage.forward(0, [x], target=y, loss=ps.stage.LossRule(torch.nn.functional.mse_loss))
     stage.backward(0, {}, 1.0)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[n], atol=1e-6, rtol=0, msg=n)
