@@ -276,63 +276,87 @@ def run_batches(order: Order, table: dict,
         by_kind = dict(cost or {})
         cost = lambda stage, kind: by_kind.get(kind, 0.0)  # noqa: E731
     lat = latency if callable(latency) else (lambda src, dst, value=float(latency): value)
-    posted: dict[tuple[Message, bool], float] = {}  # (message, by its sender?) -> time posted
-    waiting: dict[tuple[Message, bool], list[int]] = {}
-    arrival: dict[Message, float] = {}  # completion time of the batch that receives it
-    posts: dict[tuple[int, int], list[Message]] = {}
-    ptr = {r: 0 for r in order}
-    free = {r: 0.0 for r in order}  # when the rank's compute is free
-    stream = {r: 0.0 for r in order}  # when the rank's previous batch completed
-    timeline: dict[int, list[tuple[float, float, Action]]] = {r: [] for r in order}
-    blocked: dict[int, tuple[Message, bool]] = {}
+    loop = _BatchLoop(order, table, cost, lat)
     queue = deque(sorted(order))
     while queue:
-        rank = queue.popleft()
-        acts, pos = order[rank], ptr[rank]
-        blocked.pop(rank, None)
+        queue.extend(loop.advance(queue.popleft()))
+    return BatchRun(loop.timeline, loop.ptr, loop.blocked, loop.posts)
+
+
+Op = tuple[Message, bool]  # a message and which end posts it (True: its sender)
+
+
+class _BatchLoop:
+    """The state of :func:`run_batches`: per rank, how far it got and when it is free."""
+
+    def __init__(self, order: Order, table: dict, cost: Callable[[int, ActionKind], float],
+                 lat: Callable[[int, int], float]) -> None:
+        self.order, self.table, self.cost, self.lat = order, table, cost, lat
+        self.posted: dict[Op, float] = {}  # -> time posted
+        self.waiting: dict[Op, list[int]] = {}  # ranks waiting for an op to be posted
+        self.arrival: dict[Message, float] = {}  # completion time of the batch that receives it
+        self.posts: dict[tuple[int, int], list[Message]] = {}
+        self.ptr = {r: 0 for r in order}
+        self.free = {r: 0.0 for r in order}  # when the rank's compute is free
+        self.stream = {r: 0.0 for r in order}  # when the rank's previous batch completed
+        self.timeline: dict[int, list[tuple[float, float, Action]]] = {r: [] for r in order}
+        self.blocked: dict[int, Op] = {}
+
+    def advance(self, rank: int) -> list[int]:
+        """Run ``rank`` until it ends or waits for a counterpart; the ranks its posts woke."""
+        acts, pos, woken = self.order[rank], self.ptr[rank], []
+        self.blocked.pop(rank, None)
         while pos < len(acts):
             a = acts[pos]
-            if a is None:
+            if a is None or a.kind.is_compute:
+                if a is not None:
+                    self._compute(rank, a)
                 pos += 1
                 continue
-            if a.kind.is_compute:
-                start = free[rank]
-                for m in _consumed(a, table):
-                    start = max(start, arrival.get(m, start))
-                free[rank] = start + cost(a.stage, a.kind)
-                timeline[rank].append((start, free[rank], a))
-                pos += 1
-                continue
-            end, ops = pos, []
-            while end < len(acts) and (acts[end] is None or acts[end].kind.is_comm):
-                if acts[end] is not None:
-                    msgs = posts.get((rank, end))
-                    if msgs is None:
-                        msgs = posts[(rank, end)] = action_messages(acts[end], table)
-                    ops += [(m, acts[end].is_send) for m in msgs]
-                end += 1
-            t_post = max(free[rank], stream[rank])
+            end, ops = self._batch(rank, pos)
+            t_post = max(self.free[rank], self.stream[rank])
             for op in ops:
-                if op not in posted:
-                    posted[op] = t_post
-                    queue.extend(waiting.pop(op, ()))
-            missing = next(((m, not side) for m, side in ops if (m, not side) not in posted), None)
+                if op not in self.posted:
+                    self.posted[op] = t_post
+                    woken.extend(self.waiting.pop(op, ()))
+            missing = next(((m, not side) for m, side in ops if (m, not side) not in self.posted), None)
             if missing is not None:
-                waiting.setdefault(missing, []).append(rank)
-                blocked[rank] = missing
+                self.waiting.setdefault(missing, []).append(rank)
+                self.blocked[rank] = missing
                 break
-            done = max((max(t_post, posted[(m, not side)]) + lat(m.sender, m.receiver) for m, side in ops),
-                       default=t_post + lat(-1, -1))
-            for m, side in ops:
-                if not side:
-                    arrival[m] = done
-            stream[rank] = done
-            for i in range(pos, end):
-                if acts[i] is not None:
-                    timeline[rank].append((t_post, t_post, acts[i]))
+            self._complete(rank, ops, t_post, [x for x in acts[pos:end] if x is not None])
             pos = end
-        ptr[rank] = pos
-    return BatchRun(timeline, ptr, blocked, posts)
+        self.ptr[rank] = pos
+        return woken
+
+    def _compute(self, rank: int, a: Action) -> None:
+        start = self.free[rank]
+        for m in _consumed(a, self.table):
+            start = max(start, self.arrival.get(m, start))
+        self.free[rank] = start + self.cost(a.stage, a.kind)
+        self.timeline[rank].append((start, self.free[rank], a))
+
+    def _batch(self, rank: int, pos: int) -> tuple[int, list[Op]]:
+        """The batch starting at ``pos``: where it ends and the ops it posts."""
+        acts, end, ops = self.order[rank], pos, []
+        while end < len(acts) and (acts[end] is None or acts[end].kind.is_comm):
+            a = acts[end]
+            if a is not None:
+                msgs = self.posts.get((rank, end))
+                if msgs is None:
+                    msgs = self.posts[(rank, end)] = action_messages(a, self.table)
+                ops += [(m, a.is_send) for m in msgs]
+            end += 1
+        return end, ops
+
+    def _complete(self, rank: int, ops: list[Op], t_post: float, comms: list[Action]) -> None:
+        done = max((max(t_post, self.posted[(m, not side)]) + self.lat(m.sender, m.receiver) for m, side in ops),
+                   default=t_post + self.lat(-1, -1))
+        for m, side in ops:
+            if not side:
+                self.arrival[m] = done
+        self.stream[rank] = done
+        self.timeline[rank].extend((t_post, t_post, a) for a in comms)
 
 
 def _consumed(a: Action, table: dict) -> list[Message]:
