@@ -44,3 +44,8 @@ def test_svg_has_a_time_axis_and_names_the_schedule():
     assert axis and ">time</text>" in axis.group(1)
     ticks = re.findall(r'text-anchor="middle">([\d.]+)</text>', axis.group(1))
     assert ticks[0] == "0" and len(ticks) >= 3
+
+
+def test_a_simulation_draws_its_svg_under_a_title():
+    svg = _sim().to_svg(title="ZBVZeroBubble, 4 ranks, 8 microbatches")
+    assert ">ZBVZeroBubble, 4 ranks, 8 microbatches: 4 ranks, makespan" in svg
