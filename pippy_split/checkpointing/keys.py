@@ -47,8 +47,8 @@ def _unwrap(module: nn.Module) -> nn.Module:
     while True:
         if isinstance(module, DistributedDataParallel):
             module = module.module
-        elif isinstance(getattr(module, "_orig_mod", None), nn.Module):  # torch.compile
-            module = module._orig_mod
+        elif isinstance(inner := getattr(module, "_orig_mod", None), nn.Module):  # torch.compile
+            module = inner
         else:
             return module
 
@@ -95,7 +95,7 @@ def _collect_model(holders: list, rank: int) -> tuple[dict[str, Any], dict[str, 
 
 def _collect_optimizer(optimizers: list, holders: list, flat: dict, order: dict, rank: int) -> None:
     names = _param_names(holders)
-    stage_of = {}
+    stage_of: dict[Any, Any] = {}
     for stage, module in holders:
         for n, _ in module.named_parameters(remove_duplicate=False):
             stage_of.setdefault(n, stage)

@@ -187,9 +187,9 @@ class Plan:
         return Group(self.table())
 
     def __str__(self) -> str:
-        console = Console(file=io.StringIO(), width=140, color_system=None, force_jupyter=False)
-        console.print(self.table())
-        return console.file.getvalue().rstrip()
+        buffer = io.StringIO()
+        Console(file=buffer, width=140, color_system=None, force_jupyter=False).print(self.table())
+        return buffer.getvalue().rstrip()
 
     def __repr__(self) -> str:
         return f"Plan({len(self.candidates)} candidates, best: {self.best if self.fitting else 'none fits'})"

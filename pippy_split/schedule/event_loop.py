@@ -116,7 +116,7 @@ def run_loop(enc: Encoded, table: Sequence[Sequence[tuple[int, float]]], cost: S
     R = len(enc.ranks)
     waiter = [-1] * len(done)
     extra: dict[int, list[int]] = {}
-    starts = [[] for _ in range(R)]
+    starts: list[list[float]] = [[] for _ in range(R)]
     its = [iter(enc.keys[r]) for r in enc.ranks]
     pending: list[int | None] = [None] * R  # the key a rank stopped at
     free = [0.0] * R

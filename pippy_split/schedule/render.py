@@ -124,7 +124,7 @@ def _row(label: str, cells: list[str], width: int) -> str:
 def _spans(sim: Any) -> dict[int, list[tuple[float, float, Action]]]:
     """Timeline entries with a positive duration, per rank, every rank present."""
     ranks = range(int(getattr(sim, "num_ranks", 0) or 0)) or sorted(sim.timeline)
-    out = {r: [] for r in ranks}
+    out: dict[int, list[tuple[float, float, Action]]] = {r: [] for r in ranks}
     for r, entries in sim.timeline.items():
         out.setdefault(r, []).extend(sorted((e for e in entries if e[1] > e[0]), key=lambda e: e[0]))
     return out

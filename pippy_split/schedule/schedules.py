@@ -8,7 +8,7 @@ by ``validate``, and run by the one :class:`.runtime.Interpreter`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -68,6 +68,7 @@ class PipelineSchedule:
     """
 
     order_name = ""
+    compute_order: ClassVar[Callable[..., Order]]  # the generated classes' order generator (see _make)
 
     def __init__(self, stage_or_stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
                  loss_fn: Callable | None = None, *, scale_grads: bool = True, timeout: float = 300.0,

@@ -309,7 +309,8 @@ class _BatchLoop:
 
     def advance(self, rank: int) -> list[int]:
         """Run ``rank`` until it ends or waits for a counterpart; the ranks its posts woke."""
-        acts, pos, woken = self.order[rank], self.ptr[rank], []
+        acts, pos = self.order[rank], self.ptr[rank]
+        woken: list[int] = []
         self.blocked.pop(rank, None)
         while pos < len(acts):
             a = acts[pos]
@@ -343,9 +344,12 @@ class _BatchLoop:
 
     def _batch(self, rank: int, pos: int) -> tuple[int, list[Op]]:
         """The batch starting at ``pos``: where it ends and the ops it posts."""
-        acts, end, ops = self.order[rank], pos, []
-        while end < len(acts) and (acts[end] is None or acts[end].kind.is_comm):
+        acts, end = self.order[rank], pos
+        ops: list[Op] = []
+        while end < len(acts):
             a = acts[end]
+            if a is not None and not a.kind.is_comm:
+                break
             if a is not None:
                 msgs = self.posts.get((rank, end))
                 if msgs is None:

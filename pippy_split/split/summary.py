@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group
 from rich.table import Table
@@ -109,7 +109,7 @@ def pipe_rich(pipe: "Pipe") -> Group:
         edges.add_row(src, f"stage {e.dst_stage}[{e.dst_input}]" + (" *" if e.is_skip else ""), e.name,
                       "(" + ", ".join(str(d) for d in e.spec.shape) + ")", str(e.spec.dtype).replace("torch.", ""),
                       "yes" if e.spec.carries_grad else "no", style=style)
-    parts = [stages, edges]
+    parts: list[Any] = [stages, edges]
     if pipe.shared_parameters:
         shared = Table(title="Shared parameters (gradients summed across stages)", title_justify="left")
         shared.add_column("parameter")
@@ -127,13 +127,16 @@ def _render(pipe: "Pipe", **console_kw) -> Console:
     # force_jupyter=False: inside a notebook rich would otherwise display the table
     # itself (ignoring file=) every time a repr is asked for, on top of the one view
     # IPython shows from the returned string.
-    console = Console(file=io.StringIO(), width=120, force_jupyter=False, **console_kw)
+    console_kw.setdefault("file", io.StringIO())
+    console = Console(width=120, force_jupyter=False, **console_kw)
     console.print(pipe_rich(pipe))
     return console
 
 
 def pipe_text(pipe: "Pipe") -> str:
-    return _render(pipe, color_system=None).file.getvalue().rstrip()
+    buffer = io.StringIO()
+    _render(pipe, file=buffer, color_system=None)
+    return buffer.getvalue().rstrip()
 
 
 _HTML_FRAGMENT = (
