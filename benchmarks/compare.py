@@ -67,7 +67,9 @@ def run(only: list[str] | None = None, mode: str = "full", reps: int = 5) -> dic
     unknown = [n for n in names if n not in ITEMS]
     if unknown:
         raise SystemExit(f"unknown item(s) {unknown}; choose from {list(ITEMS)}")
+    commit, dirty = _git_state(README.parent)  # before the run writes its own results files
     out: dict[str, Any] = {"meta": {
+        "commit": commit, "dirty": dirty,
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
         "mode": mode, "reps": reps, "load_avg_before": os.getloadavg(),
         "command": "python -m benchmarks.compare" + ("" if mode == "full" else f" --{mode}")
@@ -206,18 +208,26 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 BEGIN, END = "<!-- benchmarks.compare table: begin -->", "<!-- benchmarks.compare table: end -->"
 
 
-def write_readme_table(readme: Path, table: str, meta: dict) -> None:
-    """Replace the table between the README's markers with ``table``, stamped with the commit and date."""
-    import datetime
+def _git_state(where: Path) -> tuple[str, bool]:
+    """The short commit and whether tracked files differ from it."""
     import subprocess
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=readme.parent, capture_output=True,
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True,
                                 text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=readme.parent,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", ""
+        return "unknown", False
+    return commit, bool(dirty)
+
+
+def write_readme_table(readme: Path, table: str, meta: dict) -> None:
+    """Replace the table between the README's markers with ``table``, stamped with the commit
+    the run measured (taken when it started) and the date."""
+    import datetime
+
+    commit, dirty = (meta["commit"], meta["dirty"]) if "commit" in meta else _git_state(readme.parent)
     text = readme.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{readme} has no {BEGIN} ... {END} markers to write the table between")

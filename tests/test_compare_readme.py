@@ -24,3 +24,16 @@ def test_table_written_between_markers_with_commit_and_date(tmp_path):
     with pytest.raises(SystemExit, match="markers"):
         (tmp_path / "bare.md").write_text("no markers")
         write_readme_table(tmp_path / "bare.md", "x", meta)
+
+
+def test_the_stamp_names_the_tree_the_run_measured_not_the_results_it_wrote(tmp_path):
+    from benchmarks.compare import _git_state
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{BEGIN}\n{END}\n")
+    meta = {"commit": "abc1234", "dirty": False, "torch": "2.13.0", "cpus": 2, "load_avg_before": (0.5,),
+            "load_avg_after": (0.7,), "command": "python -m benchmarks.compare"}
+    write_readme_table(readme, "| a |\n|---|\n", meta)  # the run's own results files are dirty by now
+    assert "Measured at commit `abc1234` on" in readme.read_text()
+    commit, dirty = _git_state(README.parent)
+    assert commit != "unknown" and isinstance(dirty, bool)
