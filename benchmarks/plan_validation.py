@@ -71,8 +71,10 @@ def _static_bytes(stages: list, opt: torch.optim.Optimizer) -> float:
 def _plan_here(profile_passes: int) -> tuple["Plan", float]:
     entry = common.gpt(256)
     mb_args, mb_kwargs = common.mb_example(entry, GLOBAL_BATCH // EXAMPLE_MB)
+    mb_target = entry.target[:EXAMPLE_MB]
     t0 = time.perf_counter()
-    plan = ps.plan(entry.model, mb_args, example_kwargs=mb_kwargs or None, num_ranks=2, memory_budget="4GB",
+    plan = ps.plan(entry.model, mb_args, example_kwargs=mb_kwargs or None, example_target=mb_target, num_ranks=2,
+                   memory_budget="4GB",
                    loss_fn=entry.loss_fn, global_batch=GLOBAL_BATCH, microbatches=(2, 4, 8, 16),
                    balance=("flops",), profile_passes=profile_passes)
     return plan, time.perf_counter() - t0
@@ -85,7 +87,7 @@ def _predictions(plan: "Plan") -> tuple[list[dict], list[dict]]:
         configs.append({"schedule": c.schedule, "stages": c.split.num_stages, "m": c.n_microbatches,
                         "ac": c.activation_checkpoint})
         saved_only = evaluate(c.split, c.schedule, 2, c.n_microbatches, c.activation_checkpoint,
-                              c.microbatch_size / c.split.batch, plan.comm, 2.0, plan.budget, output_grads=False)
+                              c.microbatch_size / c.split.batch, plan.comm, 2.0, plan.budget, saved_only=True)
         preds.append({"s": c.step_time, "peak": [c.peak_bytes[r] for r in range(2)],
                       "peak_saved_only": [saved_only.peak_bytes[r] for r in range(2)], "bubble": c.bubble})
     return configs, preds

@@ -27,23 +27,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from pippy_split.plan.saved_bytes import SavedBytes
 from pippy_split.testing import run_ranks
 
 from . import common
 
 
-class _SavedBytes:
-    """Live bytes of the storages autograd saves (each storage once), and their peak."""
-
-    def __init__(self, skip: set[int]) -> None:
-        self.skip, self.refs, self.sizes = skip, {}, {}
-        self.live = self.peak = 0
-
-    def pack(self, t: torch.Tensor) -> "_Held":
-        return _Held(self, t)
-
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda held: held.t)
+class _SavedBytes(SavedBytes):
+    """The library's counter, plus selective regions' recomputed tensors (which bypass outer hooks)."""
 
     def counting_regions(self) -> "_CountedRecompute":
         return _CountedRecompute(self)
@@ -63,39 +54,12 @@ class _CountedRecompute:
 
         def recompute(call) -> None:
             original(call)
-            call.held = [_Held(counter, t) for t in call.saved]  # freed with the call, i.e. with its graph
+            call.held = [counter.pack(t) for t in call.saved]  # freed with the call, i.e. with its graph
 
         self.cls.recompute = recompute
 
     def __exit__(self, *exc: object) -> None:
         self.cls.recompute = self.original
-
-
-class _Held:
-    __slots__ = ("owner", "t", "ptr")
-
-    def __init__(self, owner: _SavedBytes, t: torch.Tensor) -> None:
-        # detached: holding t itself would tie the graph node that saved it (t.grad_fn) into a cycle
-        # through this object, and a graph the I/W split retains would never be freed
-        self.owner, self.t = owner, t.detach()
-        storage = t.untyped_storage()
-        self.ptr = storage.data_ptr()
-        if self.ptr in owner.skip:
-            self.ptr = None
-            return
-        owner.refs[self.ptr] = owner.refs.get(self.ptr, 0) + 1
-        if owner.refs[self.ptr] == 1:
-            owner.sizes[self.ptr] = storage.nbytes()
-            owner.live += storage.nbytes()
-            owner.peak = max(owner.peak, owner.live)
-
-    def __del__(self) -> None:
-        o, ptr = self.owner, self.ptr
-        if ptr is not None:
-            o.refs[ptr] -= 1
-            if o.refs[ptr] == 0:
-                del o.refs[ptr]
-                o.live -= o.sizes.pop(ptr)
 
 
 def _build(schedule: str, num_stages: int, **options: object) -> common.Runner:

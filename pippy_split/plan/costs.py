@@ -32,7 +32,7 @@ from ..split.profile import DEFAULT_PASSES, OpProfile, op_profiles
 from ..split.stage_graph import build_stages
 from ..split.trace import Traced, trace_model
 
-__all__ = ["CommModel", "StageCosts", "SplitCosts", "parse_bytes", "price_split"]
+__all__ = ["CommModel", "StageCosts", "SplitCosts", "parse_bytes", "price_split", "resize_batch"]
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -167,6 +167,8 @@ class SplitCosts:
     example: tuple[tuple, dict] = field(default=((), {}), repr=False)
     batch: int = 1
     """Microbatch size of the example."""
+    measured: Any = field(default=None, repr=False)
+    """The stages' actions measured by running them (:class:`~.measure.SplitMeasure`), or None."""
     _pipes: dict[int, Pipe] = field(default_factory=dict, repr=False)
 
     @property
@@ -185,8 +187,8 @@ class SplitCosts:
         if batch == self.batch or self.model is None:
             return self.pipe
         if batch not in self._pipes:
-            args, kwargs = (_resize(self.example[0], self.batch, batch),
-                            {k: v for k, v in zip(self.example[1], _resize(tuple(self.example[1].values()),
+            args, kwargs = (resize_batch(self.example[0], self.batch, batch),
+                            {k: v for k, v in zip(self.example[1], resize_batch(tuple(self.example[1].values()),
                                                                            self.batch, batch))})
             traced = trace_model(self.model, args, kwargs or None)
             ops = [n for n in traced.graph.nodes if n.op == "call_function"]
@@ -201,8 +203,9 @@ class SplitCosts:
         return [n for n in self.pipe._traced.graph.nodes if n.op == "call_function"]
 
 
-def _resize(values: tuple, old: int, new: int) -> tuple:
-    """Tensors whose dim 0 is ``old`` cut or tiled to ``new`` (values only shape the trace)."""
+def resize_batch(values: tuple, old: int, new: int) -> tuple:
+    """Tensors whose dim 0 is ``old`` cut or tiled to ``new`` (the planner's examples only
+    shape a trace or a measurement; their values do not matter)."""
     out = []
     for v in values:
         if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == old:

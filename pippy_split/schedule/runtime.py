@@ -14,7 +14,7 @@ action that consumes it runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
@@ -25,7 +25,15 @@ from ..stage.transport import P2P, Batch, P2POp, Pending
 from .actions import Action, ActionKind
 from .manual_shapes import infer_manual_shapes
 
-__all__ = ["StepContext", "Interpreter"]
+__all__ = ["StepContext", "Interpreter", "ActionObserver"]
+
+
+class ActionObserver(Protocol):
+    """Told right before and right after each compute action (see ``PipelineSchedule.timed_actions``)."""
+
+    def before(self, action: Action) -> None: ...
+
+    def after(self, action: Action) -> None: ...
 
 
 @dataclass
@@ -86,6 +94,8 @@ class Interpreter:
         self._sends: list[Batch] = []
         self._shapes: dict[int, tuple[int, ...]] = {}
         self._steps: dict[int, list[Action | list[Action]]] = {}  # id(actions) -> compute actions and batches
+        # measuring only: called right before and right after each compute action
+        self.observer: ActionObserver | None = None
         self.track_sent_outputs()
 
     def track_sent_outputs(self) -> None:
@@ -112,7 +122,11 @@ class Interpreter:
                 continue
             if last_backward.get(step.stage) is step:
                 self.stages[step.stage].set_grad_sync(True)  # data-parallel sync once, on the last backward
+            if self.observer is not None:
+                self.observer.before(step)
             self.handlers[step.kind](step, ctx)
+            if self.observer is not None:
+                self.observer.after(step)
             if len(self._sends) > 8:
                 self._prune_sends()
         self.finish()

@@ -7,8 +7,10 @@ by ``validate``, and run by the one :class:`.runtime.Interpreter`.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -37,7 +39,7 @@ from .train_mode import refuse_train_mode_graph, train_mode_ops
 from .validate import ScheduleError, validate
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
-           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleFromOrder",
+           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleFromOrder", "ActionTiming",
            "replace_placement", "train_mode_ops", "get_schedule_class", "build_schedule"]
 
 
@@ -277,6 +279,27 @@ class PipelineSchedule:
             self._run(self._eval_actions, ctx)
         return self._merge(ctx) if self._has(lambda s: s.is_last) else None
 
+    @contextlib.contextmanager
+    def timed_actions(self, probe: Callable[[], Any] | None = None) -> Iterator[list[ActionTiming]]:
+        """Record every compute action this rank runs inside the block: its start and end
+        (``time.perf_counter()`` seconds) and, with ``probe``, what ``probe()`` returns right
+        before and right after it (e.g. ``torch.cuda.memory_allocated``). A time includes
+        waiting for the action's received inputs; on an accelerator the device is
+        synchronised around each action (which slows the run: for measuring, not training).
+
+        Example:
+            >>> with sched.timed_actions() as times:  # doctest: +SKIP
+            ...     sched.step(x, target=y)
+            >>> [(str(t.action), round(t.seconds, 4)) for t in times][:2]  # doctest: +SKIP
+            [('0F0', 0.0123), ('0F1', 0.0119)]
+        """
+        recorder = _ActionRecorder(self.stages[0].device, probe)
+        previous, self._runtime.observer = self._runtime.observer, recorder
+        try:
+            yield recorder.times
+        finally:
+            self._runtime.observer = previous
+
     def _run(self, actions: list[Action], ctx: StepContext) -> None:
         try:
             self._runtime.run(actions, ctx)
@@ -312,6 +335,40 @@ class PipelineSchedule:
         """The last step's loss, on every rank (None before the first step): the mean over
         microbatches, or with ``loss_count`` the loss sum over the batch's item count."""
         return self._loss
+
+
+class ActionTiming(NamedTuple):
+    """One compute action as :meth:`PipelineSchedule.timed_actions` saw it."""
+
+    action: Action
+    start: float
+    end: float
+    before: Any = None
+    after: Any = None
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+class _ActionRecorder:
+    def __init__(self, device: torch.device, probe: Callable[[], Any] | None) -> None:
+        self.times: list[ActionTiming] = []
+        self.sync = device.type != "cpu"
+        self.probe = probe
+        self._open: tuple[float, Any] = (0.0, None)
+
+    def before(self, action: Action) -> None:
+        if self.sync:
+            torch.accelerator.synchronize()
+        self._open = (time.perf_counter(), self.probe() if self.probe is not None else None)
+
+    def after(self, action: Action) -> None:
+        if self.sync:
+            torch.accelerator.synchronize()
+        end = time.perf_counter()
+        self.times.append(ActionTiming(action, self._open[0], end, self._open[1],
+                                       self.probe() if self.probe is not None else None))
 
 
 class ScheduleFromOrder(PipelineSchedule):

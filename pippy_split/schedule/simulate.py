@@ -124,7 +124,7 @@ def simulate(
     links: Iterable[Link] | None = None,
     comm_latency: float | Mapping[tuple[int, int], float] = 0.0,
     activation_bytes: Mapping[int, float] | Sequence[float] | None = None,
-    workspace_bytes: Mapping[int, float] | Sequence[float] | None = None,
+    workspace_bytes: Mapping[Any, float] | Sequence[float] | None = None,
     input_grad_bytes: Mapping[int, float] | Sequence[float] | None = None,
 ) -> Simulation:
     """Simulate ``order`` and report makespan, bubble and activation memory.
@@ -142,7 +142,8 @@ def simulate(
         activation_bytes: per stage (list or ``{stage: bytes}``), what one microbatch
             holds from its F until its backward ends (B, or W); gives ``peak_bytes``.
         workspace_bytes: per stage, extra bytes while one of its backwards (B or I)
-            runs (e.g. activations recomputed under checkpointing).
+            runs (e.g. activations recomputed under checkpointing); or per stage and
+            kind, ``{(stage, "I"): bytes, (stage, "B"): bytes}``.
         input_grad_bytes: per stage, what a split backward keeps from its I until its
             W (the output gradients of the ops W differentiates).
 
@@ -190,10 +191,10 @@ def _finish(order: Order, enc: Encoded, makespan: float, busy: float, table: lis
     peak_bytes = None
     if held is not None:
         grads = per_stage(input_grad_bytes, S) or zeros
-        work = per_stage(workspace_bytes, S)
         extra = None
-        if work is not None:  # only while a backward that rebuilds or reads them runs (B or I)
-            extra = zeros + work + zeros + work
+        if workspace_bytes is not None:  # only while a backward that rebuilds or reads them runs (B or I)
+            work_i, work_b = _per_backward(workspace_bytes, S)
+            extra = zeros + work_i + zeros + work_b
         add = held + grads + zeros + zeros  # F: activations; I: the output gradients W needs
         release = zeros + zeros + [h + g for h, g in zip(held, grads)] + held
         peak_bytes = held_peaks(enc, add, release, extra)
@@ -207,6 +208,15 @@ def _finish(order: Order, enc: Encoded, makespan: float, busy: float, table: lis
         peak_bytes=peak_bytes,
         _build=build,
     )
+
+
+def _per_backward(values: Mapping[Any, float] | Sequence[float], num_stages: int) -> tuple[list[float], list[float]]:
+    """Per-stage workspace of I and of B: ``{(stage, kind): bytes}`` or one figure per stage for both."""
+    if isinstance(values, Mapping) and any(isinstance(k, tuple) for k in values):
+        return ([float(values.get((s, "I"), 0.0)) for s in range(num_stages)],
+                [float(values.get((s, "B"), 0.0)) for s in range(num_stages)])
+    both = per_stage(values, num_stages) or [0.0] * num_stages
+    return both, both
 
 
 def _timeline(order: Order, enc: Encoded, run: LoopRun, table: list[float]) -> dict:

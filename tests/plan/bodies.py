@@ -23,3 +23,32 @@ def plan_best_step(rank: int, world: int) -> dict:
              for n, p in st.module.named_parameters(remove_duplicate=False) if p.grad is not None}
     return {"loss": float(sched.loss), "grads": grads, "m": best.n_microbatches, "schedule": best.schedule,
             "comm": plan.comm.source, "cuts": best.split.positions, "step_time": best.step_time}
+
+
+def checkpointed_zbv_memory(rank: int, world: int) -> dict:
+    """Plan ZBV with full checkpointing (stages measured), run the plan's split, and count
+    what autograd holds during one step; return predicted (measured and op-sum stage
+    costs) and counted activation peaks of this rank."""
+    import dataclasses
+
+    from pippy_split.plan import evaluate
+    from pippy_split.plan.saved_bytes import SavedBytes
+
+    entry = zoo.get("tiny_gpt", d_model=32, n_layer=4, batch_size=8, seq_len=32, block_size=32)
+    plan = ps.plan(entry.model, (entry.args[0][:2],), num_ranks=world, memory_budget="1GB", loss_fn=entry.loss_fn,
+                   example_target=entry.target[:2], global_batch=8, microbatches=(4,), schedules=["ZBVZeroBubble"],
+                   activation_checkpoint=(True,), balance=("flops",))
+    best = plan.best
+    scale = best.microbatch_size / best.split.batch
+    predicted = {}
+    for name, costs in (("measured", best.split), ("op sums", dataclasses.replace(best.split, measured=None))):
+        cand = evaluate(costs, best.schedule, world, best.n_microbatches, True, scale, plan.comm, 2.0, plan.budget,
+                        saved_only=True)
+        predicted[name] = cand.simulation.peak_bytes[rank]
+    sched = best.build_schedule()
+    sched.step(*entry.args, target=entry.target)
+    params = {p.untyped_storage().data_ptr() for st in sched.stages for p in st.module.parameters()}
+    counter = SavedBytes(params)
+    with counter.hooks():
+        sched.step(*entry.args, target=entry.target)
+    return {"predicted": predicted, "counted": counter.peak}
