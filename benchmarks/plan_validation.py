@@ -5,7 +5,9 @@ Run: ``python -m benchmarks.plan_validation [--reps N] [--out PATH]``. Tiny GPT 
 
 1. On both ranks at once (each as busy as the runs that follow), ``ps.plan`` profiles
    the model on a microbatch of 4 samples (``--profile-passes``, least time per op),
-   measures the link on the group (``CommModel.measure``) and simulates every family,
+   runs each split's stages on one process (``plan/measure.py``: every action kind at
+   microbatches of 4 and 2, plain and checkpointed, least time; saved bytes around each
+   action), measures the link on the group (``CommModel.measure``) and simulates every family,
    stages per rank 1 and 2, m in {2, 4, 8, 16}, checkpointing off and on; splits are
    balanced by ``"flops"`` so that both ranks cut exactly where the plan did (time-
    balanced cuts would move with timing noise). Rank 0's plan is the prediction.
@@ -18,10 +20,15 @@ Run: ``python -m benchmarks.plan_validation [--reps N] [--out PATH]``. Tiny GPT 
    well); ``memory`` is, per rank, the bytes of the parameters,
    gradients and Adam state actually present after an optimizer step (summed over the
    tensors) plus the peak of the live storages autograd saved for backward during a
-   step (``saved_tensors_hooks``, each storage once, parameters left out; the counter
-   of ``benchmarks.training_kit``). It does not see transient gradient buffers or
-   receive buffers that autograd does not save. The measured figures never use the
-   prediction.
+   step (``saved_tensors_hooks``, each storage once, parameters left out:
+   ``pippy_split.plan.saved_bytes.SavedBytes``, the counter the stage measurement uses
+   on one process; here it counts the pipelined step on each rank). It does not see
+   transient gradient buffers or receive buffers that autograd does not save. The
+   measured figures never use the prediction.
+4. Top 3: the plan's three best, by predicted step time. Measured order: by each
+   configuration's median per-step ratio to the plan's first. Each pair is listed with
+   its predicted gap and measured ratio; a gap within the plan's ``resolution`` (its
+   measurement's timing noise, at least 1%) is a tie the prediction cannot resolve.
 
 Results: ``benchmarks/results/plan_validation.json`` and ``.md``.
 """
@@ -88,7 +95,7 @@ def _predictions(plan: "Plan") -> tuple[list[dict], list[dict]]:
                         "ac": c.activation_checkpoint})
         saved_only = evaluate(c.split, c.schedule, 2, c.n_microbatches, c.activation_checkpoint,
                               c.microbatch_size / c.split.batch, plan.comm, 2.0, plan.budget, saved_only=True)
-        preds.append({"s": c.step_time, "peak": [c.peak_bytes[r] for r in range(2)],
+        preds.append({"s": c.step_time, "rank": c.rank, "peak": [c.peak_bytes[r] for r in range(2)],
                       "peak_saved_only": [saved_only.peak_bytes[r] for r in range(2)], "bubble": c.bubble})
     return configs, preds
 
@@ -97,9 +104,10 @@ def _run_body(rank: int, world: int, reps: int, profile_passes: int) -> dict:
     """Plan here (both ranks profile at once, as busy as the runs that follow), then run
     rank 0's picks, all taking turns step by step."""
     plan, plan_s = _plan_here(profile_passes)
-    shared = [_predictions(plan) + (str(plan), plan_s, len(plan.candidates), plan.comm) if rank == 0 else None]
+    shared = [_predictions(plan) + (str(plan), plan_s, len(plan.candidates), plan.comm, plan.resolution)
+              if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
-    configs, preds, plan_text, plan_s, n_candidates, comm = shared[0]
+    configs, preds, plan_text, plan_s, n_candidates, comm, resolution = shared[0]
     entry = common.gpt(256)
     runs = {}
     for c in configs:  # a trace has static shapes: each m traces its own microbatch
@@ -133,6 +141,7 @@ def _run_body(rank: int, world: int, reps: int, profile_passes: int) -> dict:
             step(sched)
         out[k]["saved_peak"].append(counter.peak)
     return {"runs": out, "configs": configs, "preds": preds, "plan": plan_text, "plan_s": plan_s,
+            "resolution": resolution,
             "candidates": n_candidates, "comm": {"bandwidth": comm.bandwidth, "latency": comm.latency,
                                                  "source": comm.source}}
 
@@ -154,7 +163,7 @@ def _pick(plan: "Plan") -> list:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--profile-passes", type=int, default=9, help="ps.plan(profile_passes=): more resist load")
     parser.add_argument("--out", default=str(RESULTS / "plan_validation.json"))
     args = parser.parse_args(argv)
@@ -169,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = [max(a, b) for a, b in zip(ranks[0]["runs"][k]["s"], ranks[1]["runs"][k]["s"])]
         measured_s = min(steps)  # the least-disturbed step, as the profile keeps each op's least time
         measured_mem = [ranks[r]["runs"][k]["static"] + max(ranks[r]["runs"][k]["saved_peak"]) for r in range(2)]
-        rows.append({"config": k, "predicted_s": pred["s"], "measured_s": measured_s,
+        rows.append({"config": k, "predicted_s": pred["s"], "rank": pred["rank"], "measured_s": measured_s,
                      "time_error": pred["s"] / measured_s - 1,
                      "predicted_peak_bytes": pred["peak"],
                      "predicted_saved_only_peak_bytes": pred["peak_saved_only"],
@@ -177,14 +186,30 @@ def main(argv: list[str] | None = None) -> int:
                      "memory_error": [p / m - 1 for p, m in zip(pred["peak_saved_only"], measured_mem)],
                      "measured_median_s": statistics.median(steps), "measured_steps_s": steps})
     top = rows[:3]
-    predicted_order = [r["config"] for r in sorted(top, key=lambda r: r["predicted_s"])]
-    measured_order = [r["config"] for r in sorted(top, key=lambda r: r["measured_s"])]
+    resolution = head["resolution"]
+    # measured: each pair's median of per-rep ratios (the configurations take turns step by step)
+    ratio = {(a["config"], b["config"]): statistics.median(x / y for x, y in zip(a["measured_steps_s"],
+                                                                                  b["measured_steps_s"]))
+             for a in top for b in top}
+    predicted_order = [r["config"] for r in top]  # the plan's ranking
+    measured_order = sorted(predicted_order, key=lambda k: ratio[(k, predicted_order[0])])
+    pairs = []
+    for i, a in enumerate(top):
+        for b in top[i + 1:]:
+            gap = b["predicted_s"] / a["predicted_s"] - 1
+            tied = abs(gap) <= resolution
+            pairs.append({"pair": [a["config"], b["config"]], "predicted_gap": gap,
+                          "predicted": "tie" if tied else ("first faster" if gap > 0 else "second faster"),
+                          "measured_ratio": ratio[(a["config"], b["config"])]})
+    resolved = [p for p in pairs if p["predicted"] != "tie"]
     result = {"command": " ".join(["python -m benchmarks.plan_validation"] + (argv if argv is not None else sys.argv[1:])),
               "model": "tiny GPT d=256, 8 blocks, batch 32, seq 128; 2 gloo ranks, 1 thread each",
               "comm": head["comm"], "plan_seconds": head["plan_s"], "cpus": os.cpu_count(),
               "loadavg_before_after": [load_before, load_after], "candidates": head["candidates"], "rows": rows,
-              "top3_predicted_order": predicted_order, "top3_measured_order": measured_order,
-              "top3_order_matches": predicted_order == measured_order}
+              "resolution": resolution, "top3_predicted_order": predicted_order,
+              "top3_measured_order": measured_order, "top3_order_matches": predicted_order == measured_order,
+              "top3_pairs": pairs, "top3_resolved_pairs_agree": all((p["measured_ratio"] < 1) == (p["predicted_gap"] > 0)
+                                               for p in resolved)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     Path(args.out).with_suffix(".md").write_text(_markdown(result))
@@ -200,9 +225,9 @@ def _markdown(res: dict) -> str:
              f"{res['cpus']} CPUs. Measured step = least of the reps (max over ranks), median in brackets", "",
              "| config | predicted step | measured step | error | predicted peak (rank 0 / 1) | "
              "measured peak (rank 0 / 1) | error |", "|---|---|---|---|---|---|---|"]
-    note = ("Predicted peak: parameters, gradients, Adam state and autograd-saved activations (the split "
-            "backward's output gradients held from I to W, which the count of saved storages cannot see, "
-            "in brackets where they change it)")
+    note = ("Predicted peak: parameters, gradients, Adam state and autograd-saved activations, as the "
+            "measured counter sees them; in brackets where they differ, with what it cannot see: the split "
+            "backward's output gradients held from I to W and a checkpointed stage's kept inputs")
     for r in res["rows"]:
         pp = " / ".join(f"{b / 2**20:.1f}" for b in r["predicted_saved_only_peak_bytes"])
         if r["predicted_peak_bytes"] != r["predicted_saved_only_peak_bytes"]:
@@ -211,9 +236,16 @@ def _markdown(res: dict) -> str:
         me = " / ".join(f"{e:+.0%}" for e in r["memory_error"])
         lines.append(f"| {r['config']} | {r['predicted_s'] * 1e3:.0f} ms | {r['measured_s'] * 1e3:.0f} ms | "
                      f"{r['time_error']:+.0%} | {pp} MiB | {mp} MiB | {me} |")
-    lines += ["", note, "", f"top 3 predicted order: {res['top3_predicted_order']}",
-              f"top 3 measured order:  {res['top3_measured_order']}",
-              f"order matches: {res['top3_order_matches']}", ""]
+    lines += ["", note, "", f"Plan resolution (predictions closer than this are ties): "
+              f"{res['resolution']:.1%}", "", f"top 3 predicted order: {res['top3_predicted_order']}",
+              f"top 3 measured order:  {res['top3_measured_order']} (median of per-step ratios)",
+              f"order matches: {res['top3_order_matches']}", "", "| pair | predicted | measured first/second |",
+              "|---|---|---|"]
+    for p in res["top3_pairs"]:
+        lines.append(f"| {p['pair'][0]} vs {p['pair'][1]} | {p['predicted']} ({p['predicted_gap']:+.1%}) | "
+                     f"{p['measured_ratio']:.3f} |")
+    lines += ["", f"pairs predicted apart (more than the resolution) measured in the same order: "
+              f"{res['top3_resolved_pairs_agree']}", ""]
     return "\n".join(lines)
 
 

@@ -9,7 +9,8 @@ their backward (a zero-bubble family runs both). ``timed_actions`` times each ac
 :class:`~.saved_bytes.SavedBytes` counts what autograd holds around it. So what a stage
 costs includes what summing its ops leaves out: the runtime's work per action, the
 split backward's bookkeeping, the recompute of checkpointing and how ops run one
-after another rather than alone.
+after another rather than alone. Each action starts from a cold cache
+(:data:`FLUSH_BYTES` are written before it), as in a pipeline.
 
 Two microbatch sizes give each action a fixed part and a part per sample; bytes are
 per sample. The model is left as it was (gradients, buffers, random state).
@@ -23,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -37,8 +39,17 @@ from .saved_bytes import SavedBytes
 
 __all__ = ["StageMeasure", "SplitMeasure", "measure_split", "DEFAULT_MEASURE_PASSES"]
 
-DEFAULT_MEASURE_PASSES = 3
-"""Steps per measured schedule: the first warms up, each action keeps its least time."""
+DEFAULT_MEASURE_PASSES = 4
+"""Steps per measured schedule: two warm up (the allocator settles: the first schedule
+measured in a process ran 10-20% slow with one), each action keeps its least time."""
+
+WARMUP_PASSES = 2
+
+FLUSH_BYTES = 64 * 2**20
+"""At most this is written before each measured action, so that it starts from a cold
+cache as in a pipeline, where other microbatches' work runs between a microbatch's
+actions (d=256 GPT on CPU: actions measured 4-8% slower than hot, as the pipelined
+ones ran). Twice a 32 MiB L3."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,9 @@ class SplitMeasure:
     sizes: tuple[int, ...]
     seconds: float
     """How long the measurement took."""
+    noise: float = 0.0
+    """How repeatable the timings were: over every (stage, kind), the median of (median
+    sample / least sample - 1). Predictions closer than this are not told apart."""
 
     def stage(self, *, ac: bool, split_backward: bool, stage: int) -> StageMeasure:
         return self.stages[(ac, split_backward)][stage]
@@ -153,73 +167,110 @@ def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target
     group = _group_of_one()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     out: dict[tuple[bool, bool], list[StageMeasure]] = {}
+    spreads: list[float] = []
     with _model_untouched(model):
-        for ac in activation_checkpoint:
-            for split in split_backward:
-                runs = {b: _measure_run(costs.pipe_for(b), costs.example, b, b0, ac, split, device, group, loss_fn,
-                                        example_target, passes) for b in sizes}
-                out[(ac, split)] = _fit(runs, sizes, costs.num_stages)
-    return SplitMeasure(out, sizes, time.perf_counter() - t0)
+        # plain stages first: the I/W split instruments the (shared) stage modules in place.
+        # Within a phase the runs take turns step by step, so a passing disturbance of the
+        # machine slows one step of each rather than every step of one.
+        for split in sorted(split_backward):
+            runs = {(ac, b): _Run(costs.pipe_for(b), costs.example, b, b0, ac, split, device, group, loss_fn,
+                                  example_target, _flush_bytes(costs, b / b0))
+                    for ac in activation_checkpoint for b in sizes}
+            for k in range(max(passes, WARMUP_PASSES + 1)):
+                for run in runs.values():
+                    run.step(record=k >= WARMUP_PASSES)
+            for run in runs.values():
+                run.close()
+            for ac in activation_checkpoint:
+                out[(ac, split)] = _fit({b: runs[(ac, b)] for b in sizes}, sizes, costs.num_stages)
+            spreads += [spread for run in runs.values() for spread in run.spread()]
+    return SplitMeasure(out, sizes, time.perf_counter() - t0, statistics.median(spreads) if spreads else 0.0)
 
 
-def _measure_run(pipe: Any, example: tuple[tuple, dict], batch: int, b0: int, ac: bool, split: bool, device: torch.device, group: Any,
-                 loss_fn: Callable | None, example_target: Any, passes: int) -> dict[str, Any]:
-    """Least time per (stage, kind) over ``passes - 1`` steps after a warm-up, and, per
-    stage, the saved bytes its I leaves for W and the most a backward adds."""
-    S = pipe.num_stages
-    stages = [pipe.build_stage(s, device, group, activation_checkpoint="full" if ac else None) for s in range(S)]
-    order = _order(S, split)
-    n_mb = 3 if split else 2
-    if loss_fn is not None and example_target is not None:
-        target, loss = resize_batch((example_target,), b0, batch * n_mb)[0], loss_fn
-    else:
-        target, loss = torch.zeros(batch * n_mb, device=device), _surrogate_loss
-    args = resize_batch(example[0], b0, batch * n_mb)
-    kwargs = dict(zip(example[1], resize_batch(tuple(example[1].values()), b0, batch * n_mb)))
-    sched = ScheduleFromOrder(stages, n_mb, loss, order=order)
-    params = {p.untyped_storage().data_ptr() for st in stages for p in st.module.parameters()}
-    best: dict[tuple[int, str], float] = {}
-    retained: dict[int, float] = {}
-    work: dict[tuple[int, str], float] = {}
-    for k in range(max(passes, 2)):
-        counter = SavedBytes(params)
+class _Run:
+    """One measured schedule: the split's stages at one microbatch size, plain or split
+    backward, checkpointed or not. Per (stage, kind) the recorded times; per stage the
+    saved bytes its I leaves for W and the most a backward adds."""
+
+    def __init__(self, pipe: Any, example: tuple[tuple, dict], batch: int, b0: int, ac: bool, split: bool,
+                 device: torch.device, group: Any, loss_fn: Callable | None, example_target: Any,
+                 flush_bytes: int) -> None:
+        S = pipe.num_stages
+        self.stages = [pipe.build_stage(s, device, group, activation_checkpoint="full" if ac else None)
+                       for s in range(S)]
+        n_mb = 3 if split else 2
+        if loss_fn is not None and example_target is not None:
+            self.target, loss = resize_batch((example_target,), b0, batch * n_mb)[0], loss_fn
+        else:
+            self.target, loss = torch.zeros(batch * n_mb, device=device), _surrogate_loss
+        self.args = resize_batch(example[0], b0, batch * n_mb)
+        self.kwargs = dict(zip(example[1], resize_batch(tuple(example[1].values()), b0, batch * n_mb)))
+        self.sched = ScheduleFromOrder(self.stages, n_mb, loss, order=_order(S, split))
+        self.params = {p.untyped_storage().data_ptr() for st in self.stages for p in st.module.parameters()}
+        self.samples: dict[tuple[int, str], list[float]] = {}
+        self.retained: dict[int, float] = {}
+        self.work: dict[tuple[int, str], float] = {}
+        self.flush = torch.zeros(max(flush_bytes // 4, 1), device=device)
+
+    def step(self, record: bool) -> None:
+        counter = SavedBytes(self.params)
 
         def probe(c: SavedBytes = counter) -> tuple[int, int]:
+            self.flush.add_(1.0)  # runs before the clock starts (and after it stops)
             return c.live, c.take_peak()
 
-        with counter.hooks(), sched.timed_actions(probe=probe) as times:
-            sched.step(*args, target=target, **kwargs)
-        if k == 0:
-            continue
+        with counter.hooks(), self.sched.timed_actions(probe=probe) as times:
+            self.sched.step(*self.args, target=self.target, **self.kwargs)
+        if not record:
+            return
         for t in times:
-            key = (t.action.stage, t.action.kind.value)
-            best[key] = min(best.get(key, float("inf")), t.seconds)
+            s, kind = t.action.stage, t.action.kind
+            self.samples.setdefault((s, kind.value), []).append(t.seconds)
             (live0, _), (live1, peak) = t.before, t.after
-            s = t.action.stage
-            if t.action.kind is ActionKind.B:
-                work[(s, "B")] = max(work.get((s, "B"), 0.0), float(peak - live0))
-            if t.action.kind is ActionKind.I:
-                work[(s, "I")] = max(work.get((s, "I"), 0.0), float(peak - live1))
-                retained[s] = max(retained.get(s, 0.0), float(live1 - live0))
-    return {"best": best, "retained": retained, "work": work}
+            if kind is ActionKind.B:
+                self.work[(s, "B")] = max(self.work.get((s, "B"), 0.0), float(peak - live0))
+            if kind is ActionKind.I:
+                self.work[(s, "I")] = max(self.work.get((s, "I"), 0.0), float(peak - live1))
+                self.retained[s] = max(self.retained.get(s, 0.0), float(live1 - live0))
+
+    @property
+    def best(self) -> dict[tuple[int, str], float]:
+        return {key: min(ts) for key, ts in self.samples.items()}
+
+    def spread(self) -> list[float]:
+        return [statistics.median(ts) / min(ts) - 1 for ts in self.samples.values() if min(ts) > 0]
+
+    def close(self) -> None:
+        for st in self.stages:
+            for p in st.module.parameters():
+                p.grad = None  # the model's own gradients are put back by _model_untouched
 
 
-def _fit(runs: dict[int, dict[str, Any]], sizes: tuple[int, ...], num_stages: int) -> list[StageMeasure]:
+def _flush_bytes(costs: Any, scale: float) -> int:
+    """Enough to push the largest stage's working set (its activations and parameters)
+    out of the cache twice over, at most :data:`FLUSH_BYTES`: a small model's actions
+    need no large write."""
+    largest = max(st.held_bytes * scale + st.param_bytes for st in costs.stages)
+    return int(min(FLUSH_BYTES, 2 * largest))
+
+
+def _fit(runs: dict[int, _Run], sizes: tuple[int, ...], num_stages: int) -> list[StageMeasure]:
     """Each (stage, kind)'s time through the two sizes as ``fixed + per_sample * b``
     (fixed at least 0); bytes per sample from the first size (the example's)."""
     (b1, r1), (b2, r2) = ((b, runs[b]) for b in sizes)
+    best1, best2 = r1.best, r2.best
     out = []
     for s in range(num_stages):
         fixed, per = {}, {}
         for kind in ("F", "I", "W", "B"):
-            if (s, kind) not in r1["best"]:
+            if (s, kind) not in best1:
                 continue
-            t1, t2 = r1["best"][(s, kind)], r2["best"][(s, kind)]
+            t1, t2 = best1[(s, kind)], best2[(s, kind)]
             slope = max((t1 - t2) / (b1 - b2), 0.0)
             base = t1 - slope * b1
             if base < 0:  # a fixed part below zero is noise: proportional through the example size
                 slope, base = t1 / b1, 0.0
             fixed[kind], per[kind] = base, slope
-        out.append(StageMeasure(fixed, per, r1["retained"].get(s, 0.0) / b1, r1["work"].get((s, "B"), 0.0) / b1,
-                                r1["work"].get((s, "I"), 0.0) / b1))
+        out.append(StageMeasure(fixed, per, r1.retained.get(s, 0.0) / b1, r1.work.get((s, "B"), 0.0) / b1,
+                                r1.work.get((s, "I"), 0.0) / b1))
     return out

@@ -7,6 +7,7 @@ hands the choice to the schedule layer (:func:`pippy_split.build_schedule`).
 
 from __future__ import annotations
 
+import collections
 import io
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,7 +20,30 @@ from rich.text import Text
 from ..schedule.simulate import Simulation
 from .costs import CommModel, SplitCosts
 
-__all__ = ["Candidate", "Plan", "PlanError", "human_bytes", "human_time"]
+__all__ = ["Candidate", "Plan", "PlanError", "human_bytes", "human_time", "rank_with_ties"]
+
+
+def rank_with_ties(candidates: list[Candidate], resolution: float) -> list[Candidate]:
+    """Fitting candidates first, by predicted step time; each run of candidates within
+    ``resolution`` of the run's fastest is a tie: they share a ``rank`` (kept in time order).
+
+    Example:
+        >>> [(c.schedule, c.rank) for c in rank_with_ties(cands, 0.02)]  # doctest: +SKIP
+        [('ZBVZeroBubble', 1), ('DualPipeV', 1), ('1F1B', 2)]
+    """
+    by_time = sorted(candidates, key=lambda c: (not c.fits, c.step_time, c.peak))
+    out: list[Candidate] = []
+    place = 0
+    while by_time:
+        head = by_time[0]
+        run = [c for c in by_time if c.fits == head.fits and c.step_time <= head.step_time * (1 + resolution)]
+        place += 1
+        for c in run:
+            c.rank = place if c.fits else 0
+            out.append(c)
+        taken = {id(c) for c in run}
+        by_time = [c for c in by_time if id(c) not in taken]
+    return out
 
 
 class PlanError(ValueError):
@@ -74,6 +98,9 @@ class Candidate:
     fits: bool
     simulation: Simulation = field(repr=False)
     loss_fn: Callable | None = field(default=None, repr=False)
+    rank: int = 0
+    """1-based place among the fitting candidates; candidates predicted within the plan's
+    ``resolution`` of each other share it (a tie: the prediction cannot tell them apart)."""
 
     @property
     def key(self) -> tuple:
@@ -126,7 +153,8 @@ class Candidate:
 
 @dataclass
 class Plan:
-    """Every candidate the planner simulated; ``fitting`` ranked by predicted step time."""
+    """Every candidate the planner simulated; ``fitting`` ranked by predicted step time,
+    candidates within ``resolution`` of each other marked as tied."""
 
     candidates: list[Candidate]
     budget: float
@@ -135,11 +163,14 @@ class Plan:
     num_ranks: int
     global_batch: int
     notes: list[str] = field(default_factory=list)
+    resolution: float = 0.01
+    """Relative step-time difference the prediction can tell apart (the measurement's
+    timing noise, at least 1%)."""
 
     def __post_init__(self) -> None:
         for c in self.candidates:
             c.loss_fn = self.loss_fn
-        self.candidates.sort(key=lambda c: (not c.fits, c.step_time, c.peak))
+        self.candidates = rank_with_ties(self.candidates, self.resolution)
 
     @property
     def fitting(self) -> list[Candidate]:
@@ -148,7 +179,7 @@ class Plan:
 
     @property
     def best(self) -> Candidate:
-        """The fastest fitting candidate."""
+        """The fastest fitting candidate (``plan.fitting`` shows what it ties with)."""
         if not self.fitting:
             raise PlanError(self.no_fit_message())
         return self.fitting[0]
@@ -170,12 +201,14 @@ class Plan:
         for col in ("#", "schedule", "split", "m", "AC", "step time", "peak memory per rank", "bubble"):
             t.add_column(col, justify="right" if col in ("#", "m", "step time", "bubble") else "left",
                          no_wrap=col in ("schedule", "step time"))
-        for k, c in enumerate(self.fitting[:top]):
+        shared = collections.Counter(c.rank for c in self.fitting)
+        for c in self.fitting[:top]:
             peaks = " ".join(_short_bytes(c.peak_bytes[r]) for r in sorted(c.peak_bytes))
-            t.add_row(str(k + 1), c.schedule, f"{c.split.num_stages} {c.split.metric}", str(c.n_microbatches),
+            t.add_row(f"{c.rank}{'=' if shared[c.rank] > 1 else ''}", c.schedule, f"{c.split.num_stages} {c.split.metric}", str(c.n_microbatches),
                       "full" if c.activation_checkpoint else "off", human_time(c.step_time), peaks, f"{c.bubble:.0%}")
         t.caption = (f"comm: {human_bytes(self.comm.bandwidth)}/s, {human_time(self.comm.latency)} per message "
-                     f"({self.comm.source})")
+                     f"({self.comm.source}); '=': within {self.resolution:.0%} of each other, a tie the "
+                     "prediction cannot resolve")
         if self.fitting:
             best = self.fitting[0]
             t.caption += ("; best split's stage shares of F+B time: "

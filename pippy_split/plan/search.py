@@ -37,6 +37,9 @@ __all__ = ["plan", "evaluate"]
 PROFILE_PASSES = DEFAULT_PASSES
 """Whole-graph profiling passes (the first warms up; each op keeps its least time)."""
 
+MIN_RESOLUTION = 0.01
+"""Predictions closer than this (relative) are ties, however quiet the machine was."""
+
 ADAM_STATE = 2.0
 """Optimizer state per parameter byte by default (Adam: two moments)."""
 
@@ -60,6 +63,7 @@ def plan(
     example_target: Any = None,
     profile_passes: int = PROFILE_PASSES,
     measure: bool = True,
+    resolution: float | None = None,
 ) -> Plan:
     """Choose split, schedule, stages per rank, microbatches and checkpointing for ``model``.
 
@@ -90,6 +94,8 @@ def plan(
             at two microbatch sizes, plain and checkpointed) and simulate with those
             times; ``False`` simulates with the sums of the profiled ops (faster, and
             5-15% optimistic on CPU).
+        resolution: relative step-time difference marked as a tie in the ranking;
+            default the measurement's timing noise, at least 1%.
 
     Returns:
         A :class:`Plan`: candidates fitting the budget ranked by predicted step time.
@@ -139,7 +145,10 @@ def plan(
                          comm, optimizer_state, budget, notes)
     if not candidates:
         raise PlanError(f"plan(): no candidate could be built for {num_ranks} ranks: " + "; ".join(notes or ["-"]))
-    result = Plan(candidates, budget, comm, loss_fn, num_ranks, global_batch, notes)
+    if resolution is None:
+        noise = [c.split.measured.noise for c in candidates if c.split.measured is not None]
+        resolution = max([MIN_RESOLUTION] + noise)
+    result = Plan(candidates, budget, comm, loss_fn, num_ranks, global_batch, notes, resolution)
     if not result.fitting:
         raise PlanError(result.no_fit_message())
     return result

@@ -361,7 +361,8 @@ class _ActionRecorder:
     def before(self, action: Action) -> None:
         if self.sync:
             torch.accelerator.synchronize()
-        self._open = (time.perf_counter(), self.probe() if self.probe is not None else None)
+        probed = self.probe() if self.probe is not None else None  # before the clock starts: not timed
+        self._open = (time.perf_counter(), probed)
 
     def after(self, action: Action) -> None:
         if self.sync:

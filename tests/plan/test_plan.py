@@ -27,6 +27,11 @@ def test_candidates_ranked_by_their_own_simulation(small_plan) -> None:
     fit = plan.fitting
     assert len(fit) >= 8 and plan.best is fit[0]
     assert [c.step_time for c in fit] == sorted(c.step_time for c in fit)
+    # candidates within plan.resolution of their run's fastest share its rank
+    assert [c.rank for c in fit] == sorted(c.rank for c in fit) and fit[0].rank == 1
+    for c in fit:
+        head = next(h for h in fit if h.rank == c.rank)
+        assert c.step_time <= head.step_time * (1 + plan.resolution)
     for c in fit[:6]:  # re-simulating a candidate from its split gives its prediction
         again = evaluate(c.split, c.schedule, 2, c.n_microbatches, c.activation_checkpoint,
                          c.microbatch_size / c.split.batch, plan.comm, 2.0, plan.budget)
@@ -35,6 +40,17 @@ def test_candidates_ranked_by_their_own_simulation(small_plan) -> None:
     keys = {c.key for c in plan.candidates}
     assert len(keys) == len(plan.candidates)  # no duplicates
     assert {c.schedule for c in fit} == {"GPipe", "1F1B", "ZBVZeroBubble", "Interleaved1F1B"}
+
+
+def test_ties_share_a_rank() -> None:
+    from pippy_split.plan.report import Candidate, rank_with_ties
+
+    def cand(name: str, t: float, peak: float, fits: bool = True) -> Candidate:
+        return Candidate(name, 1, None, 4, 4, False, t, {0: peak}, 0.0, fits, None)  # type: ignore[arg-type]
+
+    ranked = rank_with_ties([cand("a", 1.00, 9), cand("b", 1.005, 5), cand("c", 1.03, 1), cand("d", 0.5, 1, False)],
+                            0.01)
+    assert [(c.schedule, c.rank) for c in ranked] == [("a", 1), ("b", 1), ("c", 2), ("d", 0)]
 
 
 def test_predictions_move_the_right_way(small_plan) -> None:
