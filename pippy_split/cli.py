@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--latency", type=float, default=None, help="per-message latency in microseconds")
     pl.add_argument("--top", type=int, default=10, help="rows to print")
     pl.add_argument("--svg", default="plan.svg", help="write the best candidate's predicted timeline here")
+    pl.add_argument("--no-measure", action="store_true",
+                    help="simulate with the profiled op sums instead of running each split's stages (faster)")
 
     t = sub.add_parser("train", help="train a model pipelined over local ranks (default: a tiny GPT learning sums)")
     train.build_parser(t)
@@ -222,7 +224,7 @@ def plan_cmd(args: argparse.Namespace, console: Any) -> int:
     from .train import load_factory, unpack_entry
 
     try:
-        model, margs, mkwargs, _, loss_fn, _ = unpack_entry(load_factory(args.target)())
+        model, margs, mkwargs, _, loss_fn, target = unpack_entry(load_factory(args.target)())
     except (ImportError, AttributeError, KeyError, ValueError, TypeError) as e:
         console.print(f"[red]cannot load {args.target!r}:[/] {e}")
         return 2
@@ -231,7 +233,9 @@ def plan_cmd(args: argparse.Namespace, console: Any) -> int:
         console.print(f"[red]{args.target}: plan needs an example tensor with a batch dimension (dim 0)[/]")
         return 2
     global_batch = args.global_batch or batch
-    mb_args, mb_kwargs = _microbatch_of(margs, mkwargs, batch, max(1, batch // args.ranks))
+    mb_size = max(1, batch // args.ranks)
+    mb_args, mb_kwargs = _microbatch_of(margs, mkwargs, batch, mb_size)
+    mb_target = _microbatch_of((target,), {}, batch, mb_size)[0][0] if target is not None else None
     comm = None
     if args.bandwidth is not None or args.latency is not None:
         base = CommModel()
@@ -240,7 +244,8 @@ def plan_cmd(args: argparse.Namespace, console: Any) -> int:
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
     try:
         result = plan(model, mb_args, num_ranks=args.ranks, memory_budget=args.memory, loss_fn=loss_fn,
-                      global_batch=global_batch, schedules=schedules, comm=comm, example_kwargs=mb_kwargs or None)
+                      global_batch=global_batch, schedules=schedules, comm=comm, example_kwargs=mb_kwargs or None,
+                      example_target=mb_target, measure=not args.no_measure)
     except (PlanError, ValueError) as e:
         console.print(f"[red]{e}[/]")
         return 2

@@ -12,8 +12,10 @@ split backward's bookkeeping, the recompute of checkpointing and how ops run one
 after another rather than alone. Each action starts from a cold cache
 (:data:`FLUSH_BYTES` are written before it), as in a pipeline.
 
-Two microbatch sizes give each action a fixed part and a part per sample; bytes are
-per sample. The model is left as it was (gradients, buffers, random state).
+Each action is measured at the example's microbatch size and at half and twice it
+(those within the sizes the planner will price); between them its time is interpolated
+linearly, beyond them the nearest segment is extended (an op's time is not linear in
+the microbatch: fixed costs dominate small ones). Bytes are per sample. The model is left as it was (gradients, buffers, random state).
 
 Example:
     >>> m = measure_split(costs, loss_fn=None)  # doctest: +SKIP
@@ -23,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import statistics
 import time
@@ -57,8 +60,7 @@ class StageMeasure:
     """One stage's measured actions.
 
     Attributes:
-        fixed: seconds of each kind ("F", "I", "W", "B") that do not grow with the microbatch.
-        per_sample: seconds of each kind per sample of the microbatch.
+        points: per kind ("F", "I", "W", "B"), ``(microbatch size, seconds)`` measured, by size.
         retained_bytes: per sample, the saved bytes an I leaves alive for its W beyond
             those its F saved (under checkpointing: the rebuilt graph W still reads).
         work_bytes: per sample, the most saved bytes a B adds while it runs (under
@@ -67,15 +69,28 @@ class StageMeasure:
             leaves for W.
     """
 
-    fixed: dict[str, float]
-    per_sample: dict[str, float]
+    points: dict[str, tuple[tuple[int, float], ...]]
     retained_bytes: float = 0.0
     work_bytes: float = 0.0
     input_work_bytes: float = 0.0
 
     def time(self, kind: str, batch: float) -> float:
-        """Seconds of one ``kind`` action on a microbatch of ``batch`` samples."""
-        return self.fixed[kind] + self.per_sample[kind] * batch
+        """Seconds of one ``kind`` action on a microbatch of ``batch`` samples (at least 0).
+
+        Example:
+            >>> StageMeasure({"F": ((2, 1.0), (4, 1.5))}).time("F", 3), StageMeasure({"F": ((4, 2.0),)}).time("F", 2)
+            (1.25, 1.0)
+        """
+        pts = self.points[kind]
+        if len(pts) == 1:
+            return pts[0][1] * batch / pts[0][0]
+        k = min(max(bisect.bisect_left([b for b, _ in pts], batch), 1), len(pts) - 1)
+        (b1, t1), (b2, t2) = pts[k - 1], pts[k]
+        return max(t1 + (t2 - t1) * (batch - b1) / (b2 - b1), 0.0)
+
+    @property
+    def kinds(self) -> list[str]:
+        return list(self.points)
 
 
 @dataclass(frozen=True)
@@ -151,19 +166,23 @@ def _group_of_one() -> Any:
 
 def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target: Any = None,
                   activation_checkpoint: Sequence[bool] = (False, True), split_backward: Sequence[bool] = (False, True),
+                  batch_range: tuple[float, float] | None = None,
                   passes: int = DEFAULT_MEASURE_PASSES) -> SplitMeasure:
     """Run ``costs``' split (a :class:`~.costs.SplitCosts`) stage by stage on this process
     and measure every action kind (see the module docstring).
 
     ``loss_fn`` with ``example_target`` (the example microbatch's target) is the loss of
     the last stage; without a target, the mean of the model's floating outputs.
+    ``batch_range``: the smallest and largest microbatch the planner prices; sizes
+    outside it are not measured (default: half and twice the example's).
     """
     t0 = time.perf_counter()
     model = costs.model
     if model is None:
         raise ValueError("measure_split needs the SplitCosts of a model (price_split keeps it)")
     b0 = costs.batch
-    sizes = (b0, b0 // 2) if b0 >= 2 else (b0, 2 * b0)
+    lo, hi = batch_range if batch_range is not None else (b0 / 2, 2 * b0)
+    sizes = tuple(sorted({b0} | {b for b in (b0 // 2, 2 * b0) if b >= 1 and lo <= b <= hi}))
     group = _group_of_one()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     out: dict[tuple[bool, bool], list[StageMeasure]] = {}
@@ -182,7 +201,7 @@ def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target
             for run in runs.values():
                 run.close()
             for ac in activation_checkpoint:
-                out[(ac, split)] = _fit({b: runs[(ac, b)] for b in sizes}, sizes, costs.num_stages)
+                out[(ac, split)] = _fit({b: runs[(ac, b)] for b in sizes}, sizes, costs.num_stages, b0)
             spreads += [spread for run in runs.values() for spread in run.spread()]
     return SplitMeasure(out, sizes, time.perf_counter() - t0, statistics.median(spreads) if spreads else 0.0)
 
@@ -254,23 +273,14 @@ def _flush_bytes(costs: Any, scale: float) -> int:
     return int(min(FLUSH_BYTES, 2 * largest))
 
 
-def _fit(runs: dict[int, _Run], sizes: tuple[int, ...], num_stages: int) -> list[StageMeasure]:
-    """Each (stage, kind)'s time through the two sizes as ``fixed + per_sample * b``
-    (fixed at least 0); bytes per sample from the first size (the example's)."""
-    (b1, r1), (b2, r2) = ((b, runs[b]) for b in sizes)
-    best1, best2 = r1.best, r2.best
+def _fit(runs: dict[int, _Run], sizes: tuple[int, ...], num_stages: int, b0: int) -> list[StageMeasure]:
+    """Each (stage, kind)'s least time at each size; bytes per sample at the example's size."""
+    best = {b: runs[b].best for b in sizes}
+    r0 = runs[b0]
     out = []
     for s in range(num_stages):
-        fixed, per = {}, {}
-        for kind in ("F", "I", "W", "B"):
-            if (s, kind) not in best1:
-                continue
-            t1, t2 = best1[(s, kind)], best2[(s, kind)]
-            slope = max((t1 - t2) / (b1 - b2), 0.0)
-            base = t1 - slope * b1
-            if base < 0:  # a fixed part below zero is noise: proportional through the example size
-                slope, base = t1 / b1, 0.0
-            fixed[kind], per[kind] = base, slope
-        out.append(StageMeasure(fixed, per, r1.retained.get(s, 0.0) / b1, r1.work.get((s, "B"), 0.0) / b1,
-                                r1.work.get((s, "I"), 0.0) / b1))
+        points = {kind: tuple((b, best[b][(s, kind)]) for b in sizes)
+                  for kind in ("F", "I", "W", "B") if (s, kind) in best[b0]}
+        out.append(StageMeasure(points, r0.retained.get(s, 0.0) / b0, r0.work.get((s, "B"), 0.0) / b0,
+                                r0.work.get((s, "I"), 0.0) / b0))
     return out

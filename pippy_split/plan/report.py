@@ -209,6 +209,9 @@ class Plan:
         t.caption = (f"comm: {human_bytes(self.comm.bandwidth)}/s, {human_time(self.comm.latency)} per message "
                      f"({self.comm.source}); '=': within {self.resolution:.0%} of each other, a tie the "
                      "prediction cannot resolve")
+        measured = any(c.split.measured is not None for c in self.candidates)
+        t.caption += ("; action times: each split's stages run and timed" if measured
+                      else "; action times: sums of the profiled ops")
         if self.fitting:
             best = self.fitting[0]
             t.caption += ("; best split's stage shares of F+B time: "

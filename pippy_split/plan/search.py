@@ -91,7 +91,7 @@ def plan(
             with ``loss_fn``; without, with the mean of the outputs as the loss.
         profile_passes: whole-graph profiling passes (more resist a busy machine better).
         measure: run each split's stages once built (:mod:`.measure`: every action kind
-            at two microbatch sizes, plain and checkpointed) and simulate with those
+            at up to three microbatch sizes, plain and checkpointed) and simulate with those
             times; ``False`` simulates with the sums of the profiled ops (faster, and
             5-15% optimistic on CPU).
         resolution: relative step-time difference marked as a tie in the ranking;
@@ -139,7 +139,8 @@ def plan(
     price = functools.partial(_price_and_measure, functools.partial(
         price_split, traced, model, flat, overhead=overhead, example=(example_args, example_kwargs or {}), batch=b0,
         passes=profile_passes), functools.partial(measure_split, loss_fn=loss_fn, example_target=example_target,
-                                                  activation_checkpoint=acs, split_backward=split_backward)
+                                                  activation_checkpoint=acs, split_backward=split_backward,
+                                                  batch_range=(global_batch / max(ms), global_batch / min(ms)))
         if measure else None)
     candidates = _search(price, grid, ms, acs, num_ranks, global_batch / b0,
                          comm, optimizer_state, budget, notes)
@@ -233,7 +234,7 @@ def evaluate(costs: SplitCosts, schedule: str, num_ranks: int, m: int, ac: bool,
     for s, st in enumerate(costs.stages):
         if measured is not None:
             ms = measured.stage(ac=ac, split_backward=spec.split_backward, stage=s)
-            for kind in ms.fixed:
+            for kind in ms.kinds:
                 table[(s, kind)] = ms.time(kind, batch)
             work[(s, "B")], work[(s, "I")] = ms.work_bytes * batch, ms.input_work_bytes * batch
             retained = ms.retained_bytes * batch if spec.split_backward else 0.0

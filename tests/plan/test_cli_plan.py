@@ -18,6 +18,16 @@ def test_plan_prints_table_and_writes_svg(tmp_path, capsys) -> None:
     assert svg.read_text().startswith("<svg")
 
 
+def test_plan_without_measuring_uses_the_op_sums(tmp_path, capsys) -> None:
+    args = ["plan", "zoo:mlp_stack", "--ranks", "2", "--memory", "1GB", "--schedules", "1F1B", "--svg", ""]
+    assert main(args) == 0
+    measured = capsys.readouterr().out
+    assert main(args + ["--no-measure"]) == 0
+    op_sums = capsys.readouterr().out
+    assert "each split's stages run and timed" in " ".join(measured.split())  # rich wraps the caption
+    assert "sums of the profiled ops" in " ".join(op_sums.split())
+
+
 def test_plan_too_small_budget_says_what_to_change(tmp_path, capsys) -> None:
     rc = main(["plan", "zoo:mlp_stack", "--ranks", "2", "--memory", "10KB", "--schedules", "1F1B",
                "--svg", str(tmp_path / "x.svg")])

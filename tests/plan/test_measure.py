@@ -42,12 +42,13 @@ def test_every_stage_and_kind_measured_and_model_left_alone(bn_costs) -> None:
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # running stats too
     assert torch.equal(torch.get_rng_state(), rng)
-    assert m.sizes == (4, 2) and sorted(m.stages) == [(False, False), (False, True), (True, False), (True, True)]
+    assert m.sizes == (2, 4, 8) and sorted(m.stages) == [(False, False), (False, True), (True, False), (True, True)]
     for (ac, split), stages in m.stages.items():
         assert len(stages) == 2
         for st in stages:
-            assert set(st.fixed) == ({"F", "I", "W", "B"} if split else {"F", "B"})
-            assert all(st.time(k, 4) > 0 and st.fixed[k] >= 0 and st.per_sample[k] >= 0 for k in st.fixed)
+            assert set(st.kinds) == ({"F", "I", "W", "B"} if split else {"F", "B"})
+            assert all([b for b, _ in st.points[k]] == [2, 4, 8] and st.time(k, 4) == st.points[k][1][1] > 0
+                       for k in st.kinds)
     # checkpointed, an I rebuilds the stage's graph and leaves it for W; plain, it adds nothing
     assert all(st.retained_bytes > 0 for st in m.stages[(True, True)])
     assert all(st.retained_bytes == 0 for st in m.stages[(False, True)])
@@ -57,7 +58,7 @@ def test_every_stage_and_kind_measured_and_model_left_alone(bn_costs) -> None:
 def test_evaluate_simulates_with_the_measured_times(bn_costs) -> None:
     _, costs = bn_costs
     times = {"F": 1.0, "B": 3.0}
-    stage = StageMeasure(fixed=dict(times), per_sample={"F": 0.0, "B": 0.0})
+    stage = StageMeasure({k: ((2, t), (8, t)) for k, t in times.items()})
     measured = dataclasses.replace(costs, measured=SplitMeasure({(False, False): [stage, stage]}, (4, 2), 0.0))
     cand = evaluate(measured, "1F1B", 2, 4, False, 1.0, CommModel(latency=0.0, bandwidth=1e30), 0.0, 1e12)
     order = get_order_spec("1F1B").compute_order(2, 4)
