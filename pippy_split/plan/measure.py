@@ -1,11 +1,11 @@
 """Each stage's action times and held bytes, measured by running the split's own stages.
 
 The planner's second measurement (the first, :func:`pippy_split.split.profile.op_profiles`,
-times ops one by one and is what splits are balanced by). Once a split is chosen, its
+times ops one by one and is what splits are balanced by). For a split that may win, its
 stages are built on the model's device, all on this process, and run through the real
-runtime (:class:`~pippy_split.schedule.ScheduleFromOrder`, one rank): per stage, F then
-B for one microbatch with plain stages, and F, I, W then F, B with stages that split
-their backward (a zero-bubble family runs both). ``timed_actions`` times each action;
+runtime (:class:`~pippy_split.schedule.ScheduleFromOrder`, one rank), microbatch after
+microbatch through every stage: F then B, twice, with plain stages; F, I, W, then F, B,
+then F, I, W with stages that split their backward (a zero-bubble family runs both). ``timed_actions`` times each action;
 :class:`~.saved_bytes.SavedBytes` counts what autograd holds around it. So what a stage
 costs includes what summing its ops leaves out: the runtime's work per action, the
 split backward's bookkeeping, the recompute of checkpointing and how ops run one
@@ -15,7 +15,9 @@ after another rather than alone. Each action starts from a cold cache
 Each action is measured at the example's microbatch size and at half and twice it
 (those within the sizes the planner will price); between them its time is interpolated
 linearly, beyond them the nearest segment is extended (an op's time is not linear in
-the microbatch: fixed costs dominate small ones). Bytes are per sample. The model is left as it was (gradients, buffers, random state).
+the microbatch: fixed costs dominate small ones). Bytes are per sample. The model is
+left as it was (gradients, buffers, random state). Cost: about 50 forward+backward
+passes of the whole model on the example microbatch per split.
 
 Example:
     >>> m = measure_split(costs, loss_fn=None)  # doctest: +SKIP

@@ -37,6 +37,13 @@ __all__ = ["plan", "evaluate"]
 PROFILE_PASSES = DEFAULT_PASSES
 """Whole-graph profiling passes (the first warms up; each op keeps its least time)."""
 
+MEASURED_SPLITS = 3
+"""``measure=True`` measures at most this many splits (those of the fastest candidates)."""
+
+CONTENDER_WINDOW = 0.3
+"""A split is measured only if one of its candidates is predicted (by op sums) within this
+of the fastest: op sums came out 4-16% optimistic, so one further behind would not win."""
+
 MIN_RESOLUTION = 0.01
 """Predictions closer than this (relative) are ties, however quiet the machine was."""
 
@@ -62,7 +69,7 @@ def plan(
     example_kwargs: dict | None = None,
     example_target: Any = None,
     profile_passes: int = PROFILE_PASSES,
-    measure: bool = True,
+    measure: bool | int = True,
     resolution: float | None = None,
 ) -> Plan:
     """Choose split, schedule, stages per rank, microbatches and checkpointing for ``model``.
@@ -90,10 +97,12 @@ def plan(
         example_target: the example microbatch's target: with it, the stages are measured
             with ``loss_fn``; without, with the mean of the outputs as the loss.
         profile_passes: whole-graph profiling passes (more resist a busy machine better).
-        measure: run each split's stages once built (:mod:`.measure`: every action kind
-            at up to three microbatch sizes, plain and checkpointed) and simulate with those
-            times; ``False`` simulates with the sums of the profiled ops (faster, and
-            5-15% optimistic on CPU).
+        measure: after a search with the sums of the profiled ops, run the stages of
+            the fastest candidates' splits (:mod:`.measure`: every action kind at up to
+            three microbatch sizes, plain and checkpointed; at most
+            :data:`MEASURED_SPLITS`, or this many if an int) and simulate their
+            candidates again with those times. ``False``: op sums only (faster, 4-16%
+            optimistic on CPU).
         resolution: relative step-time difference marked as a tie in the ranking;
             default the measurement's timing noise, at least 1%.
 
@@ -135,15 +144,17 @@ def plan(
     notes: list[str] = []
     overhead = _agree_profile(traced, model, flat, profile_passes)
     acs = [bool(a) for a in activation_checkpoint]
-    split_backward = sorted({get_order_spec(n).split_backward for n in names})
-    price = functools.partial(_price_and_measure, functools.partial(
-        price_split, traced, model, flat, overhead=overhead, example=(example_args, example_kwargs or {}), batch=b0,
-        passes=profile_passes), functools.partial(measure_split, loss_fn=loss_fn, example_target=example_target,
-                                                  activation_checkpoint=acs, split_backward=split_backward,
-                                                  batch_range=(global_batch / max(ms), global_batch / min(ms)))
-        if measure else None)
-    candidates = _search(price, grid, ms, acs, num_ranks, global_batch / b0,
-                         comm, optimizer_state, budget, notes)
+    price = functools.partial(price_split, traced, model, flat, overhead=overhead,
+                              example=(example_args, example_kwargs or {}), batch=b0, passes=profile_passes)
+    candidates = _search(price, grid, ms, acs, num_ranks, global_batch / b0, comm, optimizer_state, budget, notes)
+    if measure and candidates:
+        measure_one = functools.partial(measure_split, loss_fn=loss_fn, example_target=example_target,
+                                        activation_checkpoint=acs,
+                                        split_backward=sorted({get_order_spec(n).split_backward for n in names}),
+                                        batch_range=(global_batch / max(ms), global_batch / min(ms)))
+        limit = MEASURED_SPLITS if measure is True else int(measure)
+        candidates = _measure_contenders(candidates, measure_one, limit, num_ranks, global_batch / b0, comm,
+                                         optimizer_state, budget)
     if not candidates:
         raise PlanError(f"plan(): no candidate could be built for {num_ranks} ranks: " + "; ".join(notes or ["-"]))
     if resolution is None:
@@ -155,14 +166,30 @@ def plan(
     return result
 
 
-def _price_and_measure(price: Callable[..., SplitCosts], measure: Callable[..., SplitMeasure] | None,
-                       num_stages: int, metric: str) -> SplitCosts:
-    """A split priced from the op profile and, with ``measure``, its stages measured;
-    inside a process group every rank measures at once and keeps rank 0's figures."""
-    costs = price(num_stages, metric)
-    if measure is not None:
-        costs.measured = _rank0(measure(costs))
-    return costs
+def _measure_contenders(candidates: list[Candidate], measure: Callable[[SplitCosts], SplitMeasure], limit: int,
+                        num_ranks: int, batches: float, comm: CommModel, optimizer_state: float,
+                        budget: float) -> list[Candidate]:
+    """Measure the splits of the fastest candidates (by op sums: up to ``limit`` splits,
+    each with a candidate within :data:`CONTENDER_WINDOW` of the fastest) and simulate
+    their candidates again with the measured times. Inside a process group every rank
+    measures at once and keeps rank 0's figures."""
+    ranked = sorted(candidates, key=lambda c: (not c.fits, c.step_time))
+    fastest = ranked[0].step_time
+    splits: list[SplitCosts] = []
+    for c in ranked:
+        if len(splits) >= limit or c.step_time > fastest * (1 + CONTENDER_WINDOW):
+            break
+        if all(c.split is not s for s in splits):
+            splits.append(c.split)
+    for split in splits:
+        split.measured = _rank0(measure(split))
+    out = []
+    for c in candidates:
+        again = c if c.split.measured is None else evaluate(
+            c.split, c.schedule, num_ranks, c.n_microbatches, c.activation_checkpoint, batches / c.n_microbatches,
+            comm, optimizer_state, budget)
+        out.append(again if again is not None else c)
+    return out
 
 
 def _rank0(value: Any) -> Any:

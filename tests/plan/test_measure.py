@@ -102,3 +102,25 @@ def test_checkpointed_split_backward_memory_predicted_as_counted() -> None:
     for r in run_ranks(checkpointed_zbv_memory, 2, timeout=200):
         assert r["predicted"]["measured"] == pytest.approx(r["counted"], rel=0.02), r
         assert r["predicted"]["op sums"] == pytest.approx(r["counted"], rel=0.15), r
+
+
+def test_only_the_fastest_candidates_splits_are_measured() -> None:
+    entry = zoo.get("mlp_stack", d=16)
+
+    def planned(measure: bool | int):
+        return ps.plan(entry.model, (entry.args[0][:2],), num_ranks=2, memory_budget="1GB", loss_fn=entry.loss_fn,
+                       example_target=entry.target[:2], global_batch=8, microbatches=(2, 4),
+                       schedules=["1F1B", "Interleaved1F1B"], balance=("time", "params"), measure=measure)
+
+    def measured_splits(plan) -> set[int]:
+        return {id(c.split) for c in plan.candidates if c.split.measured is not None}
+
+    op_sums, one, default = planned(False), planned(1), planned(True)
+    assert not measured_splits(op_sums)
+    assert len({id(c.split) for c in one.candidates}) == 4  # 2 and 4 stages, by time and by params
+    assert len(measured_splits(one)) == 1 and 1 <= len(measured_splits(default)) <= 3
+    # the measured split is the one the op sums put first; its candidates were simulated again
+    fastest = min(op_sums.candidates, key=lambda c: c.step_time)
+    first = next(c for c in one.candidates if c.split.measured is not None)
+    assert (first.split.num_stages, first.split.metric) == (fastest.split.num_stages, fastest.split.metric)
+    assert first.step_time != next(c for c in op_sums.candidates if c.key == first.key).step_time
