@@ -105,9 +105,10 @@ class Interpreter:
             st.track_saved_storages = on and any(not r.from_input and not self._local(r.dst_stage) for r in st.routes)
 
     def run(self, actions: list[Action], ctx: StepContext) -> None:
-        last_backward = {}
+        last_backward = {}  # per stage, its last action that accumulates weight gradients
         for action in actions:
-            if action.kind in (ActionKind.B, ActionKind.W):
+            fused = action.stage in self.stages and self.stages[action.stage].weight_grads_in_input
+            if action.kind is ActionKind.B or action.kind is (ActionKind.I if fused else ActionKind.W):
                 last_backward[action.stage] = action
         for st in self.stages.values():
             st.set_grad_sync(False)
