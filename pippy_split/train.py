@@ -70,8 +70,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint: weights and AdamW state")
     p.add_argument("--data", default=None, help="train on this text file (vocabulary: its characters)")
     p.add_argument("--samples", type=int, default=8, help="lines to sample at the end")
-    p.add_argument("--activation-checkpoint", action="store_true",
-                   help="recompute each stage right before its backward instead of keeping its activations")
+    p.add_argument("--activation-checkpoint", nargs="?", const="full", default=None, metavar="PATTERNS",
+                   help="recompute each stage right before its backward instead of keeping its activations; "
+                        "with comma-separated module FQN patterns (e.g. 'blocks.*.mlp'), only those modules")
     p.add_argument("--bf16", action="store_true", help="run the stages under torch.autocast(bfloat16), loss in fp32")
     p.add_argument("--compile", action="store_true", help="torch.compile every stage (the first step compiles)")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",

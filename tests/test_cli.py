@@ -109,3 +109,15 @@ def test_train_small_run_writes_checkpoint(tmp_path):
     out = _ok(_cli("train", "--steps", "1", "--ranks", "4", "--schedule", "GPipe", "--checkpoint", str(ckpt),
                    "--samples", "1", "--resume", cwd=tmp_path))
     assert "resumed optimizer state" in out
+
+
+@pytest.mark.timeout(300)
+def test_train_selective_activation_checkpoint_patterns(tmp_path):
+    """`--activation-checkpoint PATTERNS` checkpoints only the matching modules; a pattern that
+    matches nothing is refused, naming the closest module names."""
+    out = _ok(_cli("train", "--steps", "2", "--ranks", "2", "--checkpoint", str(tmp_path / "c"), "--samples", "1",
+                   "--activation-checkpoint", "blocks.*.mlp", cwd=tmp_path))
+    assert "last loss" in out
+    bad = _cli("train", "--steps", "1", "--ranks", "2", "--checkpoint", str(tmp_path / "d"), "--samples", "1",
+               "--activation-checkpoint", "blocks.*.mpl", cwd=tmp_path)
+    assert bad.returncode != 0 and "blocks.*.mpl" in bad.stdout + bad.stderr

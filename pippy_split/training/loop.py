@@ -95,10 +95,23 @@ def _build(cfg: argparse.Namespace, prep: Prepared, device: torch.device) -> tup
     import pippy_split as ps
 
     sched = ps.build_schedule(prep.pipe, cfg.schedule, cfg.microbatches, loss_fn=prep.loss_fn, device=device,
-                              activation_checkpoint="full" if cfg.activation_checkpoint else None,
+                              activation_checkpoint=checkpoint_setting(cfg.activation_checkpoint),
                               mixed_precision=torch.bfloat16 if cfg.bf16 else None, compile=cfg.compile)
     params = list({id(p): p for st in sched.stages for p in st.module.parameters()}.values())
     return sched, torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+
+
+def checkpoint_setting(value: str | None) -> str | list[str] | None:
+    """``--activation-checkpoint``'s value as ``build_schedule`` takes it: ``"full"``, a
+    list of module patterns, or None.
+
+    Example:
+        >>> checkpoint_setting("full"), checkpoint_setting("blocks.*.mlp, blocks.*.attn"), checkpoint_setting(None)
+        ('full', ['blocks.*.mlp', 'blocks.*.attn'], None)
+    """
+    if value is None or value == "full":
+        return value
+    return [p.strip() for p in value.split(",") if p.strip()]
 
 
 def _init_group(backend: str) -> None:
