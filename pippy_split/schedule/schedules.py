@@ -359,9 +359,9 @@ class _ActionRecorder:
         self._open: tuple[float, Any] = (0.0, None)
 
     def before(self, action: Action) -> None:
-        if self.sync:
-            torch.accelerator.synchronize()
         probed = self.probe() if self.probe is not None else None  # before the clock starts: not timed
+        if self.sync:
+            torch.accelerator.synchronize()  # what ran before (the probe's kernels included) is not timed
         self._open = (time.perf_counter(), probed)
 
     def after(self, action: Action) -> None:
