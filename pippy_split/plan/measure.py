@@ -32,7 +32,7 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -169,6 +169,7 @@ def _group_of_one() -> Any:
 def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target: Any = None,
                   activation_checkpoint: Sequence[bool] = (False, True), split_backward: Sequence[bool] = (False, True),
                   batch_range: tuple[float, float] | None = None,
+                  only: Collection[tuple[bool, bool]] | None = None,
                   passes: int = DEFAULT_MEASURE_PASSES) -> SplitMeasure:
     """Run ``costs``' split (a :class:`~.costs.SplitCosts`) stage by stage on this process
     and measure every action kind (see the module docstring).
@@ -176,7 +177,8 @@ def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target
     ``loss_fn`` with ``example_target`` (the example microbatch's target) is the loss of
     the last stage; without a target, the mean of the model's floating outputs.
     ``batch_range``: the smallest and largest microbatch the planner prices; sizes
-    outside it are not measured (default: half and twice the example's).
+    outside it are not measured (default: half and twice the example's). ``only``: the
+    ``(checkpointing, split backward)`` pairs to measure (default: every combination).
     """
     t0 = time.perf_counter()
     model = costs.model
@@ -194,15 +196,18 @@ def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target
         # Within a phase the runs take turns step by step, so a passing disturbance of the
         # machine slows one step of each rather than every step of one.
         for split in sorted(split_backward):
+            acs = [ac for ac in activation_checkpoint if only is None or (ac, split) in only]
+            if not acs:
+                continue
             runs = {(ac, b): _Run(costs.pipe_for(b), costs.example, b, b0, ac, split, device, group, loss_fn,
                                   example_target, _flush_bytes(costs, b / b0))
-                    for ac in activation_checkpoint for b in sizes}
+                    for ac in acs for b in sizes}
             for k in range(max(passes, WARMUP_PASSES + 1)):
                 for run in runs.values():
                     run.step(record=k >= WARMUP_PASSES)
             for run in runs.values():
                 run.close()
-            for ac in activation_checkpoint:
+            for ac in acs:
                 out[(ac, split)] = _fit({b: runs[(ac, b)] for b in sizes}, sizes, costs.num_stages, b0)
             spreads += [spread for run in runs.values() for spread in run.spread()]
     return SplitMeasure(out, sizes, time.perf_counter() - t0, statistics.median(spreads) if spreads else 0.0)

@@ -41,8 +41,8 @@ MEASURED_SPLITS = 3
 """``measure=True`` measures at most this many splits (those of the fastest candidates)."""
 
 CONTENDER_WINDOW = 0.3
-"""A split is measured only if one of its candidates is predicted (by op sums) within this
-of the fastest: op sums came out 4-16% optimistic, so one further behind would not win."""
+"""Candidates predicted (by op sums) within this of the fastest are measured: op sums came
+out 4-16% optimistic, so one further behind would not win."""
 
 MIN_RESOLUTION = 0.01
 """Predictions closer than this (relative) are ties, however quiet the machine was."""
@@ -148,10 +148,7 @@ def plan(
                               example=(example_args, example_kwargs or {}), batch=b0, passes=profile_passes)
     candidates = _search(price, grid, ms, acs, num_ranks, global_batch / b0, comm, optimizer_state, budget, notes)
     if measure and candidates:
-        measure_one = functools.partial(measure_split, loss_fn=loss_fn, example_target=example_target,
-                                        activation_checkpoint=acs,
-                                        split_backward=sorted({get_order_spec(n).split_backward for n in names}),
-                                        batch_range=(global_batch / max(ms), global_batch / min(ms)))
+        measure_one = functools.partial(measure_split, loss_fn=loss_fn, example_target=example_target)
         limit = MEASURED_SPLITS if measure is True else int(measure)
         candidates = _measure_contenders(candidates, measure_one, limit, num_ranks, global_batch / b0, comm,
                                          optimizer_state, budget)
@@ -166,23 +163,31 @@ def plan(
     return result
 
 
-def _measure_contenders(candidates: list[Candidate], measure: Callable[[SplitCosts], SplitMeasure], limit: int,
+def _measure_contenders(candidates: list[Candidate], measure: Callable[..., SplitMeasure], limit: int,
                         num_ranks: int, batches: float, comm: CommModel, optimizer_state: float,
                         budget: float) -> list[Candidate]:
-    """Measure the splits of the fastest candidates (by op sums: up to ``limit`` splits,
-    each with a candidate within :data:`CONTENDER_WINDOW` of the fastest) and simulate
-    their candidates again with the measured times. Inside a process group every rank
-    measures at once and keeps rank 0's figures."""
+    """Measure the splits of the fastest candidates (by op sums: the contenders, within
+    :data:`CONTENDER_WINDOW` of the fastest; up to ``limit`` splits), each only as its
+    contenders run it (checkpointed or not, split backward or not, their microbatch
+    sizes), and simulate those candidates again with the measured times; the others keep
+    their op sums. Inside a process group every rank measures at once and keeps rank 0's
+    figures."""
     ranked = sorted(candidates, key=lambda c: (not c.fits, c.step_time))
     fastest = ranked[0].step_time
-    splits: list[SplitCosts] = []
+    contenders: dict[int, list[Candidate]] = {}
     for c in ranked:
-        if len(splits) >= limit or c.step_time > fastest * (1 + CONTENDER_WINDOW):
+        if c.step_time > fastest * (1 + CONTENDER_WINDOW):
             break
-        if all(c.split is not s for s in splits):
-            splits.append(c.split)
-    for split in splits:
-        split.measured = _rank0(measure(split))
+        if id(c.split) in contenders or len(contenders) < limit:
+            contenders.setdefault(id(c.split), []).append(c)
+    for group in contenders.values():
+        split = group[0].split
+        pairs = {(c.activation_checkpoint, get_order_spec(c.schedule).split_backward) for c in group}
+        sizes = [c.n_microbatches for c in group]
+        split.measured = _rank0(measure(
+            split, activation_checkpoint=sorted({ac for ac, _ in pairs}),
+            split_backward=sorted({sb for _, sb in pairs}), only=pairs,
+            batch_range=(split.batch * batches / max(sizes), split.batch * batches / min(sizes))))
     out = []
     for c in candidates:
         again = c if c.split.measured is None else evaluate(
