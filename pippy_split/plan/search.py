@@ -98,11 +98,11 @@ def plan(
             with ``loss_fn``; without, with the mean of the outputs as the loss.
         profile_passes: whole-graph profiling passes (more resist a busy machine better).
         measure: after a search with the sums of the profiled ops, run the stages of
-            the fastest candidates' splits (:mod:`.measure`: every action kind at up to
-            three microbatch sizes, plain and checkpointed; at most
-            :data:`MEASURED_SPLITS`, or this many if an int) and simulate their
-            candidates again with those times. ``False``: op sums only (faster, 4-16%
-            optimistic on CPU).
+            the contenders' splits (candidates within :data:`CONTENDER_WINDOW` of the
+            fastest, on at most :data:`MEASURED_SPLITS` splits, or this many if an int;
+            :mod:`.measure`: each action kind as the contenders run it, at up to three
+            microbatch sizes) and simulate the contenders again with those times.
+            ``False``: op sums only (faster, 4-16% optimistic on CPU).
         resolution: relative step-time difference marked as a tie in the ranking;
             default the measurement's timing noise, at least 1%.
 
