@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -92,7 +93,7 @@ class CharCorpus:
     text: str
     chars: str = ""
     prompt_end: str | None = None
-    ids: torch.Tensor = field(default=None, repr=False)  # (N,) int64
+    ids: torch.Tensor = field(default=cast(torch.Tensor, None), repr=False)  # (N,) int64
 
     def __post_init__(self) -> None:
         if not self.chars:

@@ -121,7 +121,7 @@ def _leaf_specs(value: Any, spec: Any, where: str, dims: list) -> Any:
         if len(specs) != len(leaves):
             raise MicrobatchError(f"chunk spec for {where} has {len(specs)} entries but the argument has "
                                   f"{len(leaves)} values")
-    out = []
+    out: list[Any] = []
     for k, (leaf, s) in enumerate(zip(leaves, specs)):
         if not isinstance(leaf, torch.Tensor) or s is Replicate or (s is None and leaf.dim() == 0):
             out.append(Replicate)

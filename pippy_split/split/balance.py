@@ -81,6 +81,7 @@ class BalanceReport:
 
 def _bad_value(val: object, known: set) -> bool:
     """True for a value that cannot cross a stage boundary."""
+    dims: tuple[int | torch.SymInt, ...]
     if isinstance(val, torch.Tensor):
         dims = val.shape
     elif isinstance(val, torch.SymInt):

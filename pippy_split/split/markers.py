@@ -59,7 +59,7 @@ def is_split_marker(target: object) -> bool:
         return True
     name = getattr(target, "name", None)
     return callable(name) and getattr(target, "namespace", None) == "pippy" and \
-        target.name().split(".")[0] in _OTHER_MARKERS
+        name().split(".")[0] in _OTHER_MARKERS
 
 
 def pipe_split() -> None:

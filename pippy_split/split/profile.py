@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 from torch.utils import _pytree as pytree
@@ -60,7 +60,7 @@ class OpProfile:
 
 def graph_tensors(traced: Traced, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Graph placeholder name -> the model's parameter or buffer tensor."""
-    state = dict(model.named_parameters(remove_duplicate=False))
+    state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     state.update(dict(model.named_buffers(remove_duplicate=False)))
     return {name: state[fqn] for name, fqn in {**traced.params, **traced.buffers}.items() if fqn in state}
 
@@ -80,10 +80,11 @@ def _mutates(op: torch.fx.Node) -> bool:
 
 
 def _forward_only(op: torch.fx.Node, args: tuple, kwargs: dict, device: torch.device) -> tuple[Any, OpProfile]:
+    target = cast(Callable[..., Any], op.target)  # a call_function node
     with torch.no_grad():
         _sync(device)
         t0 = time.perf_counter()
-        out = op.target(*args, **kwargs)
+        out = target(*args, **kwargs)
         _sync(device)
     return out, OpProfile(time.perf_counter() - t0, 0.0, 0.0, (), _out_bytes(out))
 
@@ -136,13 +137,14 @@ def _time_op(op: torch.fx.Node, args: tuple, kwargs: dict, device: torch.device,
             saved[ptr] = nbytes
         return t
 
+    target = cast(Callable[..., Any], op.target)  # a call_function node
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if record else _null()
     with torch.enable_grad():
         try:
             with hooks:
                 _sync(device)
                 t0 = time.perf_counter()
-                out = op.target(*grad_args, **grad_kwargs)
+                out = target(*grad_args, **grad_kwargs)
                 _sync(device)
         except RuntimeError:  # e.g. an integer result from float inputs: no backward to time
             return _forward_only(op, args, kwargs, device)
