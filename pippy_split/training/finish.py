@@ -13,12 +13,15 @@ import argparse
 import os
 import random
 import warnings
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 
 from ..checkpointing.files import save_file
 from .setup import CHECKPOINT_FILE, SUM_MAX, Prepared, fresh_model
+
+if TYPE_CHECKING:
+    from ..zoo.gpt import TinyGPT
 
 __all__ = ["finish", "save_model_file"]
 
@@ -61,6 +64,7 @@ def sample(cfg: argparse.Namespace, model: torch.nn.Module, corpus, log: Callabl
     from ..data import parse_sum, sum_prompt
     from ..zoo.gpt import generate
 
+    model = cast("TinyGPT", model)  # the built-in model (sampling runs only for it)
     rng = random.Random(cfg.seed + 1234)
     if cfg.data:
         lines = [ln for ln in corpus.text.splitlines() if ln.strip()] or [corpus.text]

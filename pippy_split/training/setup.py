@@ -118,6 +118,7 @@ def fresh_model(cfg: argparse.Namespace, prep: Prepared) -> torch.nn.Module:
     from ..zoo.gpt import TinyGPT
 
     if prep.corpus is not None:
+        assert prep.gpt_cfg is not None  # set together with corpus
         return TinyGPT(**prep.gpt_cfg)
     torch.manual_seed(cfg.seed)
     return unpack_entry(load_factory(cfg.model)())[0]

@@ -114,6 +114,8 @@ class TransformerBlock(nn.Module):
 class TinyLlama(nn.Module):
     """forward(tokens (B, T) int64, positions (B, T) int64) -> logits (B, T, vocab_size)."""
 
+    freqs_cis: torch.Tensor  # buffer (registered in __init__)
+
     def __init__(
         self,
         vocab_size: int = 64,

@@ -53,6 +53,9 @@ class OutOfOrderArgs(nn.Module):
 class RunningNorm(nn.Module):
     """Normalise with fixed running statistics, like BatchNorm in eval mode (never updated)."""
 
+    running_mean: torch.Tensor  # buffers (registered in __init__)
+    running_var: torch.Tensor
+
     def __init__(self, d: int) -> None:
         super().__init__()
         # Persistent: saved in the state_dict, like BatchNorm's statistics.
@@ -65,6 +68,8 @@ class RunningNorm(nn.Module):
 
 class WindowedLinear(nn.Module):
     """Linear layer whose input is multiplied by a fixed window (a non-persistent buffer)."""
+
+    window: torch.Tensor  # buffer (registered in __init__)
 
     def __init__(self, d: int) -> None:
         super().__init__()
