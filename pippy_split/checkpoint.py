@@ -152,7 +152,9 @@ def _swap_in(tmp: str, path: str, comm: _Comm) -> None:
 
 def _collect(path: str, holders: list, optimizer: Any, comm: _Comm) -> dict:
     """This rank's flat ``{key: value}`` to write (the keys it owns); raises on every rank alike."""
-    flat, order, err = {}, {}, None
+    flat: dict[str, Any] = {}
+    order: dict[str, tuple[int, int]] = {}
+    err: str | None = None
     try:
         flat, order = _collect_model(holders, comm.rank)
         if optimizer is not None:
@@ -222,6 +224,7 @@ def load(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
     except CheckpointError as e:
         err = str(e)
     _raise_any(comm.all_gather(err), "", path)
+    assert found is not None and plan is not None  # set on every rank, or _raise_any raised
     if found != path:
         warnings.warn(f"no checkpoint at {path}; loading the previous one from {found} "
                       f"(a save to {path} was interrupted between its two renames)", stacklevel=2)

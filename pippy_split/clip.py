@@ -6,7 +6,7 @@ parameters already summed across stages) and before the optimizer.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ def clip_grad_norm_(sched: Any, max_norm: float, norm_type: float = 2.0, *,
     norm_type = float(norm_type)
     counted, scaled = _parameters(sched)
     device = sched.stages[0].device
-    norms = [_norm(p.grad, norm_type) for p in counted]
+    norms = [_norm(cast(torch.Tensor, p.grad), norm_type) for p in counted]  # _parameters: grad is set
     if norm_type == float("inf"):
         local = torch.stack(norms).max() if norms else torch.zeros((), device=device)
         op = dist.ReduceOp.MAX
@@ -58,6 +58,7 @@ def clip_grad_norm_(sched: Any, max_norm: float, norm_type: float = 2.0, *,
                            "pass error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in scaled:
+        assert p.grad is not None  # _parameters keeps only parameters with a gradient
         p.grad.mul_(coef.to(p.grad.device))
     return total
 

@@ -100,6 +100,7 @@ def _reduce(comm: "_Comm", local_fn, global_fn, scatter: bool) -> Any:
     outcomes = comm.gather(outcome)
     reply: Any = None
     if comm.rank == 0:
+        assert outcomes is not None  # gathered on rank 0
         failures = {r: v for r, (ok, v) in enumerate(outcomes) if not ok}
         if not failures:
             (ok, value), local0 = _attempt(lambda: global_fn([v for _, v in outcomes]))
@@ -202,6 +203,7 @@ class _Comm:
     def scatter(self, objs: list[Any] | None) -> Any:
         """Element ``rank`` of rank 0's list, on each rank."""
         if self.world == 1:
+            assert objs is not None  # a single rank is rank 0
             return objs[0]
         return self.broadcast(objs)[self.rank]
 
