@@ -10,9 +10,12 @@ k-th receive on it, so both ends must list a channel's messages in one order.
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from typing import TYPE_CHECKING, Mapping, NamedTuple
 
 from .actions import Action, ActionKind
+
+if TYPE_CHECKING:
+    from .lower import Peers
 
 __all__ = ["Message", "Channel", "action_messages", "required_messages", "send_action", "recv_action"]
 
@@ -48,12 +51,12 @@ class Channel(NamedTuple):
         return f"rank {self.sender} -> rank {self.receiver}"
 
 
-def _remote_peers(action: Action, table: Mapping[int, object]) -> tuple[int, ...]:
+def _remote_peers(action: Action, table: Mapping[int, Peers]) -> tuple[int, ...]:
     peers = table[action.stage]
     return {SEND_F: peers.send_f, RECV_F: peers.recv_f, SEND_B: peers.send_b, RECV_B: peers.recv_b}[action.kind]
 
 
-def action_messages(action: Action, table: Mapping[int, object]) -> list[Message]:
+def action_messages(action: Action, table: Mapping[int, Peers]) -> list[Message]:
     """The messages a comm action posts, in posting order.
 
     ``table`` is :func:`~pippy_split.schedule.lower.peer_table`'s result. An
@@ -75,7 +78,7 @@ def action_messages(action: Action, table: Mapping[int, object]) -> list[Message
             where = f"one of stages {sorted(remote)}" if remote else "no stage on another rank"
             raise ValueError(f"{action} names peer stage {action.peer}, but in this direction stage {action.stage} "
                              f"exchanges with {where}")
-        peers = (action.peer,)
+        peers: tuple[int, ...] = (action.peer,)
     else:
         if not remote:
             raise ValueError(f"{action} stage has no peer on another rank in this direction")
@@ -90,7 +93,7 @@ def action_messages(action: Action, table: Mapping[int, object]) -> list[Message
     return [Message("B", p, s, mb) for p in peers]
 
 
-def required_messages(table: Mapping[int, object], n_microbatches: int) -> list[Message]:
+def required_messages(table: Mapping[int, Peers], n_microbatches: int) -> list[Message]:
     """Every message a step must move, given the peer table: each cross-rank
     link once per microbatch forward, and back when it carries a gradient."""
     out = []

@@ -99,11 +99,13 @@ class _State:
 
     def run(self, kind: ActionKind, queue: list | None, s: int, mb: int, rank: int, end: float) -> None:
         if kind is F:
+            assert queue is not None  # pick gives F and I their queue
             self.f_end[s][mb] = end
             queue[1] += 1
             self.held[rank] += 1
             self.last_was_f[rank] = True
         elif kind is I:
+            assert queue is not None
             self.i_end[s][mb] = end
             queue[1] += 1
             self.pending_w[rank].append((s, mb))
