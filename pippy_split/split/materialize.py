@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import difflib
 import zlib
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, cast
 
 import torch
 
@@ -23,7 +23,7 @@ _SHOW = 10  # keys named per kind in an error message
 
 
 def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = dict(module.named_parameters(remove_duplicate=False))
+    out: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     out.update(dict(module.named_buffers(remove_duplicate=False)))
     return out
 
@@ -32,7 +32,7 @@ def _set(module: torch.nn.Module, fqn: str, value: torch.Tensor) -> None:
     owner_path, _, leaf = fqn.rpartition(".")
     owner = module.get_submodule(owner_path)
     if leaf in owner._parameters:
-        owner._parameters[leaf] = value
+        owner._parameters[leaf] = cast(torch.nn.Parameter, value)
     else:
         owner._buffers[leaf] = value
 
@@ -125,7 +125,8 @@ def fill_stage(module: torch.nn.Module, stage_index: int, model: torch.nn.Module
             if unexpected:
                 raise SplitError(_key_message(stage_index, [], unexpected, state_dict, list(known)))
         target = torch.device(device) if device is not None else torch.device("cpu")
-        materialize_stage(module, model, target, state_dict=state_dict, seed=seed, canonical=canonical,
+        # model may be None: that works only when state_dict fills every tensor
+        materialize_stage(module, cast(torch.nn.Module, model), target, state_dict=state_dict, seed=seed, canonical=canonical,
                           strict=strict)
     elif state_dict is not None:
         load_stage_state(module, state_dict, known, stage_index, strict=strict)
@@ -221,9 +222,9 @@ def _reset_from_owners(fresh: dict, meta: dict, model: torch.nn.Module, device, 
         # The owner's reset_parameters(), else a Hugging Face model's _init_weights(module)
         # (which also recomputes rotary inv_freq buffers).
         if hasattr(owner, "reset_parameters"):
-            init = lambda m: m.reset_parameters()  # noqa: E731
+            init: Callable[[Any], Any] = lambda m: m.reset_parameters()  # noqa: E731
         elif callable(getattr(model, "_init_weights", None)):
-            init = model._init_weights
+            init = cast(Callable[[Any], Any], model._init_weights)
         else:
             cannot.extend(names)
             continue
@@ -280,4 +281,4 @@ def _retarget_graph(module: torch.nn.Module, device: torch.device) -> None:
         if args != node.args or kwargs != node.kwargs:
             node.args, node.kwargs, changed = args, kwargs, True
     if changed:
-        module.recompile()
+        cast(torch.fx.GraphModule, module).recompile()
