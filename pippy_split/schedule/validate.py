@@ -20,7 +20,7 @@ stuck steps marked. Every failure names the rank, step and action.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, NoReturn, cast
 
 from .actions import Action, ActionKind, Order
 from .deps import Link, chain_links, deps_function
@@ -127,7 +127,7 @@ def validate(
         where = resolve_placement(placement, num_stages, max(len(order), 1), order)
     except PlacementConflict as e:
         raise ScheduleError(f"stage {e.stage} already has actions on rank {e.home}; a stage lives on one rank",
-                            rank=e.rank, step=e.step, action=e.action, order=order) from None
+                            rank=e.rank, step=e.step, action=cast("Action | None", e.action), order=order) from None
     link_list = chain_links(num_stages) if links is None else list(links)
     check = _Checker(order, num_stages, n_microbatches, link_list, where)
     check.scan()
@@ -170,7 +170,7 @@ class _Checker:
         code, stage = divmod(rest, self.S)
         return Action(stage, _KINDS[code], mb)
 
-    def fail(self, reason: str, at: Pos | None, action: Action, marks: Mapping[int, int] | None = None) -> None:
+    def fail(self, reason: str, at: Pos | None, action: Action, marks: Mapping[int, int] | None = None) -> NoReturn:
         rank, step = at if at is not None else (self.where.get(action.stage), None)
         raise ScheduleError(reason, rank=rank, step=step, action=action, order=self.order, marks=marks)
 
@@ -198,7 +198,7 @@ class _Checker:
                     continue
                 k = (code * S + s) * M + mb
                 if pos[k] is not None:
-                    r0, i0 = pos[k]
+                    r0, i0 = cast(Pos, pos[k])
                     self.fail(f"duplicate {a} (already at rank {r0}, step {i0})", (rank, step), a)
                 pos[k] = (rank, step)
         self.lowered = bool(comms)
@@ -207,7 +207,7 @@ class _Checker:
             self.fail(f"stage {missing[0]} has no actions on any rank", None, Action(missing[0], F, 0))
         self.table = peer_table(S, self.links, where)
 
-    def _out_of_range(self, a: Action, at: Pos) -> None:
+    def _out_of_range(self, a: Action, at: Pos) -> NoReturn:
         if a.stage >= self.S:
             self.fail(f"stage {a.stage} is out of range [0, {self.S})", at, a)
         self.fail(f"microbatch {a.mb} is out of range [0, {self.M})", at, a)
@@ -219,13 +219,13 @@ class _Checker:
             f, b, i, w = pos[k], pos[_B * SM + k], pos[_I * SM + k], pos[_W * SM + k]
             if f is not None and (b is not None) != (i is not None) and (i is None) == (w is None):
                 # the common case: F, then B or I-then-W
-                bwd = b if b is not None else i
-                if f[1] < bwd[1] and (w is None or i[1] < w[1]):
+                bwd = cast(Pos, b if b is not None else i)  # exactly one of b, i is set
+                if f[1] < bwd[1] and (w is None or cast(Pos, i)[1] < w[1]):  # i is set with w
                     continue
             s, mb = divmod(k, self.M)
             self._incomplete(s, mb, f, b, i, w)
 
-    def _incomplete(self, s: int, mb: int, f: Pos | None, b: Pos | None, i: Pos | None, w: Pos | None) -> None:
+    def _incomplete(self, s: int, mb: int, f: Pos | None, b: Pos | None, i: Pos | None, w: Pos | None) -> NoReturn:
         """Report what is wrong with stage ``s`` microbatch ``mb`` (something is)."""
         act = {kind: Action(s, kind, mb) for kind in (F, B, I, W)}
         if b is not None and (i is not None or w is not None):
@@ -246,6 +246,7 @@ class _Checker:
             self.fail(f"{act[bkind]} comes before its forward {act[F]} (step {f[1]})", bwd, act[bkind])
         if w is None:
             self.fail(f"{act[I]} has no {act[W]}", i, act[I])
+        assert i is not None  # w is set, so b is not (failed above): bwd is i
         self.fail(f"{act[W]} comes before its {act[I]} (step {i[1]})", w, act[W])
 
     # -- pass 3 (lowered orders): messages, where they sit, channel order --------
@@ -286,6 +287,7 @@ class _Checker:
             self.fail(f"{consumer} needs {what} from stage {m.sender} (rank {self.where[m.sender]}) but no "
                       f"{recv_action(m, True)} comes before it", at, consumer)
         if recv is None:
+            assert send is not None  # not both None (failed above)
             r, i, a = send
             self.fail(f"{a} has no matching {recv_action(m, True)} on rank {self.where[m.receiver]}", (r, i), a)
         if send is None:
@@ -298,6 +300,7 @@ class _Checker:
             self.fail(f"{s_act} comes before the action that produces it", (s_rank, s_step), s_act)
         consumer = self._consumer(m)
         at = pos[self.key(_CODE[consumer.kind.value], consumer.stage, consumer.mb)]
+        assert at is not None  # completeness() found every F and every B or I
         if recv[1] > at[1]:
             what = "activations" if m.direction == "F" else "output gradients"
             self.fail(f"{consumer} needs {what} from stage {m.sender} (rank {self.where[m.sender]}) but its "
@@ -343,7 +346,7 @@ class _Checker:
             step = enc.steps(self.order, r)[len(run.starts[r])]
             key = self.key(_CODE[kind.value], stage, mb)
             if self.where.get(stage) == r:  # it can only come later on this very rank
-                self._runs_later(self.order[r][step], (r, step), key)
+                self._runs_later(cast(Action, self.order[r][step]), (r, step), key)  # a blocked rank is at an action
             ptr[r], blocked[r] = step, key
         self._deadlock(ptr, blocked)
 
@@ -380,7 +383,7 @@ class _Checker:
             first = stuck[0]
             reason = (f"deadlock: no rank can advance once a batch of sends/receives waits for its counterparts "
                       f"(NCCL's rule); {len(stuck)} rank(s) stuck:\n" + "\n".join(lines))
-            self.fail(reason, (first, run.ptr[first]), order[first][run.ptr[first]],
+            self.fail(reason, (first, run.ptr[first]), cast(Action, order[first][run.ptr[first]]),
                       marks={r: run.ptr[r] for r in stuck})
 
     def _dep_templates(self) -> dict[int, list[tuple[int, int, bool]]]:
@@ -415,4 +418,4 @@ class _Checker:
         ]
         first = stuck[0]
         reason = f"deadlock: no rank can advance; {len(stuck)} rank(s) stuck:\n" + "\n".join(lines)
-        self.fail(reason, (first, ptr[first]), self.order[first][ptr[first]], marks={r: ptr[r] for r in stuck})
+        self.fail(reason, (first, ptr[first]), cast(Action, self.order[first][ptr[first]]), marks={r: ptr[r] for r in stuck})
