@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import sympy
 import torch
@@ -82,7 +82,7 @@ def _user_symbol_names(placeholders: dict[str, torch.fx.Node]) -> dict[sympy.Sym
 
 
 def _spec_of(node: torch.fx.Node, requires_grad: bool, known: set, rename: dict | None = None) -> TensorSpec:
-    val = node.meta.get("val")
+    val: Any = node.meta.get("val")
     dims = []
     for d in val.shape:
         if isinstance(d, torch.SymInt):
@@ -104,7 +104,8 @@ def _spec_of(node: torch.fx.Node, requires_grad: bool, known: set, rename: dict 
 
 
 def _symbol_sources(traced: Traced, placeholders: dict[str, torch.fx.Node]) -> list[SymbolSource]:
-    out, seen = [], set()
+    out: list[SymbolSource] = []
+    seen: set[sympy.Symbol] = set()
     for idx, name in enumerate(traced.user_inputs):
         val = placeholders[name].meta.get("val")
         if not isinstance(val, torch.Tensor):
@@ -130,7 +131,7 @@ def _install(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, buffer: bo
     if buffer:
         mod.register_buffer(leaf, value, persistent=persistent)
     else:
-        mod.register_parameter(leaf, value)
+        mod.register_parameter(leaf, cast(torch.nn.Parameter, value))
 
 
 class _Builder:
@@ -153,9 +154,9 @@ class _Builder:
         self.output_leaves = list(out_node.args[0])
 
     def _param_tensors(self) -> dict[str, torch.Tensor]:
-        state = dict(self.model.named_parameters(remove_duplicate=False))
+        state: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
         state.update(dict(self.model.named_buffers(remove_duplicate=False)))
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         for name, fqn in {**self.traced.params, **self.traced.buffers}.items():
             out[name] = state[fqn]
         return out
@@ -189,7 +190,7 @@ class _Builder:
                     consumers.setdefault(v, set()).add(s)
         outputs: list[list[torch.fx.Node]] = [[] for _ in range(self.n)]
         for v in sorted(consumers, key=self.position.__getitem__):
-            outputs[self.stage_of(v)].append(v)
+            outputs[cast(int, self.stage_of(v))].append(v)  # a call_function: it has a stage
         last_out: dict[torch.fx.Node, int] = {}
         for leaf in self.output_leaves:
             if isinstance(leaf, torch.fx.Node) and leaf not in last_out:
@@ -272,7 +273,7 @@ class _Builder:
                 edges.append(edge)
                 sources.append(StageInput(len(sources), InputKind.EDGE, v.name, edge=edge))
         for v in received:
-            src = self.stage_of(v)
+            src = cast(int, self.stage_of(v))  # received from the stage that computes it
             spec = _spec_of(v, self.rg[v], self.known_symbols, self.rename)
             env[v] = g.placeholder(v.name)
             edge = Edge(src, out_index[src][v], s, len(sources), spec, v.name)
@@ -320,7 +321,7 @@ class _Builder:
 
     def _copy_ops(self, g: torch.fx.Graph, env: dict, root: torch.nn.Module, ops: list) -> tuple[list, int]:
         """Copy the stage's ops into ``g``; ``(module call paths in order, forward FLOPs)``."""
-        modules: dict[str, None] = {}
+        modules: dict[tuple[str, ...], None] = {}
         flops = 0
         for op in ops:
             for a in op.all_input_nodes:
