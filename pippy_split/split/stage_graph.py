@@ -226,7 +226,9 @@ class _Builder:
         chosen = [n for n in names if (n.rsplit(".", 1)[0] if "." in n else "") in user_paths]
         return chosen or [canonical]
 
-    def _build_stage(self, s, ops, reads, outs, out_index, installed):
+    def _build_stage(self, s: int, ops: list[torch.fx.Node], reads: list[torch.fx.Node], outs: list[torch.fx.Node],
+                     out_index: list[dict[torch.fx.Node, int]], installed: dict[str, list[tuple[int, list[str]]]]
+                     ) -> tuple[StageInfo, list[Edge]]:
         """Stage ``s``'s GraphModule and StageInfo from its ops, the values it reads and the
         values it outputs; ``installed`` collects which stages hold each tensor."""
         g = torch.fx.Graph()
@@ -250,7 +252,7 @@ class _Builder:
         info = StageInfo(s, module, sources, [v.name for v in outs], out_specs, modules, flops, param_fqns)
         return info, edges
 
-    def _inputs(self, s: int, g: torch.fx.Graph, env: dict, reads: list, out_index: dict
+    def _inputs(self, s: int, g: torch.fx.Graph, env: dict, reads: list, out_index: list[dict[torch.fx.Node, int]]
                 ) -> tuple[list[StageInput], list[Edge]]:
         """Placeholders for what stage ``s`` reads from outside: model inputs, values of
         earlier stages (one Edge each, from the true producer), dynamic sizes."""
