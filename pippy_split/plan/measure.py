@@ -42,7 +42,7 @@ from ..schedule.schedules import ScheduleFromOrder
 from .costs import resize_batch
 from .saved_bytes import SavedBytes
 
-__all__ = ["StageMeasure", "SplitMeasure", "measure_split", "DEFAULT_MEASURE_PASSES"]
+__all__ = ["StageMeasure", "SplitMeasure", "measure_split", "group_of_one", "DEFAULT_MEASURE_PASSES"]
 
 DEFAULT_MEASURE_PASSES = 4
 """Steps per measured schedule: two warm up (the allocator settles: the first schedule
@@ -157,8 +157,9 @@ def _model_untouched(model: torch.nn.Module) -> Iterator[None]:
                 p.grad = g
 
 
-def _group_of_one() -> Any:
-    """Inside a process group, a group of this rank alone (the stages all run here)."""
+def group_of_one() -> Any:
+    """Inside a process group, a new group of this rank alone (the measured stages all run
+    here); None outside one. Only this rank takes part in making it."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -169,7 +170,7 @@ def _group_of_one() -> Any:
 def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target: Any = None,
                   activation_checkpoint: Sequence[bool] = (False, True), split_backward: Sequence[bool] = (False, True),
                   batch_range: tuple[float, float] | None = None,
-                  only: Collection[tuple[bool, bool]] | None = None,
+                  only: Collection[tuple[bool, bool]] | None = None, group: Any = None,
                   passes: int = DEFAULT_MEASURE_PASSES) -> SplitMeasure:
     """Run ``costs``' split (a :class:`~.costs.SplitCosts`) stage by stage on this process
     and measure every action kind (see the module docstring).
@@ -179,6 +180,8 @@ def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target
     ``batch_range``: the smallest and largest microbatch the planner prices; sizes
     outside it are not measured (default: half and twice the example's). ``only``: the
     ``(checkpointing, split backward)`` pairs to measure (default: every combination).
+    ``group``: inside a process group, a group of this rank alone (:func:`group_of_one`;
+    default: a new one).
     """
     t0 = time.perf_counter()
     model = costs.model
@@ -187,7 +190,7 @@ def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target
     b0 = costs.batch
     lo, hi = batch_range if batch_range is not None else (b0 / 2, 2 * b0)
     sizes = tuple(sorted({b0} | {b for b in (b0 // 2, 2 * b0) if b >= 1 and lo <= b <= hi}))
-    group = _group_of_one()
+    group = group if group is not None else group_of_one()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     out: dict[tuple[bool, bool], list[StageMeasure]] = {}
     spreads: list[float] = []

@@ -29,7 +29,7 @@ from ..split.errors import SplitError
 from ..split.profile import DEFAULT_PASSES, op_overhead, op_profiles
 from ..split.trace import trace_model
 from .costs import CommModel, SplitCosts, parse_bytes, price_split
-from .measure import SplitMeasure, measure_split
+from .measure import SplitMeasure, group_of_one, measure_split
 from .report import Candidate, Plan, PlanError
 
 __all__ = ["plan", "evaluate"]
@@ -148,7 +148,8 @@ def plan(
                               example=(example_args, example_kwargs or {}), batch=b0, passes=profile_passes)
     candidates = _search(price, grid, ms, acs, num_ranks, global_batch / b0, comm, optimizer_state, budget, notes)
     if measure and candidates:
-        measure_one = functools.partial(measure_split, loss_fn=loss_fn, example_target=example_target)
+        measure_one = functools.partial(measure_split, loss_fn=loss_fn, example_target=example_target,
+                                        group=group_of_one())
         limit = MEASURED_SPLITS if measure is True else int(measure)
         candidates = _measure_contenders(candidates, measure_one, limit, num_ranks, global_batch / b0, comm,
                                          optimizer_state, budget)
