@@ -68,8 +68,10 @@ class PipelineStage:
         mixed_precision: ``None``, ``torch.bfloat16`` or ``torch.float16``: forward (and
             recompute) under ``torch.autocast``, the loss in fp32; for a stage of a Pipe
             the edges' specs say the dtype autocast gives them (``pipe.build_stage``).
-        compile: run the stage's forward (and so its backward, I and W included)
-            through ``torch.compile``; a dict gives ``torch.compile``'s options.
+        compile: run the stage's forward (and so its backward) through
+            ``torch.compile``; a dict gives ``torch.compile``'s options. A compiled
+            stage is one autograd node, so under the I/W split its I runs the whole
+            backward (weight gradients included) and its W does nothing.
 
     Shapes of hand-built stages are inferred on the first step from the real first
     microbatch: each stage, in index order, runs a fake (FakeTensor) forward, and its
@@ -324,6 +326,10 @@ class PipelineStage:
         saved = self._pop(mb)
         if saved.recompute is not None:
             self._recompute(mb, saved)
+        return self._full_backward(mb, saved, output_grads, loss_divisor)
+
+    def _full_backward(self, mb: int, saved: SavedMicrobatch, output_grads: Mapping[int, torch.Tensor],
+                       loss_divisor: float) -> dict[int, torch.Tensor]:
         tensors, grads = self._roots(mb, saved, output_grads, loss_divisor)
         if tensors:
             try:
@@ -378,23 +384,11 @@ class PipelineStage:
 
     def _backward_input_and_weights(self, mb: int, saved: SavedMicrobatch, output_grads: Mapping[int, torch.Tensor],
                                     loss_divisor: float) -> dict[int, torch.Tensor]:
-        """I of a stage whose W cannot be split off (compiled): one backward for the input
-        and the weight gradients, the latter accumulated now; W then has nothing to do."""
-        tensors, grads = self._roots(mb, saved, output_grads, loss_divisor)
-        leaves = self._grad_inputs(saved)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        targets = [a for _, a in leaves] + params
-        results: Sequence[torch.Tensor | None] = [None] * len(targets)
-        if tensors and targets:
-            try:
-                results = torch.autograd.grad(tensors, targets, grads, allow_unused=True)
-            except Exception as e:
-                raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: input-grad backward raised "
-                                    f"{type(e).__name__}: {e}") from e
-        for p, g in zip(params, results[len(leaves):]):
-            accumulate(p, g)
+        """I of a stage whose W cannot be split off (compiled): the whole backward, as B
+        runs it (gradient hooks, e.g. FSDP's, fire as usual); W then has nothing to do."""
+        in_grads = self._full_backward(mb, saved, output_grads, loss_divisor)
         saved.weight_work, saved.outputs = [], ()
-        return {i: g if g is not None else torch.zeros_like(a) for (i, a), g in zip(leaves, results[: len(leaves)])}
+        return in_grads
 
     def backward_weight(self, mb: int) -> None:
         """Weight-gradient half (W): accumulates ``.grad`` exactly as ``loss.backward()`` would."""
