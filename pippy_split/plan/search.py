@@ -191,9 +191,12 @@ def _measure_contenders(candidates: list[Candidate], measure: Callable[..., Spli
             batch_range=(split.batch * batches / max(sizes), split.batch * batches / min(sizes))))
     out = []
     for c in candidates:
-        again = c if c.split.measured is None else evaluate(
-            c.split, c.schedule, num_ranks, c.n_microbatches, c.activation_checkpoint, batches / c.n_microbatches,
-            comm, optimizer_state, budget)
+        measured = c.split.measured
+        if measured is None or not measured.has(c.activation_checkpoint, get_order_spec(c.schedule).split_backward):
+            out.append(c)  # its op-sum simulation stands
+            continue
+        again = evaluate(c.split, c.schedule, num_ranks, c.n_microbatches, c.activation_checkpoint,
+                         batches / c.n_microbatches, comm, optimizer_state, budget)
         out.append(again if again is not None else c)
     return out
 
