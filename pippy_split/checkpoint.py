@@ -80,7 +80,7 @@ __all__ = ["CheckpointError", "save", "load", "saved_keys"]
 
 
 def save(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = None, *,
-         extra: Any = None, no_dist: bool = False) -> str:
+         extra: Any = None, no_dist: bool = False, group: Any = None) -> str:
     """Write this rank's part of a checkpoint to the directory ``path``; the same call on every rank.
 
     Args:
@@ -95,7 +95,12 @@ def save(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
         extra: any picklable object (step count, RNG state, data position...),
             returned by :func:`load`. Rank 0's copy is written.
         no_dist: write from this process alone even if a process group is
-            initialised (otherwise every rank of the default group must call).
+            initialised (otherwise every rank of ``group`` must call).
+        group: the ranks that write this checkpoint together, a process group or a
+            1-D DeviceMesh; default the default group. It must hold every rank with
+            a part of the model, data-parallel replicas included (a replica's copy is
+            written once); pass one only where other ranks of the world run other
+            models (each group its own ``path``).
 
     Returns:
         ``path``, absolute.
@@ -113,7 +118,7 @@ def save(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
         >>> save("ckpt", model)                                # one process, unsplit  # doctest: +SKIP
     """
     path = os.path.abspath(os.fspath(path))
-    comm = _Comm(no_dist)
+    comm = _Comm(no_dist, group)
     flat = _collect(path, _holders(modules_or_schedule), optimizer, comm)
     if comm.rank == 0:
         flat[_EXTRA] = extra
@@ -182,7 +187,7 @@ def _agree_on_tmp(path: str, comm: _Comm) -> str:
 
 
 def load(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = None, *,
-         strict: bool = True, no_dist: bool = False) -> Any:
+         strict: bool = True, no_dist: bool = False, group: Any = None) -> Any:
     """Load this rank's keys of the checkpoint at ``path`` in place; the same call on every rank.
 
     Any layout loads any other: keys are the original model's FQNs, so a
@@ -200,6 +205,9 @@ def load(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
             ``strict=False`` matching keys are loaded and the rest is reported
             with a warning.
         no_dist: load in this process alone even if a process group is initialised.
+        group: the ranks that load together (checked as one: missing and unexpected
+            keys are counted over them), a process group or a 1-D DeviceMesh;
+            default the default group.
 
     Returns:
         The ``extra`` object given to :func:`save` (None if none).
@@ -215,7 +223,7 @@ def load(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
     """
     path = os.path.abspath(os.fspath(path))
     holders = _holders(modules_or_schedule)
-    comm = _Comm(no_dist)
+    comm = _Comm(no_dist, group)
     optimizers = _optimizers(optimizer) if optimizer is not None else []
     found, plan, err = None, None, None
     try:

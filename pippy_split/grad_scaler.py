@@ -14,6 +14,8 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from .stage.groups import process_group
+
 __all__ = ["PipelineGradScaler"]
 
 
@@ -44,7 +46,7 @@ class PipelineGradScaler:
         self.sched = sched
         self.scale = float(init_scale)
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
-        self.extra_groups = list(extra_groups)
+        self.extra_groups = [process_group(g, "GradScaler extra_groups") for g in extra_groups]
         self.clean_steps = 0
         self.skipped_steps = 0
         sched.loss_scale = self.scale

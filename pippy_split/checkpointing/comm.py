@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..stage.groups import process_group
+
 
 def _describe_dcp_error(e: BaseException, name_ranks: bool = True) -> str:
     """DCP wraps rank failures in a CheckpointException; name the ranks and their errors.
@@ -125,7 +127,7 @@ def _quiet_dcp():
 
 
 class _Comm:
-    """Object collectives over the default group that need no numpy.
+    """Object collectives over the checkpoint's group (default: the default group) that need no numpy.
 
     torch's own (``all_gather_object`` and the like) turn the received bytes back
     into objects with ``tensor.numpy()``; numpy is not a dependency of torch, so
@@ -134,14 +136,15 @@ class _Comm:
     (``torch.frombuffer``) and send that tensor, padded to the longest.
     """
 
-    def __init__(self, no_dist: bool) -> None:
+    def __init__(self, no_dist: bool, group: Any = None) -> None:
         self.on = (not no_dist) and dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.on else 0
-        self.world = dist.get_world_size() if self.on else 1
+        self.group = process_group(group, "checkpoint") if self.on else None
+        self.rank = dist.get_rank(self.group) if self.on else 0
+        self.world = dist.get_world_size(self.group) if self.on else 1
 
     def _device(self) -> torch.device:
         """Where the group's collectives take tensors: the CPU unless the only backend is a device's."""
-        backend = str(dist.get_backend())
+        backend = str(dist.get_backend(self.group))
         if backend in ("gloo", "mpi") or "cpu:" in backend:  # "cpu:gloo,cuda:nccl": the CPU one
             return torch.device("cpu")
         if backend == "nccl":
@@ -160,7 +163,7 @@ class _Comm:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         device = self._device()
         sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world)]
-        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device))
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device), group=self.group)
         return data, [int(n.item()) for n in sizes], device
 
     @staticmethod
@@ -175,7 +178,7 @@ class _Comm:
         data, sizes, device = self._encode(obj)
         longest = max(sizes)
         out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(self.world)]
-        dist.all_gather(out, self._padded(data, longest, device))
+        dist.all_gather(out, self._padded(data, longest, device), group=self.group)
         return [self._decode(t, n) for t, n in zip(out, sizes)]
 
     def gather(self, obj: Any) -> list[Any] | None:
@@ -185,7 +188,8 @@ class _Comm:
         data, sizes, device = self._encode(obj)
         longest = max(sizes)
         out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(self.world)]
-        dist.gather(self._padded(data, longest, device), out if self.rank == 0 else None, dst=0)
+        dist.gather(self._padded(data, longest, device), out if self.rank == 0 else None, group=self.group,
+                    group_dst=0)
         return [self._decode(t, n) for t, n in zip(out, sizes)] if self.rank == 0 else None
 
     def broadcast(self, obj: Any) -> Any:
@@ -195,9 +199,9 @@ class _Comm:
         device = self._device()
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == 0 else b""
         size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        dist.broadcast(size, src=0)
+        dist.broadcast(size, group=self.group, group_src=0)
         payload = self._padded(data, int(size.item()), device)
-        dist.broadcast(payload, src=0)
+        dist.broadcast(payload, group=self.group, group_src=0)
         return self._decode(payload, int(size.item()))
 
     def scatter(self, objs: list[Any] | None) -> Any:

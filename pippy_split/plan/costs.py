@@ -77,7 +77,8 @@ class CommModel:
 
     @classmethod
     def measure(cls, group: Any = None, nbytes: int = 1 << 22, repeats: int = 7) -> "CommModel":
-        """Ping-pong between ranks 0 and 1 of ``group`` (every rank of it must call this):
+        """Ping-pong between ranks 0 and 1 of ``group`` (a process group or a 1-D DeviceMesh;
+        every rank of it must call this):
         a 4-byte message gives the latency, an ``nbytes`` one (4 MiB) the bandwidth; each
         the least one-way time over ``repeats``.
 
@@ -86,6 +87,9 @@ class CommModel:
         """
         import torch.distributed as dist
 
+        from ..stage.groups import process_group
+
+        group = process_group(group, "CommModel.measure")
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         peer = 1 - rank if rank < 2 else None
 

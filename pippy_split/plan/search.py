@@ -71,6 +71,7 @@ def plan(
     profile_passes: int = PROFILE_PASSES,
     measure: bool | int = True,
     resolution: float | None = None,
+    group: Any = None,
 ) -> Plan:
     """Choose split, schedule, stages per rank, microbatches and checkpointing for ``model``.
 
@@ -105,6 +106,9 @@ def plan(
             ``False``: op sums only (faster, 4-16% optimistic on CPU).
         resolution: relative step-time difference marked as a tie in the ranking;
             default the measurement's timing noise, at least 1%.
+        group: the pipeline's process group or DeviceMesh dimension (``mesh["pp"]``): the
+            default link model is measured between its first two ranks. Every rank of
+            the default group calls ``plan()`` and gets rank 0's plan.
 
     Returns:
         A :class:`Plan`: candidates fitting the budget ranked by predicted step time.
@@ -131,7 +135,7 @@ def plan(
     names = list(schedules) if schedules is not None else list(ORDERS)
     for name in names:
         get_order_spec(name)  # an unknown name is refused before anything runs
-    comm = comm if comm is not None else _default_comm()
+    comm = comm if comm is not None else _default_comm(group)
     traced = trace_model(model, example_args, example_kwargs)
     flat = traced.flatten_inputs(example_args, example_kwargs or {})
     ms = sorted(set(microbatches)) if microbatches is not None else _default_microbatches(global_batch, num_ranks)
@@ -334,9 +338,11 @@ def _agree_profile(traced: Any, model: torch.nn.Module, flat: Sequence[Any], pas
     return overhead
 
 
-def _default_comm() -> CommModel:
+def _default_comm(group: Any = None) -> CommModel:
+    """The link model measured on ``group`` (the default group when None); with a
+    pipeline group inside a larger world, every rank takes rank 0's measurement."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return CommModel.measure()
+        return CommModel.measure() if group is None else _rank0(CommModel.measure(group))
     return CommModel()

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..stage.errors import PipelineError
+from ..stage.groups import process_group
 from .actions import Order
 from .validate import ScheduleError
 
@@ -29,8 +30,8 @@ Link = tuple[int, int, bool]
 
 
 def group_info(group: Any) -> tuple[int, int]:
-    """``(rank, world size)`` in ``group``; ``(0, 1)`` without a process group (refused
-    where the process was launched as one of several ranks)."""
+    """``(rank, world size)`` in ``group`` (a process group or a 1-D DeviceMesh); ``(0, 1)``
+    without a process group (refused where the process was launched as one of several ranks)."""
     if not (dist.is_available() and dist.is_initialized()):
         launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
         if launched > 1 and group is None:
@@ -38,6 +39,7 @@ def group_info(group: Any) -> tuple[int, int]:
                                 "no process group exists: call torch.distributed.init_process_group() before "
                                 "building the schedule, or every rank would run the whole pipeline alone")
         return 0, 1
+    group = process_group(group)
     return dist.get_rank(group), dist.get_world_size(group)
 
 

@@ -17,6 +17,7 @@ import torch
 from ..microbatch import merge_chunks, split_args_kwargs
 from ..split.spec import InputKind
 from ..stage.errors import PipelineError
+from ..stage.groups import process_group
 from ..stage.stage import LossRule, PipelineStage
 from ..stage.transport import P2P
 from .actions import Action, ActionKind, Order, order_from_csv
@@ -444,7 +445,8 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
     ``["blocks.*"]`` for selective checkpointing), ``mixed_precision`` (``None``,
     ``torch.bfloat16``, ``torch.float16``) and ``compile`` (``torch.compile`` each stage,
     zero-bubble I/W split included) go to every stage; other keywords go to the schedule
-    class (``loss_count=``, ``placement=``, ...).
+    class (``loss_count=``, ``placement=``, ...). ``group`` is the pipeline's process
+    group or one dimension of a DeviceMesh (``mesh["pp"]``).
 
     Example:
         >>> sched = build_schedule(pipe, "ZBVZeroBubble", 8, loss_fn=F.cross_entropy,  # doctest: +SKIP
@@ -452,6 +454,7 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
         >>> sched.step(x, target=y); print(sched.loss)  # doctest: +SKIP
     """
     cls = get_schedule_class(name_or_class) if isinstance(name_or_class, str) else name_or_class
+    group = process_group(group, "build_schedule")
     rank, world = group_info(group)
     spec = get_order_spec(cls.order_name)
     if not spec.fits(pipe.num_stages, world):

@@ -18,6 +18,7 @@ from ..split.spec import Edge, StageInput
 from .backward import WeightGradPlan, capturing, plan_weight_grads
 from .data_parallel import set_grad_sync, sync_data_parallel
 from .errors import PipelineError
+from .groups import process_group
 from .loss import LossRule, microbatch_loss
 from .mixed_precision import autocast_edge_specs, check_mixed_precision
 from .recompute import (
@@ -109,9 +110,7 @@ class PipelineStage:
         self.device = torch.device(device) if device is not None else module_device(module)
         self._regions = RegionRecorder(self.device)
         self._region_call: torch.nn.Module | None = None  # the stage graph with its regions checkpointed, built lazily
-        if hasattr(group, "get_group"):  # a 1-D DeviceMesh (or one dimension of one): its process group
-            group = group.get_group()
-        self.group = group
+        self.group = process_group(group, f"stage {stage_index}")  # a 1-D DeviceMesh: its process group
         self.pipe = None
         self.inputs_from = dict(inputs_from or {})
         self.outputs_to = {k: list(v) for k, v in (outputs_to or {}).items()}

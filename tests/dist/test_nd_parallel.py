@@ -1,0 +1,62 @@
+"""N-D parallelism: pipelining on a DeviceMesh dimension, with FSDP2 / DDP / TP on the others.
+
+Every test compares with the unsplit model on the whole batch (loss and every
+gradient, atol 1e-5) or asserts a named error on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pippy_split.testing import run_ranks
+
+ATOL = 1e-5
+
+
+def _assert_exact(results: list[dict], ref: dict, what: str) -> None:
+    for rank, res in enumerate(results):
+        assert abs(res["loss"] - ref["loss"]) < ATOL, f"{what} rank {rank}: loss {res['loss']} vs {ref['loss']}"
+    for rank, res in enumerate(results):
+        for name, g in res["grads"].items():
+            torch.testing.assert_close(g, ref["grads"][name], atol=ATOL, rtol=0,
+                                       msg=lambda m, n=name, r=rank: f"{what} rank {r} {n}: {m}")
+    got = set().union(*(r["grads"] for r in results))
+    assert got == set(ref["grads"]), f"{what}: parameters without a gradient: {sorted(set(ref['grads']) - got)}"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("schedule", ["1F1B"])
+def test_build_schedule_clip_and_checkpoint_take_a_mesh_dimension(schedule, tmp_path):
+    from pippy_split import checkpoint
+    from tests.dist.nd_bodies import llama_entry, llama_reference, mesh_build_schedule
+
+    ref = llama_reference(steps_after=True)
+    results = run_ranks(mesh_build_schedule, 4, schedule, str(tmp_path), timeout=180)
+    _assert_exact(results, ref, schedule)
+    for rank, res in enumerate(results):
+        assert abs(res["norm"] - ref["norm"]) < 1e-5, f"rank {rank}: total norm {res['norm']} vs {ref['norm']}"
+    for replica in (0, 1):  # each pipeline replica wrote its own checkpoint over its mesh["pp"] group
+        model = llama_entry().model
+        checkpoint.load(tmp_path / f"replica{replica}", model, no_dist=True)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), ref["weights"][name], atol=ATOL, rtol=0,
+                                       msg=lambda m, n=name, r=replica: f"replica {r} {n}: {m}")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+def test_plan_and_its_best_schedule_take_a_mesh_dimension():
+    from tests.dist.nd_bodies import llama_reference, mesh_plan
+
+    _assert_exact(run_ranks(mesh_plan, 4, timeout=180), llama_reference(), "plan")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_two_dimensional_mesh_as_the_pipeline_group_is_refused_by_name():
+    from tests.dist.nd_bodies import two_dim_mesh_refused
+
+    for rank, msg in enumerate(run_ranks(two_dim_mesh_refused, 4, timeout=100)):
+        assert "DeviceMesh of 2 dimensions" in msg and 'mesh["pp"]' in msg, f"rank {rank}: {msg}"
