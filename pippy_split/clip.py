@@ -79,14 +79,17 @@ def _parameters(sched: Any) -> tuple[list[torch.nn.Parameter], list[torch.nn.Par
     pipe = sched.stages[0].pipe
     skip: set[int] = set()
     if pipe is not None:
+        local = {s.stage_index: s for s in sched.stages}
         for holders in pipe.shared_parameters.values():
             first = holders[0][0]
+            kept: set[int] = set()  # the first holder's copy: it counts, even where a later holder holds that object
+            later: set[int] = set()
             for stage_index, names in holders:
-                if stage_index == first:
-                    continue
-                st = next((s for s in sched.stages if s.stage_index == stage_index), None)
+                st = local.get(stage_index)
                 if st is not None:
-                    skip |= {id(st.module.get_parameter(n)) for n in names}
+                    ids = {id(st.module.get_parameter(n)) for n in names}
+                    (kept if stage_index == first else later).update(ids)
+            skip |= later - kept
     counted, scaled, seen = [], [], set()
     for st in sched.stages:
         for p in st.module.parameters():

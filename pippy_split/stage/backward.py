@@ -8,7 +8,9 @@ computes the gradient flowing into it on its way to the stage inputs, and the
 weight-grad pass (W) differentiates just that op with respect to its
 parameters. A parameter used by several such ops in one stage would be counted
 once per use through the activation path, so it is differentiated whole in I
-instead — exact, like ``loss.backward()``.
+instead — exact, like ``loss.backward()``; so is a parameter that reaches a
+stage output with no activation in between (sent on as it is, or a view of it),
+whose gradient comes from the receiving stage.
 """
 
 from __future__ import annotations
@@ -59,6 +61,18 @@ def _param_of(gm: GraphModule, node: torch.fx.Node) -> torch.nn.Parameter | None
     return obj if obj.requires_grad else None
 
 
+def _params_reaching_outputs(graph: torch.fx.Graph, param_only: dict[torch.fx.Node, set[int]]) -> set[int]:
+    """Ids of parameters a stage output is computed from with no activation in between (the
+    parameter itself, a view, ``D.float()``, ``2 * D``): their gradient arrives from the
+    receiving stage, through no op W differentiates, so I computes it in full."""
+    found: set[int] = set()
+    for node in graph.nodes:
+        if node.op == "output":
+            for arg in node.all_input_nodes:
+                found |= param_only.get(arg, set())
+    return found
+
+
 @contextlib.contextmanager
 def capturing(plan: WeightGradPlan | None) -> Iterator[dict[int, torch.Tensor]]:
     """Collect the captured op outputs of a forward of ``plan``'s module run inside this
@@ -107,6 +121,7 @@ def plan_weight_grads(gm: GraphModule) -> WeightGradPlan:
     for node, ids in captures:
         if not isinstance(node.meta.get("val"), torch.Tensor):
             whole |= ids  # tuple-valued op: cannot capture one tensor, differentiate whole
+    whole |= _params_reaching_outputs(graph, param_only)
     kept = [(node, ids - whole) for node, ids in captures if ids - whole]
     plan = WeightGradPlan([[params_by_id[i] for i in sorted(ids)] for _, ids in kept],
                           [params_by_id[i] for i in sorted(whole)])

@@ -71,6 +71,34 @@ def test_clip_grad_norm_equals_the_unsplit_model(name, schedule, world, norm_typ
     assert seen == set(clipped)
 
 
+TIED_CASES = [("GPipe", 4), ("1F1B", 4), ("Interleaved1F1B", 2), ("LoopedBFS", 2), ("InterleavedZeroBubble", 2),
+              ("ZBVZeroBubble", 2), ("DualPipeV", 2)]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+@pytest.mark.parametrize("schedule,world", TIED_CASES)
+def test_clip_counts_each_tied_group_once_wherever_its_holders_sit(schedule, world, norm_type):
+    """Three tied groups over 4 stages: under V placement (ZBVZeroBubble, DualPipeV) each
+    group's holders sit on one rank, under loop placement on two; every tied tensor enters
+    the total norm exactly once either way."""
+    from .training_bodies import tied_groups_clip_reference, tied_groups_clip_step
+
+    n_mb = 4
+    total, max_norm, clipped = tied_groups_clip_reference(n_mb, 0.3, norm_type)
+    results = run_ranks(tied_groups_clip_step, world, schedule, n_mb, max_norm, norm_type, timeout=150)
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):
+        assert results[0]["stages"] == [0, 3], results[0]["stages"]  # the embedding and head on one rank
+    seen = set()
+    for r in results:
+        assert r["total"] == pytest.approx(total, rel=1e-6), (r["total"], total)
+        for fqn, g in r["grads"].items():
+            torch.testing.assert_close(g, clipped[fqn], atol=1e-6, rtol=1e-5, msg=lambda m, f=fqn: f"{f}: {m}")
+            seen.add(fqn)
+    assert seen == set(clipped)
+
+
 AC_CASES = [(name, schedule) for name in ("tiny_gpt", "tied_lm", "fan_out_skip")
             for schedule in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")]
 

@@ -227,3 +227,46 @@ def zoo_step(name: str, schedule: str, n_mb: int, **options):
 def compile_step(rank: int, world: int, name: str, schedule: str, n_mb: int):
     torch.set_num_threads(1)
     return zoo_step(name, schedule, n_mb, compile=True)[1]
+
+
+def tied_groups_entry():
+    """tied_lm over 4 stages (one block each) with three tied groups: the embedding and the
+    head (stages 0 and 3), blocks.0/blocks.3's MLP input weight (stages 0 and 3), and
+    blocks.1/blocks.2's attention output weight (stages 1 and 2). Under V placement on 2
+    ranks every group's holders sit on one rank; under loop placement on different ranks."""
+    entry = zoo.get("tied_lm", num_stages=4)
+    blocks = entry.model.blocks
+    blocks[3].mlp.fc.weight = blocks[0].mlp.fc.weight
+    blocks[2].attn.proj.weight = blocks[1].attn.proj.weight
+    return entry
+
+
+def _tied_reference_grads(entry, n_mb: int):
+    model = entry.model
+    mbs = ps.split_args_kwargs(entry.args, entry.kwargs, n_mb)
+    tgts = ps.split_args_kwargs((entry.target,), {}, n_mb)
+    for (a, k), (t, _) in zip(mbs, tgts):
+        (entry.loss_fn(model(*a, **k), t[0]) / n_mb).backward()
+
+
+def tied_groups_clip_reference(n_mb: int, max_norm_frac: float, norm_type: float):
+    """Total norm and clipped gradients of the unsplit three-tied-groups model."""
+    entry = tied_groups_entry()
+    _tied_reference_grads(entry, n_mb)
+    unique = list(entry.model.parameters())  # each tied tensor once
+    max_norm = max_norm_frac * float(torch.nn.utils.get_total_norm([p.grad for p in unique], norm_type))
+    total = torch.nn.utils.clip_grad_norm_(unique, max_norm, norm_type)
+    return float(total), max_norm, {n: p.grad.clone() for n, p in entry.model.named_parameters(remove_duplicate=False)}
+
+
+def tied_groups_clip_step(rank: int, world: int, schedule: str, n_mb: int, max_norm: float, norm_type: float):
+    from .bodies import _mb_example
+
+    entry = tied_groups_entry()
+    pipe = ps.pipeline(entry.model, entry.split_spec, *_mb_example(entry, n_mb))
+    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn)
+    sched.step(*entry.args, target=entry.target, **entry.kwargs)
+    total = ps.clip_grad_norm_(sched, max_norm, norm_type)
+    grads = {n: p.grad.clone() for st in sched.stages
+             for n, p in st.module.named_parameters(remove_duplicate=False) if p.grad is not None}
+    return {"total": float(total), "grads": grads, "stages": [st.stage_index for st in sched.stages]}
