@@ -4,8 +4,9 @@ and sends, learned once, before the first step's actions.
 Part of the runtime (… → schedule → **runtime**): stages made with
 ``PipelineStage(module, ...)`` know only whom they send to (``outputs_to``, else the
 next stage). On the first step every stage, in index order, runs a fake
-(FakeTensor) forward of microbatch 0 and its rank broadcasts the outputs' specs as
-plain int64 metadata; each receiving stage builds its input slots from them. A
+(FakeTensor) forward of microbatch 0 (a real one under ``no_grad`` where the module
+is FSDP2-wrapped or holds DTensors, which a fake forward cannot run) and its rank
+broadcasts the outputs' specs as plain int64 metadata; each receiving stage builds its input slots from them. A
 collective sequence every rank runs identically, so no point-to-point message
 depends on it. The stages' slots and routes are :class:`~pippy_split.split.spec.StageInput`
 and :class:`~pippy_split.split.spec.Edge`, as for a Pipe's stages.
@@ -23,7 +24,7 @@ from ..stage.errors import PipelineError
 from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
 
-__all__ = ["infer_manual_shapes"]
+__all__ = ["infer_manual_shapes", "holds_sharded_state"]
 
 
 def infer_manual_shapes(stages: Mapping[int, PipelineStage], stage_rank: Mapping[int, int], rank: int,
@@ -41,7 +42,8 @@ def infer_manual_shapes(stages: Mapping[int, PipelineStage], stage_rank: Mapping
             if stage.in_slots is None:
                 stage.set_links(in_slots=_build_slots(stage, described.get(s, [])))
             if not stage.routes:
-                stage.set_links(routes=_manual_routes(stage, _fake_outputs(stage, ctx)))
+                outs = _real_outputs(stage, ctx) if holds_sharded_state(stage.module) else _fake_outputs(stage, ctx)
+                stage.set_links(routes=_manual_routes(stage, outs))
             header = _encode_routes(stage.routes).to(device)
         if p2p is not None:
             if header is None:
@@ -131,12 +133,67 @@ def _fake_outputs(stage: PipelineStage, ctx: Any) -> tuple:
     return tuple(out) if isinstance(out, tuple) else (out,)
 
 
+def holds_sharded_state(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (or any submodule) is an FSDP2 module or holds a DTensor parameter
+    or buffer (tensor parallelism): a fake forward cannot run it (FSDP's hooks all-gather
+    real shards, DTensor ops refuse mixed tensors) and would leave FSDP's state out of step."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - FSDP2 ships with every torch this library supports
+        FSDPModule = ()  # type: ignore[assignment,misc]
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        return True
+    return any(isinstance(t, DTensor) for t in [*module.parameters(), *module.buffers()])
+
+
+def _real_outputs(stage: PipelineStage, ctx: Any) -> tuple:
+    """The outputs of a stage whose module is sharded (FSDP2, DTensor): one real forward of
+    microbatch 0 (zeros for a later stage's inputs) under ``no_grad``, through the module's
+    own hooks, so FSDP all-gathers and reshards as in any forward (every data-parallel and
+    tensor-parallel peer runs it at the same point of the first step). The RNG state and the
+    buffers (BatchNorm statistics) are put back afterwards. Under ``no_grad`` no output
+    requires grad: an output carries a gradient when it is float/complex and a parameter
+    or an input of the stage does."""
+    if stage.is_first:
+        args, kwargs = tuple(ctx.mb_args[0]), dict(ctx.mb_kwargs[0])
+    else:
+        specs = [slot.spec for slot in stage.in_slots or [] if slot.spec is not None]
+        args, kwargs = tuple(torch.zeros(spec.shape, dtype=spec.dtype, device=stage.device) for spec in specs), {}
+    grad_in = any(p.requires_grad for p in stage.module.parameters()) or any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())) or any(
+        slot.spec is not None and slot.spec.carries_grad for slot in stage.in_slots or [])
+    buffers = [(b, b.detach().clone()) for b in stage.module.buffers()]
+    devices = [stage.device] if stage.device.type not in ("cpu", "meta") else []
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=stage.device.type if devices else "cuda"), \
+                torch.no_grad():
+            out = stage.module(*args, **kwargs)
+            for b, saved in buffers:
+                b.copy_(saved)
+    except Exception as e:
+        raise PipelineError(f"stage {stage.stage_index}: could not work out the shapes of this hand-built stage's "
+                            f"outputs with a no-grad forward of microbatch 0 (its module is FSDP2-wrapped or holds "
+                            f"DTensors; {type(e).__name__}: {e})") from e
+    outs = tuple(out) if isinstance(out, tuple) else (out,)
+    return tuple(_RealOut(o, grad_in) if isinstance(o, torch.Tensor) else o for o in outs)
+
+
+class _RealOut:
+    """Shape, dtype and requires-grad of a real output computed under ``no_grad``."""
+
+    def __init__(self, out: torch.Tensor, grad_in: bool) -> None:
+        self.shape, self.dtype = tuple(out.shape), out.dtype
+        self.requires_grad = grad_in and (out.dtype.is_floating_point or out.dtype.is_complex)
+
+
 def _manual_routes(stage: PipelineStage, outs: tuple) -> list[Edge]:
     """Routes (outgoing edges) of a hand-built stage, from its declared outputs_to and the chain."""
     routes = []
     for i, out in enumerate(outs):
         dsts = stage.outputs_to[i] if i in stage.outputs_to else [] if stage.is_last else [(stage.stage_index + 1, -1)]
-        if dsts and not isinstance(out, torch.Tensor):
+        if dsts and not isinstance(out, (torch.Tensor, _RealOut)):
             raise PipelineError(f"output {i} sent to stage {dsts[0][0]} is not a tensor")
         for dst, dst_in in dsts:
             routes.append(Edge(stage.stage_index, i, dst, dst_in,

@@ -70,7 +70,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         B, T, C = x.shape
-        shape = (B, T, self.n_head, self.head_dim)
+        shape = (B, T, -1, self.head_dim)  # -1: n_head, or this rank's heads under tensor parallelism
         q = apply_rotary(self.wq(x).view(shape), freqs)  # (B, T, H, hd)
         k = apply_rotary(self.wk(x).view(shape), freqs)  # (B, T, H, hd)
         v = self.wv(x).view(shape)  # (B, T, H, hd)
@@ -78,7 +78,7 @@ class Attention(nn.Module):
         mask = (positions[:, None, :] <= positions[:, :, None]).unsqueeze(1)  # (B, 1, T, T) bool
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, hd)
-        return self.wo(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
 class FeedForward(nn.Module):

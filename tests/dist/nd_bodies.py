@@ -7,7 +7,10 @@ a data-parallel replica runs its half of the batch.
 
 from __future__ import annotations
 
+import copy
+
 import torch
+import torch.nn as nn
 
 import pippy_split as ps
 from pippy_split import zoo
@@ -97,3 +100,108 @@ def two_dim_mesh_refused(rank: int, world: int) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+# --------------------------------------------------------------------------- #
+# Hand-built stages (the torchtitan route): a deep copy keeps a slice of layers
+# --------------------------------------------------------------------------- #
+
+HB_LAYERS = 4  # hand-built tests: 4 layers, 2 or 4 stages
+
+
+def hb_entry() -> zoo.ZooEntry:
+    return zoo.get("tiny_llama", n_layer=HB_LAYERS, num_stages=2, seq_len=8, batch_size=8)
+
+
+class LlamaStage(nn.Module):
+    """Layers ``lo..hi-1`` of a deep copy of a TinyLlama (plus the embedding on the first
+    stage, the norm and head on the last), under the model's own FQNs; the positions travel
+    along with the hidden state."""
+
+    def __init__(self, model: nn.Module, lo: int, hi: int, first: bool, last: bool) -> None:
+        super().__init__()
+        m = copy.deepcopy(model)
+        self.tok_embeddings = m.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): m.layers[i] for i in range(lo, hi)})
+        self.norm = m.norm if last else None
+        self.output = m.output if last else None
+        self.register_buffer("freqs_cis", m.freqs_cis, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor):
+        freqs = self.freqs_cis[positions]
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers.values():
+            h = layer(h, freqs, positions)
+        if self.output is None:
+            return h, positions
+        return self.output(self.norm(h))
+
+
+def hb_reference() -> dict:
+    entry = hb_entry()
+    loss = entry.loss_fn(entry.model(*entry.args), entry.target)
+    loss.backward()
+    return {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in entry.model.named_parameters()}}
+
+
+def _stage_modules(model: nn.Module, num_stages: int, pp_rank: int, pp_size: int) -> dict[int, LlamaStage]:
+    """This rank's stage modules (loop placement: stage s on pp rank s % pp_size)."""
+    per = HB_LAYERS // num_stages
+    return {s: LlamaStage(model, s * per, (s + 1) * per, s == 0, s == num_stages - 1)
+            for s in range(num_stages) if s % pp_size == pp_rank}
+
+
+_STAGES = {"GPipe": 2, "1F1B": 2, "Interleaved1F1B": 4, "ZBVZeroBubble": 4, "InterleavedZeroBubble": 4,
+           "DualPipeV": 4}
+
+
+def _run_hand_built(mods: dict[int, nn.Module], schedule: str, pp_group, batch: tuple, target) -> dict:
+    num_stages = _STAGES[schedule]
+    stages = [ps.PipelineStage(mods[s], s, num_stages, group=pp_group) for s in sorted(mods)]
+    sched = ps.get_schedule_class(schedule)(stages, N_MB, loss_fn=hb_entry().loss_fn)
+    sched.step(*batch, target=target)
+    return {"loss": float(sched.loss), "grads": _stage_grads(sched.stages)}
+
+
+def hand_built_fsdp(rank: int, world: int, schedule: str) -> dict:
+    """PP2 x DP2: per-block ``fully_shard`` then the stage root, over ``mesh["dp"]``; each
+    replica runs its half of the batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _pp_dp_mesh()
+    entry = hb_entry()
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    mods = _stage_modules(entry.model, _STAGES[schedule], pp_rank, 2)
+    for mod in mods.values():
+        for block in mod.layers.values():
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(mod, mesh=mesh["dp"])
+    half = slice(4 * dp_rank, 4 * dp_rank + 4)
+    tokens, positions = entry.args
+    return _run_hand_built(mods, schedule, mesh["pp"], (tokens[half], positions[half]), entry.target[half])
+
+
+def tp_plan(mod: nn.Module) -> dict:
+    """Megatron-style plan for this stage's blocks: q/k/v and w1/w3 column-wise, wo and w2 row-wise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict = {}
+    for name in mod.layers:
+        for lin in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            plan[f"layers.{name}.{lin}"] = ColwiseParallel()
+        for lin in ("attention.wo", "feed_forward.w2"):
+            plan[f"layers.{name}.{lin}"] = RowwiseParallel()
+    return plan
+
+
+def hand_built_tp(rank: int, world: int, schedule: str) -> dict:
+    """PP2 x TP2: ``parallelize_module`` on each stage over ``mesh["tp"]``; both TP ranks run the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    entry = hb_entry()
+    mods = _stage_modules(entry.model, _STAGES[schedule], mesh.get_local_rank("pp"), 2)
+    for mod in mods.values():
+        parallelize_module(mod, mesh["tp"], tp_plan(mod))
+    return _run_hand_built(mods, schedule, mesh["pp"], entry.args, entry.target)

@@ -60,3 +60,30 @@ def test_a_two_dimensional_mesh_as_the_pipeline_group_is_refused_by_name():
 
     for rank, msg in enumerate(run_ranks(two_dim_mesh_refused, 4, timeout=100)):
         assert "DeviceMesh of 2 dimensions" in msg and 'mesh["pp"]' in msg, f"rank {rank}: {msg}"
+
+
+def _assert_dp_exact(results: list[dict], ref: dict, what: str) -> None:
+    """Data-parallel replicas each ran half the batch: their mean loss is the whole batch's."""
+    losses = [r["loss"] for r in results]
+    for pp in range(2):  # ranks (dp, pp): dp * 2 + pp
+        mean = (losses[pp] + losses[2 + pp]) / 2
+        assert abs(mean - ref["loss"]) < ATOL, f"{what}: replicas' mean loss {mean} vs {ref['loss']}"
+    _assert_exact([{**r, "loss": ref["loss"]} for r in results], ref, what)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
+def test_hand_built_stages_with_per_block_fsdp2_on_a_mesh_are_exact(schedule):
+    from tests.dist.nd_bodies import hand_built_fsdp, hb_reference
+
+    _assert_dp_exact(run_ranks(hand_built_fsdp, 4, schedule, timeout=180), hb_reference(), schedule)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_hand_built_stages_with_tensor_parallelism_on_a_mesh_are_exact(schedule):
+    from tests.dist.nd_bodies import hand_built_tp, hb_reference
+
+    _assert_exact(run_ranks(hand_built_tp, 4, schedule, timeout=180), hb_reference(), schedule)
