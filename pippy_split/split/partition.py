@@ -26,7 +26,7 @@ from .grad import infer_requires_grad
 from .markers import SplitPoint, is_split_marker
 from .trace import Traced
 
-__all__ = ["Cut", "Plan", "plan_stages", "module_paths", "check_balance", "op_costs"]
+__all__ = ["Cut", "Plan", "plan_stages", "plan_from_cuts", "module_paths", "check_balance", "op_costs"]
 
 
 @dataclass(frozen=True)
@@ -216,6 +216,16 @@ def plan_stages(graph: torch.fx.Graph, split_spec: Any, model: torch.nn.Module, 
         cuts, report = _balanced_cuts(ops, split_spec, costs, balance)
     else:
         cuts = _fqn_cuts(ops, _normalize_spec(split_spec), model)
+    plan = plan_from_cuts(ops, cuts)
+    if costs is not None:  # what the stages hold (getitems moved), with the search's findings
+        plan.balance = BalanceReport(balance, _stage_costs(plan, costs), report.best_ratio if report else None,
+                                     report.indivisible if report else None)
+    return plan
+
+
+def plan_from_cuts(ops: list[torch.fx.Node], cuts: list[Cut]) -> Plan:
+    """The plan that cuts ``ops`` (a graph's call nodes, in order) before each cut's op;
+    an empty stage is a ``SplitError``."""
     positions = [c.index for c in cuts]
     stage_of = {op: bisect.bisect_right(positions, i) for i, op in enumerate(ops)}
     for op in ops:
@@ -224,9 +234,6 @@ def plan_stages(graph: torch.fx.Graph, split_spec: Any, model: torch.nn.Module, 
             stage_of[op] = stage_of[op.args[0]]
     plan = Plan(ops=ops, cuts=cuts, stage_of=stage_of)
     _check_no_empty_stage(plan)
-    if costs is not None:  # what the stages hold (getitems moved), with the search's findings
-        plan.balance = BalanceReport(balance, _stage_costs(plan, costs), report.best_ratio if report else None,
-                                     report.indivisible if report else None)
     return plan
 
 

@@ -15,7 +15,9 @@ import sympy
 import torch
 from torch.utils import _pytree as pytree
 
-from .partition import check_balance, check_split_spec, plan_stages
+from .autocast_trace import TraceRecipe
+from .errors import SplitError
+from .partition import Plan, check_balance, check_split_spec, plan_from_cuts, plan_stages
 from .spec import MODEL_INPUT, Edge, SymbolSource, gather_inputs
 from .stage_graph import StageInfo, build_stages
 from .trace import Traced, trace_model
@@ -41,7 +43,9 @@ class Pipe:
 
     def __init__(self, traced: Traced, stages: list[StageInfo], edges: list[Edge], symbols: list[SymbolSource],
                  output_leaves: list[tuple[str, Any]], shared_parameters: dict, model_name: str,
-                 model: torch.nn.Module | None = None, balance: Any = None) -> None:
+                 model: torch.nn.Module | None = None, balance: Any = None, *,
+                 recipe: TraceRecipe | None = None, plan: Plan | None = None,
+                 autocast: tuple[str, torch.dtype] | None = None) -> None:
         self._traced = traced
         self.stages = stages
         self.edges = edges
@@ -53,6 +57,10 @@ class Pipe:
         self.balance = balance  # BalanceReport of pipeline(balance=...), or None
         self.derived: dict[str, Any] = {}
         """Facts other layers work out from the pipe once and keep here (e.g. autocast edge specs)."""
+        self._recipe = recipe  # how pipeline() traced: the same split can be traced again under autocast
+        self._plan = plan
+        self.autocast = autocast
+        """``(device_type, dtype)`` this pipe was traced under (:meth:`under_autocast`), or None."""
 
     @property
     def num_stages(self) -> int:
@@ -116,8 +124,13 @@ class Pipe:
         return pytree.tree_unflatten(leaves, self._traced.out_spec)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run every stage in order in this process; returns what the model returns."""
+        """Run every stage in order in this process; returns what the model returns. Inside a
+        ``torch.autocast`` block the stages traced under that autocast run (:meth:`under_autocast`),
+        so the result is the model's under the same autocast."""
         flat = self.flatten_inputs(args, kwargs)
+        active = _active_autocast(flat)
+        if active is not None and (self.autocast is None or self.autocast[1] != active[1]):
+            return self.under_autocast(active[1], active[0])(*args, **kwargs)
         bindings = self.bind_symbols(flat)
         values: dict[tuple[int, int], Any] = {}
         outs: Sequence[Any] = ()
@@ -126,6 +139,41 @@ class Pipe:
             for i, v in enumerate(outs):
                 values[(stage.index, i)] = v
         return self.unflatten_outputs(outs)
+
+    def under_autocast(self, dtype: torch.dtype, device_type: str = "cpu") -> Pipe:
+        """This split traced again inside ``torch.autocast(device_type, dtype)``: the stages
+        see the dtypes autocast gives (``torch.finfo(x.dtype)`` constants, the model's own
+        ``.to(torch.float32)`` upcasts), so run under that autocast they compute what the
+        model computes under it. Same cuts, same parameter objects, same FQNs; built once
+        and kept. Stages built with ``mixed_precision=`` use it.
+
+        Example:
+            >>> bf16 = pipe.under_autocast(torch.bfloat16)  # doctest: +SKIP
+            >>> with torch.autocast("cpu", dtype=torch.bfloat16):  # doctest: +SKIP
+            ...     torch.testing.assert_close(bf16(x), model(x))
+        """
+        from .autocast_trace import trace_device_type, translate_cuts
+
+        if self.autocast is not None and self.autocast[1] == dtype:
+            return self
+        if self._recipe is None or self._plan is None or self._model is None:
+            raise SplitError("this Pipe does not know how it was traced (it was not built by pipeline()), so it "
+                             "cannot be traced again under torch.autocast; build it with pippy_split.pipeline()")
+        trace_type = trace_device_type(self._model, device_type)
+        cache = self.derived.setdefault("under_autocast", {})
+        key = (trace_type, dtype)
+        if key not in cache:
+            r = self._recipe
+            with torch.autocast(trace_type, dtype=dtype):
+                traced = trace_model(self._model, r.example_args, r.example_kwargs, dynamic_shapes=r.dynamic_shapes,
+                                     strict=r.strict)
+            ops = [n for n in traced.graph.nodes if n.op == "call_function"]
+            plan = plan_from_cuts(ops, translate_cuts(self._plan.ops, self._plan.cuts, ops))
+            plan.balance = self.balance
+            pipe = _build_pipe(self._model, traced, plan, r)
+            pipe.autocast = (trace_type, dtype)
+            cache[key] = pipe
+        return cache[key]
 
     # ---- building stages for ranks -------------------------------------------------
     def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: Any = None, *,
@@ -250,9 +298,22 @@ def pipeline(
     plan = plan_stages(traced.graph, split_spec, model, balance=balance, traced=traced, flat_inputs=flat)
     if split_spec is None and plan.num_stages == 1:
         pass  # a single stage is a valid (if pointless) pipe
+    recipe = TraceRecipe(tuple(example_args), dict(example_kwargs or {}), dynamic_shapes, strict)
+    return _build_pipe(model, traced, plan, recipe)
+
+
+def _build_pipe(model: torch.nn.Module, traced: Traced, plan: Plan, recipe: TraceRecipe) -> Pipe:
     built = build_stages(traced, plan, model)
     return Pipe(traced, built.stages, built.edges, built.symbols, built.output_leaves, built.shared_parameters,
-                type(model).__name__, model=model, balance=plan.balance)
+                type(model).__name__, model=model, balance=plan.balance, recipe=recipe, plan=plan)
+
+
+def _active_autocast(flat_inputs: Sequence[Any]) -> tuple[str, torch.dtype] | None:
+    """``(device_type, dtype)`` of the autocast active for the inputs' device, or None."""
+    device_type = next((x.device.type for x in flat_inputs if isinstance(x, torch.Tensor)), "cpu")
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
+        return None
+    return device_type, torch.get_autocast_dtype(device_type)
 
 
 def _example(args: Any, kwargs: dict | None, mb_args: tuple | None, mb_kwargs: dict | None) -> tuple[tuple, dict | None]:

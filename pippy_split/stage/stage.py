@@ -8,6 +8,7 @@ backward whole (B) or split into input-grad (I) then weight-grad (W).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -16,7 +17,7 @@ from torch.autograd.graph import GradientEdge
 
 from ..split.spec import Edge, StageInput
 from .backward import WeightGradPlan, capturing, plan_weight_grads
-from .data_parallel import set_grad_sync, sync_data_parallel
+from .data_parallel import set_grad_sync, sync_data_parallel, unsplittable_backward
 from .errors import PipelineError
 from .groups import process_group
 from .loss import LossRule, microbatch_loss
@@ -144,6 +145,9 @@ class PipelineStage:
         Example:
             >>> stage = PipelineStage.from_pipe(pipe, 1, "cpu")  # doctest: +SKIP
         """
+        if mixed_precision is not None:  # the split traced under the same autocast: the model's own casts and constants
+            check_mixed_precision(mixed_precision, f"stage {stage_index}")
+            pipe = pipe.under_autocast(mixed_precision, torch.device(device).type if device is not None else "cpu")
         module = pipe.fill_stage_module(stage_index, device, state_dict=state_dict, seed=seed, strict=strict)
         if device is not None:
             module = module.to(device)
@@ -415,15 +419,36 @@ class PipelineStage:
 
     def enable_split_backward(self) -> None:
         """Prepare the I/W split: capture, per parameter use, the op output whose
-        gradient W needs, so W runs only the weight part of each op."""
-        if self._wplan is not None or self.pipe is None or self.weight_grads_in_input:
+        gradient W needs, so W runs only the weight part of each op. Where W cannot be
+        split off exactly (:meth:`check_split_backward`), I runs the whole backward."""
+        if self._wplan is not None or self.check_split_backward() or self.pipe is None:
+            return
+        if not isinstance(self.module, torch.fx.GraphModule):
+            self._fuse_backward(f"its module is a {type(self.module).__name__}, not the traced stage graph the split "
+                                "is planned on")
             return
         self._region_call = None  # rebuilt from the instrumented graph
-        if not isinstance(self.module, torch.fx.GraphModule):
-            raise PipelineError(f"stage {self.stage_index}: the I/W split needs the traced stage module; a wrapped "
-                                f"module ({type(self.module).__name__}) works with GPipe, 1F1B, Interleaved1F1B and "
-                                "LoopedBFS")
         self._wplan = plan_weight_grads(self.module)
+
+    def check_split_backward(self) -> bool:
+        """Under a split-backward schedule (at construction and before every step): where a
+        separate W would miss or misplace gradients (FSDP2, parameters replaced after the
+        split was planned: :func:`~pippy_split.stage.data_parallel.unsplittable_backward`),
+        I runs the whole backward from now on, exact as B, and W is empty. Returns whether
+        I computes the weight gradients."""
+        if not self.weight_grads_in_input:
+            plan = self._wplan
+            planned = None if plan is None else [p for group in plan.params for p in group] + plan.whole_params
+            why = unsplittable_backward(self.module, planned)
+            if why is not None:
+                self._fuse_backward(why)
+        return self.weight_grads_in_input
+
+    def _fuse_backward(self, why: str) -> None:
+        warnings.warn(f"stage {self.stage_index}: the zero-bubble I/W split cannot be exact here: {why}. Its I runs "
+                      "the whole backward and W is empty (exact gradients, without the split's overlap for this "
+                      "stage); GPipe, 1F1B or Interleaved1F1B run it the same way", stacklevel=3)
+        self.weight_grads_in_input = True
 
     def set_grad_sync(self, enabled: bool) -> None:
         """Let an FSDP2 module reduce gradients only on the step's last backward (see
