@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 
 from ..split.spec import Edge, InputKind, StageInput, TensorSpec
+from ..stage.data_parallel import holds_sharded_state
 from ..stage.errors import PipelineError
 from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
 
-__all__ = ["infer_manual_shapes", "holds_sharded_state"]
+__all__ = ["infer_manual_shapes"]
 
 
 def infer_manual_shapes(stages: Mapping[int, PipelineStage], stage_rank: Mapping[int, int], rank: int,
@@ -131,21 +132,6 @@ def _fake_outputs(stage: PipelineStage, ctx: Any) -> tuple:
                             f"outputs with a fake forward ({type(e).__name__}: {e}); build the stages with "
                             "pipeline() so the shapes come from the trace") from e
     return tuple(out) if isinstance(out, tuple) else (out,)
-
-
-def holds_sharded_state(module: torch.nn.Module) -> bool:
-    """Whether ``module`` (or any submodule) is an FSDP2 module or holds a DTensor parameter
-    or buffer (tensor parallelism): a fake forward cannot run it (FSDP's hooks all-gather
-    real shards, DTensor ops refuse mixed tensors) and would leave FSDP's state out of step."""
-    from torch.distributed.tensor import DTensor
-
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - FSDP2 ships with every torch this library supports
-        FSDPModule = ()  # type: ignore[assignment,misc]
-    if any(isinstance(m, FSDPModule) for m in module.modules()):
-        return True
-    return any(isinstance(t, DTensor) for t in [*module.parameters(), *module.buffers()])
 
 
 def _real_outputs(stage: PipelineStage, ctx: Any) -> tuple:

@@ -109,7 +109,9 @@ class PipelineSchedule:
                 raise ValueError(f"{type(self).__name__}: stage {st.stage_index} belongs on rank "
                                  f"{self.placement.get(st.stage_index)}, not rank {self.rank}; this rank should hold "
                                  f"stages {mine}")
-        if any(a is not None and a.kind in (ActionKind.I, ActionKind.W) for acts in order.values() for a in acts):
+        self._splits_backward = any(a is not None and a.kind in (ActionKind.I, ActionKind.W)
+                                    for acts in order.values() for a in acts)
+        if self._splits_backward:
             for st in self.stages:
                 st.enable_split_backward()
         given_lowered = any(a is not None and a.kind.is_comm for acts in order.values() for a in acts)
@@ -240,6 +242,9 @@ class PipelineSchedule:
         if last is not None and train and self.loss_count is None:
             ctx.loss_divisor = float(self.n_microbatches) if self.scale_grads else 1.0
         ctx.loss_scale = self.loss_scale
+        if self._splits_backward and train:  # a wrapper (fully_shard) applied after construction: I runs it whole
+            for st in self.stages:
+                st.check_split_backward()
         return local_symbols(pipe, ctx.flat_inputs) if pipe is not None and pipe.symbols else None
 
     def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:

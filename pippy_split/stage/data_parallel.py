@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["set_grad_sync", "sync_data_parallel"]
+__all__ = ["set_grad_sync", "sync_data_parallel", "holds_sharded_state", "unsplittable_backward"]
 
 
 def set_grad_sync(module: torch.nn.Module, enabled: bool) -> None:
@@ -61,3 +61,45 @@ def sync_data_parallel(module: torch.nn.Module) -> None:
                 p.grad = mean.clone()
             else:
                 p.grad.copy_(mean)
+
+
+def holds_sharded_state(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (or any submodule) is an FSDP2 module or holds a DTensor parameter
+    or buffer (tensor parallelism): a fake forward cannot run it (FSDP's hooks all-gather
+    real shards, DTensor ops refuse mixed tensors) and would leave FSDP's state out of step."""
+    from torch.distributed.tensor import DTensor
+
+    if _has_fsdp(module):
+        return True
+    return any(isinstance(t, DTensor) for t in [*module.parameters(), *module.buffers()])
+
+
+def _has_fsdp(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def unsplittable_backward(module: torch.nn.Module, planned: list[torch.nn.Parameter] | None) -> str | None:
+    """Why a separate weight-gradient pass (W of the zero-bubble I/W split) would leave this
+    stage's gradients missing or wrong, or None where W can be split from I.
+
+    ``planned``: the parameters a traced stage's split was planned for (None: hand-built,
+    where W differentiates ``module.parameters()`` as they are at W).
+
+    Example:
+        >>> unsplittable_backward(torch.nn.Linear(2, 2), None) is None
+        True
+    """
+    if _has_fsdp(module):
+        return ("its module is wrapped in FSDP2 (fully_shard): FSDP reduce-scatters a block's gradients (and "
+                "reshards its parameters) when the backward reaches the block's inputs, which is in I, before a "
+                "separate W could add the weight gradients")
+    if planned is not None:
+        current = {id(p) for p in module.parameters()}
+        gone = sum(id(p) not in current for p in planned)
+        if gone:
+            return (f"{gone} of the {len(planned)} parameters its I/W split was planned for are no longer the "
+                    "module's (replaced after the schedule was built: a wrapper, or a load with assign=True), so W "
+                    "would write the old ones")
+    return None

@@ -8,6 +8,7 @@ a data-parallel replica runs its half of the batch.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 import torch.nn as nn
@@ -144,11 +145,13 @@ def hb_reference() -> dict:
     return {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in entry.model.named_parameters()}}
 
 
-def _stage_modules(model: nn.Module, num_stages: int, pp_rank: int, pp_size: int) -> dict[int, LlamaStage]:
-    """This rank's stage modules (loop placement: stage s on pp rank s % pp_size)."""
+def _stage_modules(model: nn.Module, schedule: str, pp_rank: int, pp_size: int) -> dict[int, LlamaStage]:
+    """This rank's stage modules, placed as ``schedule`` places them."""
+    num_stages = _STAGES[schedule]
+    where = ps.get_schedule_class(schedule).stage_placement(num_stages, pp_size, None)
     per = HB_LAYERS // num_stages
     return {s: LlamaStage(model, s * per, (s + 1) * per, s == 0, s == num_stages - 1)
-            for s in range(num_stages) if s % pp_size == pp_rank}
+            for s in range(num_stages) if where[s] == pp_rank}
 
 
 _STAGES = {"GPipe": 2, "1F1B": 2, "Interleaved1F1B": 4, "ZBVZeroBubble": 4, "InterleavedZeroBubble": 4,
@@ -158,9 +161,13 @@ _STAGES = {"GPipe": 2, "1F1B": 2, "Interleaved1F1B": 4, "ZBVZeroBubble": 4, "Int
 def _run_hand_built(mods: dict[int, nn.Module], schedule: str, pp_group, batch: tuple, target) -> dict:
     num_stages = _STAGES[schedule]
     stages = [ps.PipelineStage(mods[s], s, num_stages, group=pp_group) for s in sorted(mods)]
-    sched = ps.get_schedule_class(schedule)(stages, N_MB, loss_fn=hb_entry().loss_fn)
-    sched.step(*batch, target=target)
-    return {"loss": float(sched.loss), "grads": _stage_grads(sched.stages)}
+    n_mb = 4 if schedule == "DualPipeV" else N_MB  # DualPipeV needs 2 * ranks - 1 microbatches
+    sched = ps.get_schedule_class(schedule)(stages, n_mb, loss_fn=hb_entry().loss_fn)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched.step(*batch, target=target)
+    return {"loss": float(sched.loss), "grads": _stage_grads(sched.stages),
+            "fused": [st.weight_grads_in_input for st in sched.stages], "warned": [str(w.message) for w in caught]}
 
 
 def hand_built_fsdp(rank: int, world: int, schedule: str) -> dict:
@@ -171,7 +178,7 @@ def hand_built_fsdp(rank: int, world: int, schedule: str) -> dict:
     mesh = _pp_dp_mesh()
     entry = hb_entry()
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    mods = _stage_modules(entry.model, _STAGES[schedule], pp_rank, 2)
+    mods = _stage_modules(entry.model, schedule, pp_rank, 2)
     for mod in mods.values():
         for block in mod.layers.values():
             fully_shard(block, mesh=mesh["dp"])
@@ -201,7 +208,44 @@ def hand_built_tp(rank: int, world: int, schedule: str) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     entry = hb_entry()
-    mods = _stage_modules(entry.model, _STAGES[schedule], mesh.get_local_rank("pp"), 2)
+    mods = _stage_modules(entry.model, schedule, mesh.get_local_rank("pp"), 2)
     for mod in mods.values():
         parallelize_module(mod, mesh["tp"], tp_plan(mod))
     return _run_hand_built(mods, schedule, mesh["pp"], entry.args, entry.target)
+
+
+def hand_built_ddp(rank: int, world: int, schedule: str) -> dict:
+    """PP2 x DP2: each stage module wrapped in DDP over ``mesh["dp"]``; each replica runs its half."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = _pp_dp_mesh()
+    entry = hb_entry()
+    dp_rank = mesh.get_local_rank("dp")
+    mods = _stage_modules(entry.model, schedule, mesh.get_local_rank("pp"), 2)
+    wrapped = {s: DDP(m, process_group=mesh["dp"].get_group()) for s, m in mods.items()}
+    half = slice(4 * dp_rank, 4 * dp_rank + 4)
+    tokens, positions = entry.args
+    out = _run_hand_built(wrapped, schedule, mesh["pp"], (tokens[half], positions[half]), entry.target[half])
+    out["grads"] = {n.removeprefix("module."): g for n, g in out["grads"].items()}
+    return out
+
+
+def traced_fsdp_after_build(rank: int, world: int, schedule: str) -> dict:
+    """Traced stages from ``build_schedule``, then ``fully_shard`` on each stage module over
+    ``mesh["dp"]`` (after the schedule was built); each replica runs its half of the batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _pp_dp_mesh()
+    entry = zoo.get("tiny_llama", n_layer=HB_LAYERS, num_stages=4, seq_len=8, batch_size=8)
+    tokens, positions = entry.args
+    pipe = ps.pipeline(entry.model, entry.split_spec, (tokens[:2], positions[:2]))
+    n_mb = 4 if schedule == "DualPipeV" else N_MB
+    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn, group=mesh["pp"])
+    for st in sched.stages:
+        fully_shard(st.module, mesh=mesh["dp"])
+    half = slice(4 * mesh.get_local_rank("dp"), 4 * mesh.get_local_rank("dp") + 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched.step(tokens[half], positions[half], target=entry.target[half])
+    return {"loss": float(sched.loss), "grads": _stage_grads(sched.stages),
+            "fused": [st.weight_grads_in_input for st in sched.stages], "warned": [str(w.message) for w in caught]}

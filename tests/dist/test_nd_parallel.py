@@ -82,8 +82,47 @@ def test_hand_built_stages_with_per_block_fsdp2_on_a_mesh_are_exact(schedule):
 
 @pytest.mark.dist
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "ZBVZeroBubble"])
 def test_hand_built_stages_with_tensor_parallelism_on_a_mesh_are_exact(schedule):
     from tests.dist.nd_bodies import hand_built_tp, hb_reference
 
     _assert_exact(run_ranks(hand_built_tp, 4, schedule, timeout=180), hb_reference(), schedule)
+
+
+# ---- the zero-bubble I/W split with data parallelism: exact, never silently wrong ----------
+# FSDP2 reduce-scatters a block's gradients when the backward reaches its inputs (in I): a
+# stage holding FSDP2 runs its whole backward in I (W empty), with a warning naming it.
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+def test_zero_bubble_with_fsdp2_applied_after_build_schedule_is_exact():
+    from tests.dist.nd_bodies import hb_reference, traced_fsdp_after_build
+
+    results = run_ranks(traced_fsdp_after_build, 4, "ZBVZeroBubble", timeout=180)
+    _assert_dp_exact(results, hb_reference(), "traced ZBVZeroBubble + fully_shard after build_schedule")
+    for rank, res in enumerate(results):
+        assert all(res["fused"]), f"rank {rank}: {res['fused']}"
+        assert any("FSDP2" in w and "stage" in w for w in res["warned"]), f"rank {rank}: {res['warned']}"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"])
+def test_zero_bubble_with_per_block_fsdp2_on_hand_built_stages_is_exact(schedule):
+    from tests.dist.nd_bodies import hand_built_fsdp, hb_reference
+
+    results = run_ranks(hand_built_fsdp, 4, schedule, timeout=180)
+    _assert_dp_exact(results, hb_reference(), schedule)
+    assert all(all(r["fused"]) for r in results)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"])
+def test_zero_bubble_with_ddp_on_hand_built_stages_is_exact_and_still_split(schedule):
+    from tests.dist.nd_bodies import hand_built_ddp, hb_reference
+
+    results = run_ranks(hand_built_ddp, 4, schedule, timeout=180)
+    _assert_dp_exact(results, hb_reference(), schedule)
+    assert not any(any(r["fused"]) for r in results), "DDP keeps the I/W split (its sync runs once, after the step)"
