@@ -9,6 +9,7 @@ from . import checkpoint
 from .clip import clip_grad_norm_
 from .grad_scaler import PipelineGradScaler
 from .microbatch import Replicate, TensorChunkSpec, merge_chunks, split_args_kwargs
+from .parallelize import parallelize
 from .plan import Candidate, CommModel, Plan, PlanError, plan
 from .schedule import (
     Action,
@@ -49,4 +50,4 @@ __all__ = ["checkpoint", "clip_grad_norm_", "PipelineGradScaler", "MODEL_INPUT",
            "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
            "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "ScheduleFromOrder", "ScheduleError", "build_schedule", "get_schedule_class",
            "simulate", "stage_to_rank", "validate", "BalanceReport", "plan", "Plan", "Candidate", "PlanError",
-           "CommModel"]
+           "CommModel", "parallelize"]

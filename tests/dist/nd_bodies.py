@@ -249,3 +249,47 @@ def traced_fsdp_after_build(rank: int, world: int, schedule: str) -> dict:
         sched.step(tokens[half], positions[half], target=entry.target[half])
     return {"loss": float(sched.loss), "grads": _stage_grads(sched.stages),
             "fused": [st.weight_grads_in_input for st in sched.stages], "warned": [str(w.message) for w in caught]}
+
+
+def parallelize_helper(rank: int, world: int, schedule: str, kind: str) -> dict:
+    """``ps.parallelize`` on hand-built stages, after the schedule was built: ``kind`` "fsdp"
+    (PP2 x DP2, per-block FSDP2 by ``layers.*``) or "tp" (PP2 x TP2, a pattern plan)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    names = ("dp", "pp") if kind == "fsdp" else ("pp", "tp")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+    entry = hb_entry()
+    mods = _stage_modules(entry.model, schedule, mesh.get_local_rank("pp"), 2)
+    stages = [ps.PipelineStage(mods[s], s, _STAGES[schedule], group=mesh["pp"]) for s in sorted(mods)]
+    sched = ps.get_schedule_class(schedule)(stages, N_MB, loss_fn=entry.loss_fn)
+    tokens, positions = entry.args
+    if kind == "fsdp":
+        ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["layers.*"])
+        blocks = sum(type(m).__name__.startswith("FSDP") for st in stages for m in st.module.modules())
+        half = slice(4 * mesh.get_local_rank("dp"), 4 * mesh.get_local_rank("dp") + 4)
+        batch, target = (tokens[half], positions[half]), entry.target[half]
+    else:
+        col, row = ColwiseParallel(), RowwiseParallel()
+        ps.parallelize(sched, tp_mesh=mesh["tp"], tp_plan={
+            "layers.*.attention.w[qkv]": col, "layers.*.attention.wo": row,
+            "layers.*.feed_forward.w[13]": col, "layers.*.feed_forward.w2": row})
+        blocks = sum(hasattr(p, "placements") for st in stages for p in st.module.parameters())
+        batch, target = entry.args, entry.target
+    sched.step(*batch, target=target)
+    return {"loss": float(sched.loss), "grads": _stage_grads(sched.stages), "wrapped": blocks}
+
+
+def parallelize_traced_refused(rank: int, world: int) -> str:
+    """Per-block FSDP2 on a traced stage: refused by name."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    entry = llama_entry()
+    tokens, positions = entry.args
+    pipe = ps.pipeline(entry.model, entry.split_spec, (tokens[:4], positions[:4]))
+    try:
+        ps.parallelize(pipe.build_stage(0), dp_mesh=mesh["dp"], fsdp=["layers.*"])
+    except ps.PipelineError as e:
+        return str(e)
+    return "no error"

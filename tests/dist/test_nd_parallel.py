@@ -126,3 +126,27 @@ def test_zero_bubble_with_ddp_on_hand_built_stages_is_exact_and_still_split(sche
     results = run_ranks(hand_built_ddp, 4, schedule, timeout=180)
     _assert_dp_exact(results, hb_reference(), schedule)
     assert not any(any(r["fused"]) for r in results), "DDP keeps the I/W split (its sync runs once, after the step)"
+
+
+# ---- ps.parallelize: torch's own fully_shard / parallelize_module by FQN patterns ---------
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind", ["fsdp", "tp"])
+def test_parallelize_applies_per_block_fsdp2_and_tp_plans_by_pattern_exactly(kind):
+    from tests.dist.nd_bodies import hb_reference, parallelize_helper
+
+    results = run_ranks(parallelize_helper, 4, "1F1B", kind, timeout=180)
+    (_assert_dp_exact if kind == "fsdp" else _assert_exact)(results, hb_reference(), f"parallelize {kind}")
+    # fsdp: 2 blocks + the root per stage; tp: 7 sharded linears per block, 2 blocks per stage
+    assert all(r["wrapped"] == (3 if kind == "fsdp" else 14) for r in results), [r["wrapped"] for r in results]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(100)
+def test_parallelize_refuses_per_block_fsdp2_on_a_traced_stage_by_name():
+    from tests.dist.nd_bodies import parallelize_traced_refused
+
+    msg = run_ranks(parallelize_traced_refused, 1, timeout=80)[0]
+    assert "stage 0" in msg and "traced stage" in msg and "hand-built stages" in msg, msg

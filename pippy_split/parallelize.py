@@ -1,0 +1,135 @@
+"""Per-block FSDP2 and tensor parallelism on this rank's stages, by module FQN patterns.
+
+Where this sits: after the stages are built (hand-built ``PipelineStage``s, or a schedule
+over them) and before the first ``step()``. It only calls torch's own APIs on the stage
+modules: ``parallelize_module`` on the modules the ``tp_plan`` patterns name, then
+``fully_shard`` on each outermost module an ``fsdp`` pattern names, then on the stage
+root, as torchtitan does. The schedule's first step learns the stages' shapes with a
+real no-grad forward (:mod:`pippy_split.schedule.manual_shapes`), and a zero-bubble
+schedule runs an FSDP2 stage's whole backward in I (see
+:meth:`~pippy_split.stage.PipelineStage.check_split_backward`).
+
+Traced stages (from ``pipe.build_stage`` / ``build_schedule``) are one flat ATen graph
+whose submodules' ``forward`` never runs, so per-block FSDP2 and TP do not apply to them
+(future work); only whole-stage FSDP2 (``fsdp=None``) is done there.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .stage.errors import PipelineError
+from .stage.stage import PipelineStage
+
+__all__ = ["parallelize"]
+
+
+def parallelize(sched_or_stages: Any, *, dp_mesh: Any = None, tp_mesh: Any = None,
+                fsdp: Sequence[str] | None = None, tp_plan: Mapping[str, Any] | None = None,
+                **fsdp_kwargs: Any) -> list[PipelineStage]:
+    """Apply tensor parallelism and FSDP2 to this rank's stages, by FQN patterns.
+
+    Args:
+        sched_or_stages: a schedule (its ``.stages``), a ``PipelineStage`` or a list of them;
+            call it on every rank, each with its own stages.
+        dp_mesh: the data-parallel DeviceMesh dimension (``mesh["dp"]``): with it every
+            stage root is ``fully_shard``-ed, after the blocks ``fsdp`` names.
+        tp_mesh: the tensor-parallel DeviceMesh dimension (``mesh["tp"]``), for ``tp_plan``.
+        fsdp: module FQN patterns relative to the stage module (fnmatch, e.g.
+            ``["layers.*"]``): each outermost matching module is ``fully_shard``-ed on
+            its own (one all-gather per block). Needs ``dp_mesh``.
+        tp_plan: ``{FQN pattern: ParallelStyle}`` (``ColwiseParallel()``, ...), patterns
+            relative to the stage module (``"layers.*.attention.wq"``); each module that
+            matches gets the style of the first pattern it matches. Needs ``tp_mesh``.
+        **fsdp_kwargs: more keywords for every ``fully_shard`` call (``mp_policy=``,
+            ``reshard_after_forward=``, ...).
+
+    Returns:
+        The stages, parallelized in place.
+
+    Raises:
+        PipelineError: a traced stage with ``fsdp`` patterns or a ``tp_plan`` (its blocks'
+            forward never runs); names the stage and what works instead.
+        ValueError: a pattern matching no module of this rank's stages (with the closest
+            names), or ``fsdp`` / ``tp_plan`` without their mesh.
+
+    Example:
+        >>> mesh = init_device_mesh("cuda", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))  # doctest: +SKIP
+        >>> stage = ps.PipelineStage(my_slice_of_the_model, pp_rank, 2, group=mesh["pp"])  # doctest: +SKIP
+        >>> ps.parallelize(stage, dp_mesh=mesh["dp"], fsdp=["layers.*"], tp_mesh=mesh["tp"],  # doctest: +SKIP
+        ...                tp_plan={"layers.*.attention.wq": ColwiseParallel(),
+        ...                         "layers.*.attention.wo": RowwiseParallel()})
+        >>> sched = ps.Schedule1F1B(stage, 8, loss_fn=loss_fn)  # doctest: +SKIP
+    """
+    stages = _stages_of(sched_or_stages)
+    patterns, plan = list(fsdp or []), dict(tp_plan or {})
+    if patterns and dp_mesh is None:
+        raise ValueError(f"parallelize(): fsdp={patterns} needs dp_mesh= (the data-parallel DeviceMesh dimension)")
+    if plan and tp_mesh is None:
+        raise ValueError(f"parallelize(): tp_plan with {len(plan)} entries needs tp_mesh= (the tensor-parallel "
+                         "DeviceMesh dimension)")
+    for st in stages:
+        if st.pipe is not None and (patterns or plan):
+            what = " and ".join(w for w, on in (("per-block FSDP2 (fsdp=...)", patterns), ("tensor parallelism "
+                                "(tp_plan=...)", plan)) if on)
+            raise PipelineError(f"stage {st.stage_index}: parallelize() cannot apply {what} to a traced stage: its "
+                                "module is one flat ATen graph whose submodules' forward never runs, so per-block "
+                                "hooks and TP styles would not take effect. What works: hand-built stages "
+                                "(PipelineStage(slice_of_your_model, ...), the torchtitan route) with these "
+                                "options, or fsdp=None for whole-stage FSDP2 on a traced stage")
+    names = {n for st in stages for n, _ in st.module.named_modules() if n}
+    _check_match([*patterns, *plan], names)
+    for st in stages:
+        if plan:
+            _apply_tp(st.module, tp_mesh, plan)
+        if dp_mesh is not None:
+            _apply_fsdp(st.module, dp_mesh, patterns, fsdp_kwargs)
+    return stages
+
+
+def _stages_of(obj: Any) -> list[PipelineStage]:
+    if isinstance(obj, PipelineStage):
+        return [obj]
+    stages = list(getattr(obj, "stages", obj))
+    bad = [type(s).__name__ for s in stages if not isinstance(s, PipelineStage)]
+    if not stages or bad:
+        raise ValueError(f"parallelize() takes a schedule, a PipelineStage or a list of them; got {bad or 'nothing'}")
+    return stages
+
+
+def _check_match(patterns: Sequence[str], names: set[str]) -> None:
+    import difflib
+
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            close = difflib.get_close_matches(pattern, sorted(names), n=4, cutoff=0.5)
+            raise ValueError(f"parallelize(): pattern {pattern!r} matches no module of this rank's stages; closest "
+                             f"module names: {close or sorted(names)[:6]}")
+
+
+def _apply_tp(module: torch.nn.Module, tp_mesh: Any, plan: Mapping[str, Any]) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    resolved = {}
+    for name, _ in module.named_modules():
+        style = next((s for p, s in plan.items() if name and fnmatch.fnmatchcase(name, p)), None)
+        if style is not None:
+            resolved[name] = style
+    if resolved:
+        parallelize_module(module, tp_mesh, resolved)
+
+
+def _apply_fsdp(module: torch.nn.Module, dp_mesh: Any, patterns: Sequence[str], kwargs: Mapping[str, Any]) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    blocks: list[str] = []
+    for name, _ in module.named_modules():
+        if name and not any(name.startswith(b + ".") for b in blocks) and any(
+                fnmatch.fnmatchcase(name, p) for p in patterns):
+            blocks.append(name)
+    for name in blocks:
+        fully_shard(module.get_submodule(name), mesh=dp_mesh, **kwargs)
+    fully_shard(module, mesh=dp_mesh, **kwargs)
