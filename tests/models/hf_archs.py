@@ -1,0 +1,362 @@
+"""Tiny Hugging Face architectures for the real-architecture matrix: built from configs, nothing downloaded.
+
+Each builder returns an :class:`Arch`: the model (seeded, eval mode: no dropout, so every
+run is deterministic), one whole batch of ``N_MB`` microbatches whose keywords carry
+``labels=`` (the model computes its own loss, ``out.loss``), the selective-checkpointing
+pattern of its repeated blocks, and, where a per-item loss exists (tokens, images), the
+target and the *sum* loss that ``loss_count=`` divides by the batch's valid items.
+
+The labels of token models hold ``-100`` (ignored) at the end of most samples, a
+different number in each microbatch, so that a mean over microbatches and a mean over
+the batch's tokens differ. Sizes: hidden 32, 2-4 blocks, vocab 128, seq 8, 4
+microbatches of 2 samples.
+
+Used by ``tests/models/arch_bodies.py`` (rank bodies and references),
+``tests/models/test_real_archs.py`` and ``benchmarks/real_archs.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+VOCAB = 128
+LAYERS = 4
+N_MB, MB, SEQ = 4, 2, 8
+BATCH = N_MB * MB
+IGNORE = -100
+
+
+@dataclass
+class Arch:
+    """One architecture's model and batch (see the module docstring)."""
+
+    model: torch.nn.Module
+    args: tuple
+    kwargs: dict[str, Any]  # the whole batch, labels= included
+    selective: list[str]  # activation_checkpoint patterns: the repeated blocks' sub-modules
+    target: torch.Tensor | None = None  # what sum_loss compares with (None: no per-item loss)
+    sum_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def model_loss(out: Any, _target: Any) -> torch.Tensor:
+    """The model's own loss (it was given ``labels=``)."""
+    return out.loss
+
+
+def valid_items(target: torch.Tensor) -> torch.Tensor:
+    return (target != IGNORE).sum()
+
+
+def causal_sum_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, summed over the valid tokens (HF shifts the same way)."""
+    logits = out.logits[:, :-1].float()
+    return F.cross_entropy(logits.flatten(0, 1), target[:, 1:].flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def token_sum_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of aligned tokens (masked LM, seq2seq decoder), summed over the valid ones."""
+    logits = out.logits.float()
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def class_sum_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits.float(), target, ignore_index=IGNORE, reduction="sum")
+
+
+def causal_count(target: torch.Tensor) -> torch.Tensor:
+    """Valid next-token targets (the first position predicts nothing)."""
+    return (target[:, 1:] != IGNORE).sum()
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(1)
+
+
+def _ids(g: torch.Generator, low: int = 0) -> torch.Tensor:
+    return torch.randint(low, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def _padded(labels: torch.Tensor) -> torch.Tensor:
+    """``-100`` after each sample's valid length: microbatches hold 16, 9, 13 and 3 valid tokens."""
+    labels = labels.clone()
+    for i, n in enumerate([8, 8, 4, 5, 6, 7, 2, 1]):
+        labels[i, n:] = IGNORE
+    return labels
+
+
+def _causal(model: torch.nn.Module, selective: list[str], low: int = 0) -> Arch:
+    g = _gen()
+    ids = _ids(g, low)
+    labels = _padded(ids)
+    return Arch(model, (ids,), {"labels": labels}, selective, labels, causal_sum_loss)
+
+
+def _masked(model: torch.nn.Module, selective: list[str], low: int = 0) -> Arch:
+    g = _gen()
+    ids = _ids(g, low)
+    labels = _padded(_ids(g, low))
+    return Arch(model, (ids,), {"labels": labels}, selective, labels, token_sum_loss)
+
+
+def _images(model: torch.nn.Module, selective: list[str], size: int, labels: int = 4) -> Arch:
+    g = _gen()
+    pixels = torch.randn(BATCH, 3, size, size, generator=g)
+    target = torch.randint(0, labels, (BATCH,), generator=g)
+    return Arch(model, (pixels,), {"labels": target}, selective, target, class_sum_loss)
+
+
+# ---- decoder LMs ---------------------------------------------------------------------
+
+
+def qwen3() -> Arch:
+    import transformers as t
+
+    cfg = t.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                        use_cache=False)
+    return _causal(t.Qwen3ForCausalLM(cfg), ["model.layers.*.mlp"])
+
+
+def qwen2_moe() -> Arch:
+    import transformers as t
+
+    # Router logits of every layer feed the load-balancing aux loss inside out.loss.
+    cfg = t.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                           decoder_sparse_step=1, num_hidden_layers=LAYERS, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=64, output_router_logits=True,
+                           router_aux_loss_coef=0.1, use_cache=False)
+    return _causal(t.Qwen2MoeForCausalLM(cfg), ["model.layers.*.mlp"])
+
+
+def phi3() -> Arch:
+    import transformers as t
+
+    cfg = t.Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       original_max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                       use_cache=False)
+    return _causal(t.Phi3ForCausalLM(cfg), ["model.layers.*.mlp"])
+
+
+def mistral_tied() -> Arch:
+    import transformers as t
+
+    cfg = t.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                          sliding_window=4, tie_word_embeddings=True, use_cache=False)
+    return _causal(t.MistralForCausalLM(cfg), ["model.layers.*.self_attn"])
+
+
+def gpt_neox() -> Arch:
+    import transformers as t
+
+    cfg = t.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                          num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5, use_cache=False,
+                          hidden_dropout=0.0, attention_dropout=0.0)
+    return _causal(t.GPTNeoXForCausalLM(cfg), ["gpt_neox.layers.*.mlp"])
+
+
+def opt() -> Arch:
+    import transformers as t
+
+    cfg = t.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+                      max_position_embeddings=64, word_embed_proj_dim=32, pad_token_id=1, bos_token_id=2,
+                      eos_token_id=2, dropout=0.0, attention_dropout=0.0, use_cache=False)
+    return _causal(t.OPTForCausalLM(cfg), ["model.decoder.layers.*"], low=3)  # no pad tokens
+
+
+def bloom() -> Arch:
+    import transformers as t
+
+    cfg = t.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=LAYERS, n_head=4, use_cache=False,
+                        hidden_dropout=0.0, attention_dropout=0.0)
+    return _causal(t.BloomForCausalLM(cfg), ["transformer.h.*.mlp"])
+
+
+def falcon() -> Arch:
+    import transformers as t
+
+    cfg = t.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
+                         max_position_embeddings=64, use_cache=False, hidden_dropout=0.0, attention_dropout=0.0)
+    return _causal(t.FalconForCausalLM(cfg), ["transformer.h.*.mlp"])
+
+
+def mamba() -> Arch:
+    import transformers as t
+
+    # 2 blocks: 4 stages cut inside a mixer, where the parameter D (``self.D.float()``) reaches a
+    # stage output with no op between (it lost its gradient under the I/W split, e04e134).
+    cfg = t.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
+                        conv_kernel=4, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return _causal(t.MambaForCausalLM(cfg), ["backbone.layers.*.mixer"])
+
+
+def granite() -> Arch:
+    import transformers as t
+
+    cfg = t.GraniteConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22,
+                          attention_multiplier=0.125, use_cache=False)
+    return _causal(t.GraniteForCausalLM(cfg), ["model.layers.*.mlp"])
+
+
+# ---- encoders (masked LM) ------------------------------------------------------------
+
+
+def deberta_v2() -> Arch:
+    import transformers as t
+
+    cfg = t.DebertaV2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                            num_attention_heads=4, max_position_embeddings=64, relative_attention=True,
+                            position_buckets=16, max_relative_positions=-1, pos_att_type=["p2c", "c2p"],
+                            norm_rel_ebd="layer_norm", share_att_key=True, position_biased_input=False,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return _masked(t.DebertaV2ForMaskedLM(cfg), ["deberta.encoder.layer.*.intermediate"])
+
+
+def distilbert() -> Arch:
+    import transformers as t
+
+    cfg = t.DistilBertConfig(vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=LAYERS, n_heads=4,
+                             max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
+    return _masked(t.DistilBertForMaskedLM(cfg), ["distilbert.transformer.layer.*.ffn"])
+
+
+def electra() -> Arch:
+    import transformers as t
+
+    cfg = t.ElectraConfig(vocab_size=VOCAB, embedding_size=16, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=LAYERS, num_attention_heads=4, max_position_embeddings=64,
+                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return _masked(t.ElectraForMaskedLM(cfg), ["electra.encoder.layer.*.intermediate"])
+
+
+# ---- encoder-decoders ----------------------------------------------------------------
+
+
+def bart() -> Arch:
+    import transformers as t
+
+    # labels= only: the model makes decoder_input_ids by shifting them right.
+    cfg = t.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                       decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                       pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, dropout=0.0,
+                       attention_dropout=0.0, activation_dropout=0.0, use_cache=False)
+    return _masked(t.BartForConditionalGeneration(cfg), ["model.decoder.layers.*"], low=3)
+
+
+def whisper() -> Arch:
+    import transformers as t
+
+    cfg = t.WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, encoder_layers=2, decoder_layers=2, d_model=32,
+                          encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                          decoder_ffn_dim=64, max_source_positions=8, max_target_positions=16, pad_token_id=0,
+                          bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, suppress_tokens=None,
+                          begin_suppress_tokens=None, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                          use_cache=False)
+    g = _gen()
+    features = torch.randn(BATCH, 8, 16, generator=g)  # 2 x max_source_positions frames
+    labels = _padded(_ids(g, low=3))
+    return Arch(t.WhisperForConditionalGeneration(cfg), (features,), {"labels": labels},
+                ["model.encoder.layers.*"], labels, token_sum_loss)
+
+
+# ---- vision and vision-text ----------------------------------------------------------
+
+
+def clip() -> Arch:
+    import transformers as t
+
+    # The contrastive loss (return_loss=True) pairs the samples of a microbatch: no per-item loss.
+    cfg = t.CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=16, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=16, patch_size=8),
+        projection_dim=16)
+    g = _gen()
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)
+    ids[:, -1] = 2  # eos: the text embedding is taken there
+    pixels = torch.randn(BATCH, 3, 16, 16, generator=g)
+    return Arch(t.CLIPModel(cfg), (), {"input_ids": ids, "pixel_values": pixels, "return_loss": True},
+                ["vision_model.encoder.layers.*.mlp", "text_model.encoder.layers.*.mlp"])
+
+
+def swin() -> Arch:
+    import transformers as t
+
+    cfg = t.SwinConfig(image_size=32, patch_size=4, num_channels=3, embed_dim=16, depths=[2, 2],
+                       num_heads=[2, 4], window_size=4, mlp_ratio=2.0, num_labels=4, drop_path_rate=0.0,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return _images(t.SwinForImageClassification(cfg), ["swin.encoder.layers.*.blocks.*.attention"], 32)
+
+
+def convnext() -> Arch:
+    import transformers as t
+
+    cfg = t.ConvNextConfig(num_channels=3, patch_size=4, num_stages=2, hidden_sizes=[16, 32], depths=[2, 2],
+                           layer_scale_init_value=1.0, drop_path_rate=0.0, num_labels=4)
+    return _images(t.ConvNextForImageClassification(cfg), ["convnext.encoder.stages.*.layers.*"], 32)
+
+
+def dinov2() -> Arch:
+    import transformers as t
+
+    cfg = t.Dinov2Config(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, mlp_ratio=2, num_labels=4, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+    return _images(t.Dinov2ForImageClassification(cfg), ["dinov2.encoder.layer.*.mlp"], 16)
+
+
+BUILDERS: dict[str, Callable[[], Arch]] = {
+    "qwen3": qwen3, "qwen2_moe": qwen2_moe, "phi3": phi3, "mistral_tied": mistral_tied, "gpt_neox": gpt_neox,
+    "opt": opt, "bloom": bloom, "falcon": falcon, "deberta_v2": deberta_v2, "distilbert": distilbert,
+    "electra": electra, "bart": bart, "whisper": whisper, "clip": clip, "swin": swin, "convnext": convnext,
+    "mamba": mamba, "dinov2": dinov2, "granite": granite,
+}
+# The transformers class each builder needs (a missing one skips that architecture, named).
+CLASSES = {
+    "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+    "mistral_tied": "MistralForCausalLM", "gpt_neox": "GPTNeoXForCausalLM", "opt": "OPTForCausalLM",
+    "bloom": "BloomForCausalLM", "falcon": "FalconForCausalLM", "deberta_v2": "DebertaV2ForMaskedLM",
+    "distilbert": "DistilBertForMaskedLM", "electra": "ElectraForMaskedLM", "bart": "BartForConditionalGeneration",
+    "whisper": "WhisperForConditionalGeneration", "clip": "CLIPModel", "swin": "SwinForImageClassification",
+    "convnext": "ConvNextForImageClassification", "mamba": "MambaForCausalLM",
+    "dinov2": "Dinov2ForImageClassification", "granite": "GraniteForCausalLM",
+}
+# Which per-item sum loss an architecture's loss_count check uses: causal LMs count next tokens.
+COUNTS: dict[Callable, Callable[[torch.Tensor], torch.Tensor]] = {
+    causal_sum_loss: causal_count, token_sum_loss: valid_items, class_sum_loss: valid_items,
+}
+
+
+def missing(name: str) -> str | None:
+    """Why ``name`` cannot be built with the installed transformers, or None."""
+    try:
+        import transformers
+    except ImportError:
+        return "transformers is not installed"
+    cls = CLASSES[name]
+    if not hasattr(transformers, cls):
+        return f"transformers {transformers.__version__} has no {cls}"
+    return None
+
+
+def build(name: str) -> Arch:
+    """The named architecture (seeded, eval mode) with its batch."""
+    torch.manual_seed(0)
+    arch = BUILDERS[name]()
+    arch.model.eval()
+    return arch
+
+
+def count_fn(arch: Arch) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    return None if arch.sum_loss is None else COUNTS[arch.sum_loss]
