@@ -9,8 +9,10 @@ that raises on one rank costs one timeout and never stops the others:
     split_2 / split_4   pipe(mb) == model(mb) (rank 0 checks N=2, rank 1 N=4)
     1F1B                1F1B on the 2-stage pipe, the model's own loss (labels=)
     ZBV                 ZBVZeroBubble on the 4-stage pipe (V: stages 0 and 3 on rank 0)
-    ac_full             ZBV with activation_checkpoint="full"
-    ac_selective        1F1B with activation_checkpoint=<the arch's block patterns>
+    ac_full             ZBV with activation_checkpoint="full" (and each stage runs forward + one
+                        recompute per microbatch)
+    ac_selective        1F1B with activation_checkpoint=<the arch's block patterns> (regions were
+                        recomputed, none more than once)
     bf16                ZBV with mixed_precision=torch.bfloat16, against the unsplit model
                         under torch.autocast("cpu", torch.bfloat16)
     loss_count          ZBV, the per-item sum loss divided by the batch's valid items
@@ -26,9 +28,9 @@ gradients atol 1e-6 + rtol 1e-5.
 
 from __future__ import annotations
 
-import os
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -144,7 +146,9 @@ def _guarded(fn: Callable[[Any], dict]) -> dict:
     return out
 
 
-def _split_check(pipe: Any, arch: hf_archs.Arch) -> dict:
+def _split_check(pipe: Any, arch: hf_archs.Arch, n: int) -> dict:
+    if pipe.num_stages != n:
+        return {"error": f"ps.pipeline(model, {n}) gave {pipe.num_stages} stages"}
     a, k = _microbatches(arch)[0]
     with torch.no_grad():
         got, want = pipe(*a, **k), arch.model(*a, **k)
@@ -165,14 +169,46 @@ def _split_check(pipe: Any, arch: hf_archs.Arch) -> dict:
 
 
 def _step(arch: hf_archs.Arch, pipe: Any, schedule: str, group: Any, loss_fn: Callable = hf_archs.model_loss,
-          **options: Any) -> tuple[Any, dict]:
+          before: Callable[[Any], None] | None = None, **options: Any) -> tuple[Any, dict]:
+    """One step of a fresh schedule of ``pipe`` on the whole batch: (schedule, its loss and this rank's grads)."""
     arch.model.zero_grad(set_to_none=True)
     sched = ps.build_schedule(pipe, schedule, hf_archs.N_MB, loss_fn=loss_fn, group=group,
                               timeout=CHECK_TIMEOUT_S, **options)
     for st in sched.stages:
         st.module.zero_grad(set_to_none=True)
+    if before is not None:
+        before(sched)
     sched.step(*arch.args, target=_target(arch), **arch.kwargs)
     return sched, {"loss": float(sched.loss), "grads": _stage_grads(sched)}
+
+
+def _ac_full(arch: hf_archs.Arch, pipe: Any, group: Any) -> dict:
+    """ZBV with activation_checkpoint="full"; ``calls``: each stage module's forward calls (F + one recompute).
+    The schedules of one pipe share its stage modules: the hooks go once the step is done."""
+    calls: dict[int, int] = {}
+    hooks = []
+
+    def counting(sched: Any) -> None:
+        for st in sched.stages:
+            calls[st.stage_index] = 0
+
+            def count(module, args, out, s=st.stage_index):
+                calls[s] += 1
+
+            hooks.append(st.module.register_forward_hook(count))
+
+    try:
+        out = _step(arch, pipe, "ZBVZeroBubble", group, activation_checkpoint="full", before=counting)[1]
+    finally:
+        for h in hooks:
+            h.remove()
+    return {**out, "calls": dict(calls)}
+
+
+def _ac_selective(arch: hf_archs.Arch, pipe: Any, group: Any) -> dict:
+    """1F1B with the arch's selective patterns; ``counts``: (region calls, recomputes) per stage."""
+    sched, out = _step(arch, pipe, "1F1B", group, activation_checkpoint=arch.selective)
+    return {**out, "counts": [st.region_counts for st in sched.stages]}
 
 
 def _zbv_and_clip(arch: hf_archs.Arch, pipe: Any, group: Any, max_norms: dict[str, float]) -> dict:
@@ -200,24 +236,26 @@ def arch_rank(rank: int, world: int, name: str, max_norms: dict[str, float]) -> 
     for n in (2, 4):
         start = time.perf_counter()
         try:
-            pipes[n] = ps.pipeline(arch.model, n, *mb)
+            with warnings.catch_warnings():  # fewer blocks than 2 x N: the balance warning is expected
+                warnings.filterwarnings("ignore", message=r"pipeline\(model, ", category=UserWarning)
+                pipes[n] = ps.pipeline(arch.model, n, *mb)
         except Exception:
             res[f"split_{n}"] = {"error": traceback.format_exc(limit=6)[-3000:]}
         res[f"trace_{n}"] = {"seconds": time.perf_counter() - start}
     mine = (2, 4)[rank % 2]
     if mine in pipes:
-        res[f"split_{mine}"] = _guarded(lambda g: _split_check(pipes[mine], arch))
+        res[f"split_{mine}"] = _guarded(lambda g: _split_check(pipes[mine], arch, mine))
     if 2 in pipes:
         p2 = pipes[2]
         res["1F1B"] = _guarded(lambda g: _step(arch, p2, "1F1B", g)[1])
-        res["ac_selective"] = _guarded(lambda g: _step(arch, p2, "1F1B", g, activation_checkpoint=arch.selective)[1])
+        res["ac_selective"] = _guarded(lambda g: _ac_selective(arch, p2, g))
     if 4 in pipes:
         p4 = pipes[4]
         zbv = _guarded(lambda g: _zbv_and_clip(arch, p4, g, max_norms))
         for key in ("clip_2", "clip_inf"):
             res[key] = zbv.pop(key, {"error": "the ZBV step raised:\n" + zbv.get("error", "")})
         res["ZBV"] = zbv
-        res["ac_full"] = _guarded(lambda g: _step(arch, p4, "ZBVZeroBubble", g, activation_checkpoint="full")[1])
+        res["ac_full"] = _guarded(lambda g: _ac_full(arch, p4, g))
         res["bf16"] = _guarded(lambda g: _step(arch, p4, "ZBVZeroBubble", g, mixed_precision=torch.bfloat16)[1])
         count = hf_archs.count_fn(arch)
         if count is not None:
@@ -273,6 +311,13 @@ def _train_outcome(results: list[dict], ref: tuple[float, dict], atol: float, rt
         err = max(err, e)
         if not e < 1e-5:
             bad.insert(0, f"rank {rank}: loss {r['loss']:.7f} != {ref_loss:.7f} (err {e:.2e})")
+        if "calls" in r and any(n != 2 * hf_archs.N_MB for n in r["calls"].values()):
+            bad.insert(0, f"rank {rank}: stage forward calls {r['calls']}, not forward + one recompute per microbatch")
+        # A region call that saved no tensor (views, masks) is never recomputed: at most once each.
+        if "counts" in r and any(recomputes > calls for calls, recomputes in r["counts"]):
+            bad.insert(0, f"rank {rank}: (region calls, recomputes) per stage {r['counts']}: recomputed more than once")
+    if "counts" in results[0] and sum(recomputes for r in results for _, recomputes in r["counts"]) == 0:
+        bad.insert(0, f"no region was recomputed: (region calls, recomputes) {[r['counts'] for r in results]}")
     return Outcome(not bad, err, "\n".join(bad[:12]))
 
 
@@ -329,6 +374,4 @@ def evaluate(name: str, timeout: float = 400.0) -> dict[str, Outcome]:
     ref = references(name)
     max_norms = {key: ref[key][0] for key in ("clip_2", "clip_inf")}
     results = run_ranks(arch_rank, WORLD, name, max_norms, timeout=timeout)
-    if os.environ.get("ARCH_TIMES"):
-        print(name, {k: [round(r[k].get("seconds", -1), 2) for r in results if k in r] for k in results[0]})
     return outcomes(results, ref)

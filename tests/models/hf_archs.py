@@ -8,8 +8,9 @@ target and the *sum* loss that ``loss_count=`` divides by the batch's valid item
 
 The labels of token models hold ``-100`` (ignored) at the end of most samples, a
 different number in each microbatch, so that a mean over microbatches and a mean over
-the batch's tokens differ. Sizes: hidden 32, 2-4 blocks, vocab 128, seq 8, 4
-microbatches of 2 samples.
+the batch's tokens differ. Sizes: hidden 32, 4 blocks (2 for a few, so that 4 stages
+also cut inside a block; 2 + 2 for encoder-decoders), vocab 128, seq 8, 4 microbatches
+of 2 samples.
 
 Used by ``tests/models/arch_bodies.py`` (rank bodies and references),
 ``tests/models/test_real_archs.py`` and ``benchmarks/real_archs.py``.
@@ -24,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 VOCAB = 128
-LAYERS = 4
+LAYERS = 4  # 4 stages cut between blocks
+FEW = 2  # Qwen3, OPT, DistilBERT, Mamba: 4 stages cut inside blocks too
 N_MB, MB, SEQ = 4, 2, 8
 BATCH = N_MB * MB
 IGNORE = -100
@@ -116,7 +118,7 @@ def _images(model: torch.nn.Module, selective: list[str], size: int, labels: int
 def qwen3() -> Arch:
     import transformers as t
 
-    cfg = t.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+    cfg = t.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=FEW,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                         use_cache=False)
     return _causal(t.Qwen3ForCausalLM(cfg), ["model.layers.*.mlp"])
@@ -165,7 +167,7 @@ def gpt_neox() -> Arch:
 def opt() -> Arch:
     import transformers as t
 
-    cfg = t.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+    cfg = t.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=FEW, num_attention_heads=4,
                       max_position_embeddings=64, word_embed_proj_dim=32, pad_token_id=1, bos_token_id=2,
                       eos_token_id=2, dropout=0.0, attention_dropout=0.0, use_cache=False)
     return _causal(t.OPTForCausalLM(cfg), ["model.decoder.layers.*"], low=3)  # no pad tokens
@@ -190,9 +192,9 @@ def falcon() -> Arch:
 def mamba() -> Arch:
     import transformers as t
 
-    # 2 blocks: 4 stages cut inside a mixer, where the parameter D (``self.D.float()``) reaches a
+    # FEW blocks: 4 stages cut inside a mixer, where the parameter D (``self.D.float()``) reaches a
     # stage output with no op between (it lost its gradient under the I/W split, e04e134).
-    cfg = t.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
+    cfg = t.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=FEW, expand=2,
                         conv_kernel=4, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return _causal(t.MambaForCausalLM(cfg), ["backbone.layers.*.mixer"])
 
@@ -224,7 +226,7 @@ def deberta_v2() -> Arch:
 def distilbert() -> Arch:
     import transformers as t
 
-    cfg = t.DistilBertConfig(vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=LAYERS, n_heads=4,
+    cfg = t.DistilBertConfig(vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=FEW, n_heads=4,
                              max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
     return _masked(t.DistilBertForMaskedLM(cfg), ["distilbert.transformer.layer.*.ffn"])
 
