@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .split.module_calls import called_module_names
 from .stage.errors import PipelineError
 from .stage.stage import PipelineStage
 
@@ -51,8 +52,8 @@ def parallelize(sched_or_stages: Any, *, dp_mesh: Any = None, tp_mesh: Any = Non
         The stages, parallelized in place.
 
     Raises:
-        PipelineError: a traced stage with ``fsdp`` patterns or a ``tp_plan`` (its blocks'
-            forward never runs); names the stage and what works instead.
+        PipelineError: an ``fsdp`` or ``tp_plan`` pattern naming a module a traced stage runs
+            as traced ops (a split point enters it); names the stage, the module and what works.
         ValueError: a pattern matching no module of this rank's stages (with the closest
             names), or ``fsdp`` / ``tp_plan`` without their mesh.
 
@@ -71,17 +72,11 @@ def parallelize(sched_or_stages: Any, *, dp_mesh: Any = None, tp_mesh: Any = Non
     if plan and tp_mesh is None:
         raise ValueError(f"parallelize(): tp_plan with {len(plan)} entries needs tp_mesh= (the tensor-parallel "
                          "DeviceMesh dimension)")
-    for st in stages:
-        if st.pipe is not None and (patterns or plan):
-            what = " and ".join(w for w, on in (("per-block FSDP2 (fsdp=...)", patterns), ("tensor parallelism "
-                                "(tp_plan=...)", plan)) if on)
-            raise PipelineError(f"stage {st.stage_index}: parallelize() cannot apply {what} to a traced stage: its "
-                                "module is one flat ATen graph whose submodules' forward never runs, so per-block "
-                                "hooks and TP styles would not take effect. What works: hand-built stages "
-                                "(PipelineStage(slice_of_your_model, ...), the torchtitan route) with these "
-                                "options, or fsdp=None for whole-stage FSDP2 on a traced stage")
     names = {n for st in stages for n, _ in st.module.named_modules() if n}
     _check_match([*patterns, *plan], names)
+    for st in stages:
+        if st.pipe is not None and (patterns or plan):
+            _check_called(st, [*patterns, *plan])
     for st in stages:
         if plan:
             _apply_tp(st.module, tp_mesh, plan)
@@ -98,6 +93,24 @@ def _stages_of(obj: Any) -> list[PipelineStage]:
     if not stages or bad:
         raise ValueError(f"parallelize() takes a schedule, a PipelineStage or a list of them; got {bad or 'nothing'}")
     return stages
+
+
+def _check_called(stage: PipelineStage, patterns: Sequence[str]) -> None:
+    """A traced stage runs the user's own ``forward`` only for the modules it calls whole;
+    a pattern naming traced glue (a module the cut enters, or one whose call signature
+    export could not keep) would silently not take effect there."""
+    called = called_module_names(stage.module)
+    glue = sorted({n for n, _ in stage.module.named_modules() if n and n not in called
+                   and any(fnmatch.fnmatchcase(n, p) for p in patterns)
+                   and any(isinstance(x, torch.nn.Parameter) for x in stage.module.get_submodule(n).parameters())})
+    if glue:
+        raise PipelineError(f"stage {stage.stage_index}: parallelize() cannot apply per-block FSDP2 or a TP style to "
+                            f"{glue[:4]}: the stage runs {'it' if len(glue) == 1 else 'them'} as traced ops, not "
+                            "through the module's own forward (a split point enters the module, or export could not "
+                            "keep its call signature, e.g. it takes a cache object: pass use_cache=False). What works: "
+                            "patterns naming modules the stage calls whole "
+                            f"({sorted(n for n in called if n.count('.') <= 1)[:4]}), or fsdp=None for whole-stage "
+                            "FSDP2, or hand-built stages")
 
 
 def _check_match(patterns: Sequence[str], names: set[str]) -> None:

@@ -17,13 +17,15 @@ import sympy
 import torch
 from torch.fx import GraphModule
 
+from .calls import call_tree
 from .cost import mutated_args, node_flops
 from .errors import SplitError
 from .grad import infer_requires_grad
 from .markers import is_split_marker
+from .module_calls import call_inputs, swap_in_module_calls
 from .partition import Plan, module_paths
 from .spec import MODEL_INPUT, Edge, InputKind, StageInput, SymbolSource, TensorSpec
-from .trace import Traced
+from .trace import Traced, user_module_path
 
 __all__ = ["StageInfo", "Built", "build_stages"]
 
@@ -152,6 +154,8 @@ class _Builder:
         self.last = self.n - 1
         out_node = next(n for n in reversed(self.graph.nodes) if n.op == "output")
         self.output_leaves = list(out_node.args[0])
+        self.calls = call_tree(plan.ops)  # module calls, for swapping the user's modules into stages
+        self.by_name = {n.name: n for n in self.graph.nodes}
 
     def _param_tensors(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
@@ -181,6 +185,9 @@ class _Builder:
                 for leaf in self.output_leaves:
                     if isinstance(leaf, torch.fx.Node) and self.stage_of(leaf) != s:
                         seen.setdefault(leaf, None)
+            for a in call_inputs(set(ops), self.plan.ops, self.calls, self.traced.module_signatures, self.by_name,
+                                 user_module_path):
+                seen.setdefault(a, None)
             reads.append(list(seen))
         # Producer side: which values leave each stage.
         consumers: dict[torch.fx.Node, set[int]] = {}
@@ -245,6 +252,14 @@ class _Builder:
         modules, flops = self._copy_ops(g, env, root, ops)
         g.output(tuple(env[v] for v in outs))
         module = self._module(s, root, g, installs)
+        for fqn in swap_in_module_calls(module, set(ops), env, self.plan.ops, self.calls, self.traced.module_signatures,
+                                        self.by_name, self.model, user_module_path):
+            # the user's module brings all its tensors, also those the trace never read
+            sub = module.get_submodule(fqn)
+            for name in [n for n, _ in sub.named_parameters(remove_duplicate=False)] + [
+                    n for n, _ in sub.named_buffers(remove_duplicate=False)]:
+                if f"{fqn}.{name}" not in param_fqns:
+                    param_fqns.append(f"{fqn}.{name}")
         out_specs = [
             _spec_of(v, self.rg[v], self.known_symbols, self.rename) if isinstance(v.meta.get("val"), torch.Tensor) else None
             for v in outs

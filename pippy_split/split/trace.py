@@ -10,8 +10,9 @@ the user's own (``blocks.2.attn.qkv.weight``).
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.export import ExportedProgram
@@ -95,6 +96,8 @@ class Traced:
     # Per flat user input, what a call must match: a tensor's (dims, dtype), where a
     # dim is None if dynamic, or a non-tensor's value (export baked it into the graph).
     input_checks: list[Any] = field(default_factory=list)
+    # The user's FQN (``@k`` for the k-th repeat of a call) -> export's ModuleCallSignature
+    module_signatures: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # ExportedProgram.call_spec builds a new NamedTuple class on every access: read it once.
@@ -258,6 +261,103 @@ def _aliases(model: torch.nn.Module) -> dict[str, list[str]]:
     return {fqn: names for names in by_id.values() for fqn in names}
 
 
+def _export_keeping_calls(model: torch.nn.Module, root: torch.nn.Module, args: tuple, kwargs: dict,
+                          dynamic_shapes: Any, strict: bool) -> ExportedProgram:
+    """Export with every module's call signature kept (so stages can call the user's
+    modules), except modules whose arguments or results export cannot flatten (an HF
+    ``DynamicCache``): those stay traced ops. Where a signature cannot be kept safely, the
+    plain export, with a warning that names what no longer applies to the modules."""
+
+    def export(preserve: tuple[str, ...]) -> ExportedProgram:
+        return torch.export.export(root, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict,
+                                   preserve_module_call_signature=preserve)
+
+    names = [name for name, _ in model.named_modules() if name]
+    try:
+        ep = export(tuple(ROOT_PREFIX + n for n in names))
+    except Exception:  # a module taking or giving an object export cannot flatten
+        opaque = _modules_with_opaque_values(model, args, kwargs)
+        try:
+            ep = export(tuple(ROOT_PREFIX + n for n in names if n not in opaque))
+        except Exception as e:
+            return _plain_export(model, export, f"{type(e).__name__}: {str(e).strip()[:300]}")
+    if any(n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator) for n in ep.graph.nodes):
+        # Kept signatures next to a torch.no_grad()/autocast region can change which values
+        # cross it; keep them only where the graph is the plain one.
+        plain = export(())
+        if not _same_graph(ep.graph_module, plain.graph_module):
+            return _plain_export(model, lambda _: plain, "keeping them changes the graph around a higher-order "
+                                 "region (torch.no_grad() or autocast inside forward)")
+    return ep
+
+
+def _plain_export(model: torch.nn.Module, export: Any, reason: str) -> ExportedProgram:
+    warnings.warn(f"{type(model).__name__}: torch.export could not keep its modules' call signatures ({reason}); "
+                  "its stages run the traced ops only, so hooks, fully_shard per block, parallelize_module and other "
+                  "module wrappers applied to a stage's submodules do not take effect", stacklevel=4)
+    return export(())
+
+
+def _modules_with_opaque_values(model: torch.nn.Module, args: tuple, kwargs: dict) -> set[str]:
+    """Modules that take or return a value export cannot flatten into tensors and scalars,
+    found by one forward on fake tensors (no compute, no memory)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    plain = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
+    opaque: set[str] = set()
+    handles = []
+    for name, mod in model.named_modules():
+        if not name:
+            continue
+
+        def pre(m: Any, a: Any, kw: Any, _n: str = name) -> None:
+            if not all(isinstance(leaf, plain) for leaf in pytree.tree_leaves((a, kw))):
+                opaque.add(_n)
+
+        def post(m: Any, a: Any, kw: Any, out: Any, _n: str = name) -> None:
+            if not all(isinstance(leaf, plain) for leaf in pytree.tree_leaves(out)):
+                opaque.add(_n)
+
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True))
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+            model(*fake[0], **fake[1])
+    except Exception:
+        pass  # the probe only narrows what is kept; export decides
+    finally:
+        for h in handles:
+            h.remove()
+    return opaque
+
+
+def _same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> bool:
+    """Whether two graphs run the same ops on the same values (names aside), subgraphs of
+    higher-order ops included."""
+    na, nb = list(a.graph.nodes), list(b.graph.nodes)
+    if len(na) != len(nb):
+        return False
+    index_a = {n: i for i, n in enumerate(na)}
+    index_b = {n: i for i, n in enumerate(nb)}
+    for x, y in zip(na, nb):
+        if x.op != y.op:
+            return False
+        if x.op == "get_attr":
+            sx, sy = getattr(a, str(x.target), None), getattr(b, str(y.target), None)
+            if isinstance(sx, torch.fx.GraphModule) != isinstance(sy, torch.fx.GraphModule):
+                return False
+            if isinstance(sx, torch.fx.GraphModule) and not _same_graph(sx, cast(torch.fx.GraphModule, sy)):
+                return False
+        elif x.op != "placeholder" and x.target != y.target:
+            return False
+        ax = pytree.tree_map_only(torch.fx.Node, lambda n: ("node", index_a[n]), (x.args, x.kwargs))
+        ay = pytree.tree_map_only(torch.fx.Node, lambda n: ("node", index_b[n]), (y.args, y.kwargs))
+        if str(ax) != str(ay):
+            return False
+    return True
+
+
 def trace_model(
     model: torch.nn.Module,
     args: tuple,
@@ -270,7 +370,7 @@ def trace_model(
     kwargs = dict(kwargs or {})
     root = _root_for(model)
     try:
-        ep = torch.export.export(root, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
+        ep = _export_keeping_calls(model, root, tuple(args), kwargs, dynamic_shapes, strict)
     except Exception as e:  # export raises many types; all mean "cannot trace"
         reason = f"{type(e).__name__}: {e}"
         raise TraceError(
@@ -292,8 +392,11 @@ def trace_model(
     rg = {name: isinstance(x, torch.Tensor) and x.requires_grad for name, x in zip(user_inputs, flat_examples)}
     placeholder_vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
     checks = [_input_check(placeholder_vals.get(name), x) for name, x in zip(user_inputs, flat_examples)]
+    signatures = {_strip(entry.fqn): entry.signature for entry in ep.module_call_graph
+                  if entry.signature is not None and entry.fqn.startswith(ROOT_PREFIX)}
     return Traced(
         ep=ep,
+        module_signatures=signatures,
         user_inputs=user_inputs,
         params=params,
         buffers=buffers,

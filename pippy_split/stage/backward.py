@@ -1,7 +1,8 @@
 """The zero-bubble backward split: what W must differentiate, found on the stage graph.
 
 For every op that combines a parameter (possibly through views like ``t()``)
-with an activation, the op's output is *captured* (a no-op graph call that hands
+with an activation, and every call of a user's module holding parameters, the
+output is *captured* (a no-op graph call that hands
 it to the stage only while the stage asks for it, so the stage module, its
 outputs and its hooks stay the same): the input-grad pass (I)
 computes the gradient flowing into it on its way to the stage inputs, and the
@@ -107,10 +108,15 @@ def plan_weight_grads(gm: GraphModule) -> WeightGradPlan:
             param_only[node] = set().union(*(param_only[a] for a in node.all_input_nodes))
     captures: list[tuple[torch.fx.Node, set[int]]] = []
     for node in graph.nodes:
-        if node.op != "call_function" or node in param_only:
+        if node.op not in ("call_function", "call_module") or node in param_only:
             continue
         ids = set().union(*(param_only[a] for a in node.all_input_nodes if a in param_only)) if any(
             a in param_only for a in node.all_input_nodes) else set()
+        if node.op == "call_module":  # a user's module: W differentiates its output for all its parameters
+            for p in gm.get_submodule(str(node.target)).parameters():
+                if p.requires_grad:
+                    ids.add(id(p))
+                    params_by_id[id(p)] = p
         if ids:
             captures.append((node, ids))
     uses: dict[int, int] = {}

@@ -231,7 +231,7 @@ def _segments(nodes: list[Node], patterns: Sequence[str]) -> list[tuple[str, lis
         if n.op not in ("call_function", "call_method", "call_module"):
             continue
         call = _matched_call(n, patterns)
-        if call is None and current is not None and not n.meta.get("nn_module_stack") and \
+        if call is None and current is not None and n.op == "call_function" and not n.meta.get("nn_module_stack") and \
                 any(a in members for a in n.all_input_nodes):
             call = current
         if call is not None and call == current:
@@ -295,30 +295,63 @@ def checkpointed_graph_module(gm: GraphModule, patterns: Sequence[str], recorder
                 env[o].meta = dict(o.meta)
         elif n not in in_region:
             env[n] = graph.node_copy(n, env.__getitem__)
+            if n.op == "call_module":  # a user's module the stage calls: the same object
+                attrs[str(n.target)] = gm.get_submodule(str(n.target))
     out = GraphModule(attrs, graph, class_name=type(gm).__name__)
     return out
 
 
-def checkpoint_submodules(module: torch.nn.Module, patterns: Sequence[str], recorder: RegionRecorder) -> int:
+def _wrap(sub: torch.nn.Module, recorder: RegionRecorder) -> None:
+    """Run ``sub`` as a checkpointed region: its ``forward`` is wrapped on the instance."""
+    inner, state = getattr(sub.forward, "_pippy_split_unwrapped", sub.forward), list(sub.buffers())
+
+    def forward(*a: Any, _f: Callable = inner, _s: list = state, **kw: Any) -> Any:
+        return _run_region(_f, recorder, a, kw, _s)
+
+    forward._pippy_split_unwrapped = inner  # type: ignore[attr-defined]  # a second stage rewraps, not nests
+    sub.forward = forward
+
+
+def checkpoint_submodules(module: torch.nn.Module, patterns: Sequence[str], recorder: RegionRecorder,
+                          prefix: str = "") -> int:
     """For a hand-built stage (not a traced graph): run each outermost submodule whose FQN
-    matches ``patterns`` as a checkpointed region (its ``forward`` is wrapped on the
-    instance). Returns how many submodules were wrapped."""
+    (``prefix`` + its name) matches ``patterns`` as a checkpointed region (its ``forward``
+    is wrapped on the instance). Returns how many submodules were wrapped."""
     wrapped: list[str] = []
     for name, sub in module.named_modules():
-        if not name or any(name.startswith(w + ".") for w in wrapped):
+        full = f"{prefix}{name}" if name else prefix.rstrip(".")
+        if not full or any(full.startswith(w + ".") for w in wrapped):
             continue
-        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            inner, state = getattr(sub.forward, "_pippy_split_unwrapped", sub.forward), list(sub.buffers())
-
-            def forward(*a: Any, _f: Callable = inner, _s: list = state, **kw: Any) -> Any:
-                return _run_region(_f, recorder, a, kw, _s)
-
-            forward._pippy_split_unwrapped = inner  # type: ignore[attr-defined]  # a second stage rewraps, not nests
-            sub.forward = forward
-            wrapped.append(name)
+        if any(fnmatch.fnmatchcase(full, p) for p in patterns):
+            _wrap(sub, recorder)
+            wrapped.append(full)
     return len(wrapped)
 
 
+def checkpoint_called_modules(gm: GraphModule, patterns: Sequence[str], recorder: RegionRecorder) -> int:
+    """The user's modules a traced stage calls (``call_module`` nodes): each runs as a
+    checkpointed region where its FQN or an enclosing module's matches ``patterns``, else
+    its outermost matching submodules do. Returns how many modules were wrapped."""
+    count = 0
+    for target in dict.fromkeys(str(n.target) for n in gm.graph.nodes if n.op == "call_module"):
+        parts = target.split(".")
+        enclosing = [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
+        if any(fnmatch.fnmatchcase(path, p) for path in enclosing for p in patterns):
+            _wrap(gm.get_submodule(target), recorder)
+            count += 1
+        else:
+            count += checkpoint_submodules(gm.get_submodule(target), patterns, recorder, prefix=target + ".")
+    return count
+
+
 def graph_module_paths(gm: GraphModule) -> set[str]:
-    """Every original module FQN the ops of a stage graph ran inside."""
-    return {p for n in gm.graph.nodes if n.op == "call_function" for p in module_paths(n)}
+    """Every original module FQN the ops of a stage graph ran inside, and every module (and
+    submodule) of the user's that it calls."""
+    paths = {p for n in gm.graph.nodes if n.op == "call_function" for p in module_paths(n)}
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            target = str(n.target)
+            parts = target.split(".")
+            paths.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
+            paths.update(f"{target}.{name}" for name, _ in gm.get_submodule(target).named_modules() if name)
+    return paths

@@ -25,6 +25,7 @@ from .mixed_precision import autocast_edge_specs, check_mixed_precision
 from .recompute import (
     RegionRecorder,
     check_patterns_match,
+    checkpoint_called_modules,
     checkpoint_patterns,
     checkpoint_submodules,
     checkpointed_graph_module,
@@ -241,6 +242,7 @@ class PipelineStage:
             return self._call
         if self._region_call is None:
             if isinstance(self.module, torch.fx.GraphModule):
+                checkpoint_called_modules(self.module, patterns, self._regions)
                 self._region_call = checkpointed_graph_module(self.module, patterns, self._regions)
             else:
                 if not checkpoint_submodules(self.module, patterns, self._regions):

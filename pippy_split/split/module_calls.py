@@ -1,0 +1,194 @@
+"""Stages that call the user's own modules (split → Pipe, while stage graphs are built).
+
+The model is traced with every module's call signature preserved
+(``torch.export(preserve_module_call_signature=...)``), so for each module call the
+graph records which values went in and which came out. A module call that lies whole
+inside one stage is then swapped back in: its ops in the stage graph become one
+``call_module`` node that calls the user's module object, held by the stage module under
+its original FQN. ``stage.module.get_submodule("layers.3") is model.layers[3]``, and its
+own ``forward`` runs, so hooks fire and ``fully_shard``, ``parallelize_module``,
+``torch.compile``, ``checkpoint_wrapper`` and PEFT adapters apply as to the model. A call
+the cut enters stays as traced ops (the glue), as does everything outside module calls.
+
+The ATen graph keeps what it owns: edges and their specs, shapes, costs and the cut
+itself come from the whole traced graph before any swap.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.export.graph_signature import ConstantArgument
+from torch.utils import _pytree as pytree
+
+from .calls import Call, CallTree
+
+__all__ = ["called_module_names", "swap_in_module_calls", "outermost_calls", "call_inputs", "output_leaves", "signature_key"]
+
+_NODE_ARGS = ("TensorArgument", "SymIntArgument", "SymFloatArgument", "SymBoolArgument")
+
+
+def output_leaves(value: Any) -> list[Any]:
+    """Graph helper: a module's output as the flat list its call signature numbers."""
+    return pytree.tree_leaves(value)
+
+
+def signature_key(call: Call, fqn: str) -> str:
+    """The name of one call's preserved signature: the module's FQN, ``@k`` for the k-th repeat."""
+    return fqn + ("@" + call.key.rsplit("@", 1)[1] if "@" in call.key else "")
+
+
+def _raw_path(op: torch.fx.Node, key: str) -> str | None:
+    entry = (op.meta.get("nn_module_stack") or {}).get(key)
+    return None if entry is None else str(entry[0])
+
+
+def swap_in_module_calls(gm: torch.fx.GraphModule, stage_ops: set[torch.fx.Node], env: dict,
+                         all_ops: list[torch.fx.Node], tree: CallTree, signatures: dict[str, Any],
+                         by_name: dict[str, torch.fx.Node], model: torch.nn.Module,
+                         user_path: Any) -> list[str]:
+    """Replace, in stage module ``gm``, each outermost module call lying whole in the stage
+    (``stage_ops``) by a call of the user's module; returns the swapped FQNs.
+
+    ``env`` maps the whole graph's nodes to ``gm``'s, ``all_ops`` are the whole graph's
+    call nodes (``tree`` their module calls), ``signatures`` the preserved call signatures
+    by name, ``user_path`` turns an export module path into the user's FQN.
+    """
+    swapped: list[str] = []
+    for call, fqn, sig in outermost_calls(stage_ops, all_ops, tree, signatures, user_path):
+        if _swap(gm, env, [all_ops[i] for i in range(call.first, call.last + 1)], sig, by_name, model, fqn):
+            swapped.append(fqn)
+    if swapped:
+        for node in list(gm.graph.nodes):
+            if node.op == "get_attr" and not node.users:
+                gm.graph.erase_node(node)
+        gm.graph.lint()
+        gm.recompile()
+    return swapped
+
+
+def outermost_calls(stage_ops: set[torch.fx.Node], all_ops: list[torch.fx.Node], tree: CallTree,
+                    signatures: dict[str, Any], user_path: Any) -> list[tuple[Call, str, Any]]:
+    """``(call, FQN, signature)`` of the outermost module calls whose ops all lie in
+    ``stage_ops`` and whose signature export kept, in call order; inside a call without one
+    (it took an object export cannot flatten, such as a cache), its own calls are looked at."""
+    inside = [c for c in tree.calls.values() if all(all_ops[i] in stage_ops for i in range(c.first, c.last + 1))]
+    keys = {c.key for c in inside}
+    out: list[tuple[Call, str, Any]] = []
+    todo = sorted((c for c in inside if c.parent not in keys), key=lambda c: c.first)
+    while todo:
+        call = todo.pop(0)
+        raw = _raw_path(all_ops[call.first], call.key)
+        fqn = user_path(raw) if raw is not None else None
+        sig = signatures.get(signature_key(call, fqn)) if fqn is not None else None
+        if sig is not None and fqn is not None:
+            out.append((call, fqn, sig))
+        else:
+            todo = sorted(todo + [tree.calls[k] for k in call.children], key=lambda c: c.first)
+    return out
+
+
+def call_inputs(stage_ops: set[torch.fx.Node], all_ops: list[torch.fx.Node], tree: CallTree,
+                signatures: dict[str, Any], by_name: dict[str, torch.fx.Node], user_path: Any) -> list[torch.fx.Node]:
+    """Values the swapped-in calls of a stage take that its traced ops never read (an argument
+    the module accepts but did not use on the example, such as ``position_ids``): the stage
+    must receive them too, so each module is called with its real arguments."""
+    out: dict[torch.fx.Node, None] = {}
+    for _, _, sig in outermost_calls(stage_ops, all_ops, tree, signatures, user_path):
+        for arg in sig.inputs:
+            node = by_name.get(arg.name) if type(arg).__name__ in _NODE_ARGS else None
+            if node is not None and node not in stage_ops and node.op in ("placeholder", "call_function"):
+                out.setdefault(node, None)
+    return list(out)
+
+
+def _value(arg: Any, env: dict, by_name: dict[str, torch.fx.Node]) -> tuple[bool, Any]:
+    """(known, value in the stage graph) of one preserved input."""
+    if isinstance(arg, ConstantArgument):
+        return True, arg.value
+    if type(arg).__name__ in _NODE_ARGS:
+        node = by_name.get(arg.name)
+        return (node in env, env.get(node)) if node is not None else (False, None)
+    return False, None
+
+
+def _swap(gm: torch.fx.GraphModule, env: dict, ops: list[torch.fx.Node], sig: Any,
+          by_name: dict[str, torch.fx.Node], model: torch.nn.Module, fqn: str) -> bool:
+    span = [env[op] for op in ops if op in env]
+    if not span:
+        return False
+    span_set = set(span)
+    flat_in = []
+    for arg in sig.inputs:
+        known, value = _value(arg, env, by_name)
+        if not known or (isinstance(value, torch.fx.Node) and value in span_set):
+            return False
+        flat_in.append(value)
+    outs: list[torch.fx.Node | None] = []
+    for arg in sig.outputs:
+        if isinstance(arg, ConstantArgument):
+            outs.append(None)
+            continue
+        known, value = _value(arg, env, by_name)
+        if not known or value not in span_set:
+            return False
+        outs.append(value)
+    leaking = [n for n in span if n not in outs and any(u not in span_set for u in n.users)]
+    if leaking:
+        return False  # a value leaves the call other than through its outputs (a side channel)
+    try:
+        user_module = model.get_submodule(fqn)
+    except AttributeError:
+        return False
+    _install_module(gm, fqn, user_module)
+    args, kwargs = pytree.tree_unflatten(flat_in, sig.in_spec)
+    graph = gm.graph
+    with graph.inserting_before(span[0]):
+        call = graph.call_module(fqn, tuple(args), dict(kwargs))
+        if sig.out_spec.is_leaf():
+            results: list[torch.fx.Node] = [call]
+        else:
+            leaves = graph.call_function(output_leaves, (call,))
+            results = [graph.call_function(operator.getitem, (leaves, j)) for j in range(len(outs))]
+    for arg, old, new in zip(sig.outputs, outs, results):
+        if old is None:
+            continue
+        env[by_name[arg.name]] = new  # later swaps read the call's result, not the erased op
+        new.meta = dict(old.meta)
+        new.meta.pop("nn_module_stack", None)
+        old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in span_set)
+    if sig.out_spec.is_leaf():
+        call.meta = dict(results[0].meta)
+    for node in reversed(span):
+        graph.erase_node(node)
+    return True
+
+
+def _install_module(root: torch.nn.Module, fqn: str, module: torch.nn.Module) -> None:
+    """Put the user's ``module`` at ``fqn`` in the stage module, over the plain container
+    that held its tensors (the same objects)."""
+    *path, leaf = fqn.split(".")
+    parent = root
+    for part in path:
+        child = parent._modules.get(part)
+        if child is None:
+            child = torch.nn.Module()
+            parent.add_module(part, child)
+        parent = child
+    parent._modules[leaf] = module
+
+
+def called_module_names(gm: torch.nn.Module) -> set[str]:
+    """FQNs of the user's modules a stage module calls (its ``call_module`` nodes) and of
+    everything inside them: the modules whose own ``forward`` runs in the stage."""
+    if not isinstance(gm, torch.fx.GraphModule):
+        return set()
+    names: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            target = str(node.target)
+            names.add(target)
+            names.update(f"{target}.{n}" for n, _ in gm.get_submodule(target).named_modules() if n)
+    return names
