@@ -278,18 +278,3 @@ def parallelize_helper(rank: int, world: int, schedule: str, kind: str) -> dict:
         batch, target = entry.args, entry.target
     sched.step(*batch, target=target)
     return {"loss": float(sched.loss), "grads": _stage_grads(sched.stages), "wrapped": blocks}
-
-
-def parallelize_traced_refused(rank: int, world: int) -> str:
-    """Per-block FSDP2 on a traced stage: refused by name."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    entry = llama_entry()
-    tokens, positions = entry.args
-    pipe = ps.pipeline(entry.model, entry.split_spec, (tokens[:4], positions[:4]))
-    try:
-        ps.parallelize(pipe.build_stage(0), dp_mesh=mesh["dp"], fsdp=["layers.*"])
-    except ps.PipelineError as e:
-        return str(e)
-    return "no error"

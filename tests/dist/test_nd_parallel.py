@@ -141,12 +141,3 @@ def test_parallelize_applies_per_block_fsdp2_and_tp_plans_by_pattern_exactly(kin
     (_assert_dp_exact if kind == "fsdp" else _assert_exact)(results, hb_reference(), f"parallelize {kind}")
     # fsdp: 2 blocks + the root per stage; tp: 7 sharded linears per block, 2 blocks per stage
     assert all(r["wrapped"] == (3 if kind == "fsdp" else 14) for r in results), [r["wrapped"] for r in results]
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(100)
-def test_parallelize_refuses_per_block_fsdp2_on_a_traced_stage_by_name():
-    from tests.dist.nd_bodies import parallelize_traced_refused
-
-    msg = run_ranks(parallelize_traced_refused, 1, timeout=80)[0]
-    assert "stage 0" in msg and "traced stage" in msg and "hand-built stages" in msg, msg
