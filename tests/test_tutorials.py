@@ -20,8 +20,8 @@ import pytest
 TUTORIALS = sorted((Path(__file__).resolve().parent.parent / "tutorials").glob("[0-9][0-9]_*.py"))
 
 
-def test_all_six_tutorials_are_here():
-    assert [p.name[:2] for p in TUTORIALS] == ["01", "02", "03", "04", "05", "06"]
+def test_every_tutorial_is_here_in_order():
+    assert [p.name[:2] for p in TUTORIALS] == ["01", "02", "03", "04", "05", "06", "07"]
 
 
 @pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.stem)
