@@ -111,8 +111,10 @@ for name, p in plain.named_parameters():  # and the step landed in the same plac
 #
 # Build the model on the `meta` device (no memory), trace and split it as usual,
 # and let each rank materialize only its own stages; then fill them from the
-# checkpoint. `build_schedule` does the building on a real rank; here we build all
-# four stages by hand to see that each allocates only its share.
+# checkpoint. A stage holds the model's own modules, so building it allocates exactly
+# those modules' tensors, inside the model too. `build_schedule` does the building on
+# a real rank; here we build all four stages by hand to see that each allocates only
+# its share.
 
 # %%
 from pippy_split.zoo.gpt import TinyGPT  # noqa: E402
@@ -120,11 +122,14 @@ from pippy_split.zoo.gpt import TinyGPT  # noqa: E402
 with torch.device("meta"):
     big = TinyGPT()  # same sizes as the zoo's tiny_gpt
 meta_pipe = ps.pipeline(big, entry.split_spec, (x[:2],))
-stages = [meta_pipe.build_stage(i, "cpu") for i in range(meta_pipe.num_stages)]
+stages = []
+for i in range(meta_pipe.num_stages):
+    stages.append(meta_pipe.build_stage(i, "cpu"))
+    allocated = sum(p.numel() for p in big.parameters() if not p.is_meta)
+    print(f"stage {i}: {sum(p.numel() for p in stages[-1].module.parameters()):6d} parameters; "
+          f"allocated in the model so far: {allocated}")
+    assert allocated == sum(p.numel() for st in stages for p in st.module.parameters())  # never more
 checkpoint.load(ckpt, stages)
-for st in stages:
-    print(f"stage {st.stage_index}: {sum(p.numel() for p in st.module.parameters()):6d} parameters")
-assert all(p.is_meta for p in big.parameters())  # the full model was never allocated
 torch.testing.assert_close(meta_pipe(x[:2]), logits_at_save, atol=1e-5, rtol=0)
 print("the meta-built pipe, filled from the checkpoint, computes what the saved model did")
 

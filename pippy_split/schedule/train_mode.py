@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..stage.errors import PipelineError
 
 __all__ = ["train_mode_ops", "refuse_train_mode_graph"]
@@ -45,11 +47,38 @@ def train_mode_ops(pipe: Any) -> list[tuple[int, str, str]]:
     return cached
 
 
+_MODE_DEPENDENT = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._NormBase)
+
+
+def modules_in_train_mode(pipe: Any) -> list[tuple[int, str]]:
+    """``(stage, FQN)`` of each module a stage calls (the user's own, so its ``train()`` /
+    ``eval()`` applies) that is in training mode and behaves differently there (dropout,
+    batch or instance norm)."""
+    found = []
+    for info in pipe.stages:
+        module = info.module
+        for node in module.graph.nodes if isinstance(module, torch.fx.GraphModule) else ():
+            if node.op != "call_module":
+                continue
+            for name, sub in module.get_submodule(str(node.target)).named_modules():
+                if sub.training and isinstance(sub, _MODE_DEPENDENT):
+                    found.append((info.index, f"{node.target}.{name}" if name else str(node.target)))
+    return found
+
+
 def refuse_train_mode_graph(pipe: Any) -> None:
-    """Raise a ``PipelineError`` naming the first train-mode op of ``pipe`` (``None``: a
-    hand-built pipeline, whose modules' own ``train()``/``eval()`` applies)."""
+    """Raise a ``PipelineError`` naming the first train-mode op of ``pipe``, or the first
+    module it calls in training mode (``None``: a hand-built pipeline, whose modules' own
+    ``train()``/``eval()`` applies)."""
     if pipe is None:
         return
+    called = modules_in_train_mode(pipe)
+    if called:
+        stage, name = called[0]
+        more = f" (and {len(called) - 1} more)" if len(called) > 1 else ""
+        raise PipelineError(f"eval(): stage {stage} calls module {name!r} in training mode{more}, so eval() would "
+                            "drop activations or use (and update) batch statistics. Call model.eval() first (the "
+                            "stages call the model's own modules), or trace an eval pipe: ps.pipeline(model.eval(), ...)")
     found = train_mode_ops(pipe)
     if found:
         stage, op, module = found[0]

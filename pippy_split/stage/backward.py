@@ -46,6 +46,7 @@ class WeightGradPlan:
     params: list[list[torch.nn.Parameter]]  # per capture index: the parameters W differentiates
     whole_params: list[torch.nn.Parameter]  # parameters whose gradient I computes in full
     sink: CaptureSink = field(default_factory=CaptureSink)  # what the instrumented graph calls
+    names: dict[int, str] = field(default_factory=dict)  # id of each planned parameter -> its FQN in the module
 
     @property
     def num_captures(self) -> int:
@@ -130,7 +131,8 @@ def plan_weight_grads(gm: GraphModule) -> WeightGradPlan:
     whole |= _params_reaching_outputs(graph, param_only)
     kept = [(node, ids - whole) for node, ids in captures if ids - whole]
     plan = WeightGradPlan([[params_by_id[i] for i in sorted(ids)] for _, ids in kept],
-                          [params_by_id[i] for i in sorted(whole)])
+                          [params_by_id[i] for i in sorted(whole)],
+                          names={id(p): n for n, p in gm.named_parameters(remove_duplicate=False)})
     for k, (node, _) in enumerate(kept):
         with graph.inserting_after(node):
             graph.call_function(plan.sink.capture, (k, node))

@@ -440,11 +440,26 @@ class PipelineStage:
         I computes the weight gradients."""
         if not self.weight_grads_in_input:
             plan = self._wplan
+            if plan is not None:
+                self._rebind_replaced_parameters(plan)
             planned = None if plan is None else [p for group in plan.params for p in group] + plan.whole_params
             why = unsplittable_backward(self.module, planned)
             if why is not None:
                 self._fuse_backward(why)
         return self.weight_grads_in_input
+
+    def _rebind_replaced_parameters(self, plan: WeightGradPlan) -> None:
+        """Point the I/W plan at parameters replaced under the same FQN since it was made
+        (``parallelize_module``'s DTensors, ``load_state_dict(assign=True)``): W then
+        differentiates the ones the forward reads. FSDP2 is refused separately."""
+        current = dict(self.module.named_parameters(remove_duplicate=False))
+        swap = {old: current[name] for old, name in plan.names.items()
+                if name in current and id(current[name]) != old}
+        if not swap:
+            return
+        plan.params = [[swap.get(id(p), p) for p in group] for group in plan.params]
+        plan.whole_params = [swap.get(id(p), p) for p in plan.whole_params]
+        plan.names = {id(current[name]) if old in swap else old: name for old, name in plan.names.items()}
 
     def _fuse_backward(self, why: str) -> None:
         warnings.warn(f"stage {self.stage_index}: the zero-bubble I/W split cannot be exact here: {why}. Its I runs "

@@ -88,7 +88,8 @@ def traced_tp(rank: int, world: int, schedule: str) -> dict:
     plan.update({f"layers.*.{lin}": RowwiseParallel() for lin in ("attention.wo", "feed_forward.w2")})
     ps.parallelize(sched, tp_mesh=mesh["tp"], tp_plan=plan)
     sched.step(tokens, positions, target=e.target)
-    return {"loss": float(sched.loss), "grads": _stage_grads(sched.stages)}
+    return {"loss": float(sched.loss), "grads": _stage_grads(sched.stages),
+            "fused": [st.weight_grads_in_input for st in sched.stages]}
 
 
 def traced_glue_refused(rank: int, world: int) -> str:
