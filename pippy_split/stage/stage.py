@@ -213,7 +213,7 @@ class PipelineStage:
             with torch.set_grad_enabled(train and not recompute), capturing(self._wplan) as sink, recording_saved(
                     graph_storages, tracking), self._autocast(), self._regions.recording(
                     train, graph_storages if tracking else None):
-                out = self._forward_call()(*args, **(kwargs or {}))
+                out = self._forward_call()(*self._not_leaves(args), **(kwargs or {}))
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: forward raised {type(e).__name__}: {e}") from e
         outputs = self._as_outputs(out)
@@ -257,6 +257,19 @@ class PipelineStage:
         recomputes) since the stage was built; each region call is recomputed once."""
         return self._regions.region_calls, self._regions.recomputes
 
+    def _not_leaves(self, args: Sequence[Any]) -> list[Any]:
+        """Under mixed precision, each received value as a view: autocast caches its low-precision
+        copy of a leaf that requires grad (meant for weights) and sums the gradients of every op
+        that read the copy in low precision. A received activation is such a leaf here but never
+        in the unsplit model, where each op casts it anew and the gradients add up in its own
+        dtype; the view keeps that. Gradients still reach the received tensor."""
+        if self.mixed_precision is None:
+            return list(args)
+        slots = self.in_slots or []
+        edge = {sl.index for sl in slots if sl.edge is not None}
+        return [a.view_as(a) if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad
+                and (i in edge or (not slots and not self.is_first)) else a for i, a in enumerate(args)]
+
     def _autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=self.mixed_precision, enabled=self.mixed_precision is not None)
 
@@ -272,7 +285,7 @@ class PipelineStage:
         saved.recompute = None
         try:
             with restored_rng(self.device, rng), unchanged(list(self.module.buffers())), torch.enable_grad(), capturing(self._wplan) as sink, self._autocast():
-                outputs = self._as_outputs(self._call(*saved.inputs, **kwargs))
+                outputs = self._as_outputs(self._call(*self._not_leaves(saved.inputs), **kwargs))
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: recomputing the forward for activation "
                                 f"checkpointing raised {type(e).__name__}: {e}") from e

@@ -89,8 +89,9 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _reference(name: str, autocast: torch.dtype | None = None, per_item: bool = False) -> tuple[float, dict]:
     """Loss and gradients of the unsplit model on the whole batch: the mean over microbatches of
-    its own loss, or (``per_item``) the sum loss over the batch's valid items."""
-    arch = hf_archs.build(name)
+    its own loss, or (``per_item``) the sum loss over the batch's valid items. Under autocast
+    with eager attention (see :func:`hf_archs.build`)."""
+    arch = hf_archs.build(name, eager_attention=autocast is not None)
     total = 0.0
     count = float(hf_archs.count_fn(arch)(arch.target)) if per_item else None
     for (a, k), t in zip(_microbatches(arch), _targets(arch)):
@@ -256,7 +257,12 @@ def arch_rank(rank: int, world: int, name: str, max_norms: dict[str, float]) -> 
             res[key] = zbv.pop(key, {"error": "the ZBV step raised:\n" + zbv.get("error", "")})
         res["ZBV"] = zbv
         res["ac_full"] = _guarded(lambda g: _ac_full(arch, p4, g))
-        res["bf16"] = _guarded(lambda g: _step(arch, p4, "ZBVZeroBubble", g, mixed_precision=torch.bfloat16)[1])
+        eager = hf_archs.build(name, eager_attention=True)  # the bf16 reference's attention kernel
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"pipeline\(model, ", category=UserWarning)
+            p4_eager = ps.pipeline(eager.model, 4, *_microbatches(eager)[0])
+        res["bf16"] = _guarded(lambda g: _step(eager, p4_eager, "ZBVZeroBubble", g,
+                                               mixed_precision=torch.bfloat16)[1])
         count = hf_archs.count_fn(arch)
         if count is not None:
             res["loss_count"] = _guarded(lambda g: _step(arch, p4, "ZBVZeroBubble", g, loss_fn=arch.sum_loss,

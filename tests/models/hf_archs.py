@@ -352,11 +352,21 @@ def missing(name: str) -> str | None:
     return None
 
 
-def build(name: str) -> Arch:
-    """The named architecture (seeded, eval mode) with its batch."""
+def build(name: str, eager_attention: bool = False) -> Arch:
+    """The named architecture (seeded, eval mode) with its batch.
+
+    ``eager_attention``: attention as explicit matmuls (HF's "eager") rather than SDPA. Under
+    torch.export HF materializes the causal mask, so a traced model calls SDPA with that mask
+    where the eager model calls it with ``is_causal=True``: a different kernel, equal to 1e-6 in
+    fp32 but only to bf16 rounding under autocast. The bf16 checks compare like with like."""
     torch.manual_seed(0)
     arch = BUILDERS[name]()
     arch.model.eval()
+    if eager_attention and hasattr(arch.model, "set_attn_implementation"):
+        try:
+            arch.model.set_attn_implementation("eager")
+        except (ValueError, AttributeError, NotImplementedError):
+            pass  # no attention to choose (Mamba, ConvNeXt)
     return arch
 
 

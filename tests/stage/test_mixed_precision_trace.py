@@ -117,3 +117,32 @@ def test_balanced_split_is_cut_at_the_same_places_under_autocast():
         assert sorted(a.module.state_dict()) == sorted(b.module.state_dict())
         for name, p in a.module.named_parameters():
             assert b.module.get_parameter(name) is p  # the model's own parameters in both
+
+
+class FanOut(nn.Module):
+    """An fp32 activation crossing the cut is read by two linears of the next stage (a cut
+    between an attention's q and k projections, in HF models)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)).float() * 3.0  # fp32 under autocast
+        return self.v(torch.tanh(self.q(h)) * torch.sigmoid(self.k(h)))
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble"])
+def test_a_received_activation_read_twice_sums_its_gradients_like_the_model(schedule):
+    """autocast caches the bf16 copy of a leaf that requires grad, so two reads of a received
+    activation shared one copy and their gradients were summed in bf16 (off by ~1e-3)."""
+    torch.manual_seed(0)
+    model = FanOut()
+    x, y = torch.randn(8, 6, 16), torch.randn(8, 6, 8)
+    expected = _reference(model, x, y, 4, torch.bfloat16)
+    pipe = ps.pipeline(model, ["q"], (x[:2],))
+    sched = ps.build_schedule(pipe, schedule, 4, loss_fn=_loss, mixed_precision=torch.bfloat16)
+    sched.step(x, target=y)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], atol=1e-5, rtol=1e-4, msg=n)
