@@ -27,7 +27,7 @@ def test_traced_stages_with_per_block_fsdp2_are_exact_and_gather_one_block_at_a_
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "ZBVZeroBubble"])
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"])
 def test_traced_stages_with_tensor_parallelism_are_exact(schedule):
     from tests.dist.traced_nd_bodies import reference, traced_tp
 
@@ -43,3 +43,14 @@ def test_a_pattern_naming_a_module_the_cut_enters_is_refused_by_name():
 
     msg = run_ranks(traced_glue_refused, 1, timeout=100)[0]
     assert "stage 0" in msg and "layers.1" in msg and "traced ops" in msg, msg
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["fsdp", "tp"])
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_an_hf_llama_traced_with_per_block_fsdp2_or_tp_is_exact(schedule, kind):
+    from tests.dist.traced_nd_bodies import hf_reference, hf_traced
+
+    results = run_ranks(hf_traced, 4, schedule, kind, timeout=220)
+    (_assert_dp_exact if kind == "fsdp" else _assert_exact)(results, hf_reference(), f"HF Llama {schedule} {kind}")

@@ -7,6 +7,7 @@ data-parallel replica runs its half of the batch.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 import pippy_split as ps
@@ -105,3 +106,50 @@ def traced_glue_refused(rank: int, world: int) -> str:
     except ps.PipelineError as err:
         return str(err)
     return "no error"
+
+
+# ---- an HF Llama (its own loss through labels=) -------------------------------------------
+
+def hf_llama():
+    """A tiny HF Llama (4 layers, no KV cache) and a batch of 8 sequences of 8 tokens."""
+    import transformers as t
+
+    torch.manual_seed(0)
+    cfg = t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    model = t.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(1))
+    return model, ids
+
+
+def hf_reference() -> dict:
+    model, ids = hf_llama()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def hf_traced(rank: int, world: int, schedule: str, kind: str) -> dict:
+    """PP2 x (FSDP2 per decoder layer | TP2) on traced stages of an HF Llama."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    dims = ("dp", "pp") if kind == "fsdp" else ("pp", "tp")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=dims)
+    model, ids = hf_llama()
+    rows = slice(4 * mesh.get_local_rank("dp"), 4 * mesh.get_local_rank("dp") + 4) if kind == "fsdp" else slice(0, 8)
+    batch = ids[rows]
+    n_mb = 2
+    mb = batch[: batch.shape[0] // n_mb]
+    split = ["model.layers.2"] if STAGES[schedule] == 2 else ["model.layers.1", "model.layers.2", "model.layers.3"]
+    pipe = ps.pipeline(model, split, (mb,), {"labels": mb})
+    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=lambda out, _: out.loss, group=mesh["pp"])
+    if kind == "fsdp":
+        ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["model.layers.*"])
+    else:
+        plan = {f"model.layers.*.self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
+        plan.update({f"model.layers.*.mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")})
+        plan.update({"model.layers.*.self_attn.o_proj": RowwiseParallel(), "model.layers.*.mlp.down_proj": RowwiseParallel()})
+        ps.parallelize(sched, tp_mesh=mesh["tp"], tp_plan=plan)
+    sched.step(batch, labels=batch, target=batch)
+    return {"loss": float(sched.loss), "grads": _stage_grads(sched.stages)}
