@@ -75,3 +75,30 @@ def test_traffic_smoke(tmp_path: Path) -> None:
             counted = row["ours"][rank][key]
             assert counted["min"] == counted["max"] == value, (rank, key, counted, value)
     assert row["ours_equals_minimum"] is True
+
+
+@pytest.mark.timeout(120)
+def test_nd_parallel_smoke(tmp_path: Path) -> None:
+    """``python -m benchmarks.nd_parallel --smoke``: PP2 x per-block FSDP2 on 4 gloo ranks, ours
+    and the peer, one timed step each. Each rank keeps half its stage's parameters (dp=2) and
+    no all-gather is larger than one block (counted here from the zoo's model)."""
+    out = tmp_path / "nd_parallel.json"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.nd_parallel", "--smoke", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert out.with_suffix(".md").read_text().startswith("`python -m benchmarks.nd_parallel --smoke`")
+    res = json.loads(out.read_text())
+    assert {"command", "load_avg_before", "load_avg_after", "size"} <= set(res["meta"])
+    (row,) = res["rows"]
+    assert row["config"] == "fsdp_block" and len(row["ranks"]) == 4
+    s = res["meta"]["size"]
+    model = zoo.get("tiny_llama", d_model=s["d"], n_layer=s["n_layer"], n_head=s["n_head"]).model
+    block = sum(p.numel() for p in model.layers[0].parameters())
+    for r in row["ranks"]:
+        for tool in ("ours", "peer"):
+            x = r[tool]
+            assert x["params"] * 2 == pytest.approx(x["stage_param_bytes_full"], rel=0.02), (r["rank"], tool, x)
+            assert 0 < x["max_gather"] <= block, (r["rank"], tool, x["max_gather"], block)
+            assert x["state"] == x["params"] + x["grads"] + x["opt"]
+    assert row["ours_over_peer"]["n"] == 1
