@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 from .calls import Call, CallTree
 
-__all__ = ["called_module_names", "swap_in_module_calls", "outermost_calls", "call_inputs", "output_leaves", "signature_key"]
+__all__ = ["called_module_names", "parent_of", "swap_in_module_calls", "outermost_calls", "call_inputs", "output_leaves", "signature_key"]
 
 _NODE_ARGS = ("TensorArgument", "SymIntArgument", "SymFloatArgument", "SymBoolArgument")
 
@@ -166,9 +166,9 @@ def _swap(gm: torch.fx.GraphModule, env: dict, ops: list[torch.fx.Node], sig: An
     return True
 
 
-def _install_module(root: torch.nn.Module, fqn: str, module: torch.nn.Module) -> None:
-    """Put the user's ``module`` at ``fqn`` in the stage module, over the plain container
-    that held its tensors (the same objects)."""
+def parent_of(root: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
+    """``(module that holds fqn's last part, that part)`` inside ``root``, making plain
+    containers along the way where the stage module has none yet."""
     *path, leaf = fqn.split(".")
     parent = root
     for part in path:
@@ -177,6 +177,13 @@ def _install_module(root: torch.nn.Module, fqn: str, module: torch.nn.Module) ->
             child = torch.nn.Module()
             parent.add_module(part, child)
         parent = child
+    return parent, leaf
+
+
+def _install_module(root: torch.nn.Module, fqn: str, module: torch.nn.Module) -> None:
+    """Put the user's ``module`` at ``fqn`` in the stage module, over the plain container
+    that held its tensors (the same objects)."""
+    parent, leaf = parent_of(root, fqn)
     parent._modules[leaf] = module
 
 

@@ -22,7 +22,7 @@ from .cost import mutated_args, node_flops
 from .errors import SplitError
 from .grad import infer_requires_grad
 from .markers import is_split_marker
-from .module_calls import call_inputs, swap_in_module_calls
+from .module_calls import call_inputs, parent_of, swap_in_module_calls
 from .partition import Plan, module_paths
 from .spec import MODEL_INPUT, Edge, InputKind, StageInput, SymbolSource, TensorSpec
 from .trace import Traced, user_module_path
@@ -122,14 +122,7 @@ def _symbol_sources(traced: Traced, placeholders: dict[str, torch.fx.Node]) -> l
 
 
 def _install(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool, persistent: bool = True) -> None:
-    *path, leaf = fqn.split(".")
-    mod = root
-    for part in path:
-        child = mod._modules.get(part)
-        if child is None:
-            child = torch.nn.Module()
-            mod.add_module(part, child)
-        mod = child
+    mod, leaf = parent_of(root, fqn)
     if buffer:
         mod.register_buffer(leaf, value, persistent=persistent)
     else:

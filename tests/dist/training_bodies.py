@@ -75,16 +75,18 @@ def clip_reference(name: str, n_mb: int, max_norm_frac: float, norm_type: float)
 
 
 def clip_step(rank: int, world: int, name: str, schedule: str, n_mb: int, max_norm: float, norm_type: float):
+    """One step, then ps.clip_grad_norm_: the total and the clipped gradients by FQN
+    (``name`` a zoo model, or "tied_groups" for :func:`tied_groups_entry`)."""
     from .bodies import _mb_example
 
-    entry = zoo.get(name)
+    entry = tied_groups_entry() if name == "tied_groups" else zoo.get(name)
     pipe = ps.pipeline(entry.model, entry.split_spec, *_mb_example(entry, n_mb))
     sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn)
     sched.step(*entry.args, target=entry.target, **entry.kwargs)
     total = ps.clip_grad_norm_(sched, max_norm, norm_type)
     grads = {n: p.grad.clone() for st in sched.stages
              for n, p in st.module.named_parameters(remove_duplicate=False) if p.grad is not None}
-    return {"total": float(total), "grads": grads}
+    return {"total": float(total), "grads": grads, "stages": [st.stage_index for st in sched.stages]}
 
 
 def ac_step(rank: int, world: int, name: str, schedule: str, n_mb: int):
@@ -257,16 +259,3 @@ def tied_groups_clip_reference(n_mb: int, max_norm_frac: float, norm_type: float
     max_norm = max_norm_frac * float(torch.nn.utils.get_total_norm([p.grad for p in unique], norm_type))
     total = torch.nn.utils.clip_grad_norm_(unique, max_norm, norm_type)
     return float(total), max_norm, {n: p.grad.clone() for n, p in entry.model.named_parameters(remove_duplicate=False)}
-
-
-def tied_groups_clip_step(rank: int, world: int, schedule: str, n_mb: int, max_norm: float, norm_type: float):
-    from .bodies import _mb_example
-
-    entry = tied_groups_entry()
-    pipe = ps.pipeline(entry.model, entry.split_spec, *_mb_example(entry, n_mb))
-    sched = ps.build_schedule(pipe, schedule, n_mb, loss_fn=entry.loss_fn)
-    sched.step(*entry.args, target=entry.target, **entry.kwargs)
-    total = ps.clip_grad_norm_(sched, max_norm, norm_type)
-    grads = {n: p.grad.clone() for st in sched.stages
-             for n, p in st.module.named_parameters(remove_duplicate=False) if p.grad is not None}
-    return {"total": float(total), "grads": grads, "stages": [st.stage_index for st in sched.stages]}
