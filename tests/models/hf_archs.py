@@ -358,11 +358,14 @@ def build(name: str, eager_attention: bool = False) -> Arch:
     ``eager_attention``: attention as explicit matmuls (HF's "eager") rather than SDPA. Under
     torch.export HF materializes the causal mask, so a traced model calls SDPA with that mask
     where the eager model calls it with ``is_causal=True``: a different kernel, equal to 1e-6 in
-    fp32 but only to bf16 rounding under autocast. The bf16 checks compare like with like."""
+    fp32 but only to bf16 rounding under autocast. The bf16 checks compare like with like.
+    DINOv2 keeps SDPA: with eager attention its eager model passes no mask while the traced one
+    adds a materialized fp32 mask to the bf16 scores (promoting them), the same kind of
+    tracing-time difference the other way round."""
     torch.manual_seed(0)
     arch = BUILDERS[name]()
     arch.model.eval()
-    if eager_attention and hasattr(arch.model, "set_attn_implementation"):
+    if eager_attention and name not in ("dinov2",) and hasattr(arch.model, "set_attn_implementation"):
         try:
             arch.model.set_attn_implementation("eager")
         except (ValueError, AttributeError, NotImplementedError):
