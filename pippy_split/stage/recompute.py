@@ -119,7 +119,7 @@ class RegionRecorder:
         self.device = device
         self.active = False
         self.storages: set[int] | None = None
-        self.region_calls = 0  # region calls run with checkpointing
+        self.region_calls = 0  # region calls run with checkpointing that saved something for backward
         self.recomputes = 0  # region reruns in backward
 
     def recording(self, on: bool, storages: set[int] | None) -> "_Recording":
@@ -193,8 +193,11 @@ def _run_region(fn: Callable, recorder: RegionRecorder, args: tuple, kwargs: dic
         for a in (*args, *kwargs.values()):
             if isinstance(a, torch.Tensor):
                 recorder.storages.add(a.untyped_storage().data_ptr())
-    recorder.region_calls += 1
-    return _RegionCall(fn, args, kwargs, recorder, state).run()
+    call = _RegionCall(fn, args, kwargs, recorder, state)
+    out = call.run()
+    if call.packed:  # a region that saved nothing for backward has nothing to recompute
+        recorder.region_calls += 1
+    return out
 
 
 class CheckpointRegion(torch.nn.Module):

@@ -24,6 +24,8 @@ class SavedMicrobatch:
     outputs: tuple
     loss: torch.Tensor | None = None
     weight_work: list = field(default_factory=list)
+    weight_params: list = field(default_factory=list)  # per capture: the parameters W differentiates it for
+    whole_now: list = field(default_factory=list)  # parameters I computes in full for this microbatch
     graph_storages: set[int] = field(default_factory=set)  # storages autograd saved for backward
     recompute: Any = None  # activation checkpointing: (kwargs, target, RNG state, LossRule) until recomputed
 

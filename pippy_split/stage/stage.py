@@ -16,7 +16,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from ..split.spec import Edge, StageInput
-from .backward import WeightGradPlan, capturing, plan_weight_grads
+from .backward import WeightGradPlan, capturing, plan_weight_grads, weight_captures
 from .data_parallel import set_grad_sync, sync_data_parallel, unsplittable_backward
 from .errors import PipelineError
 from .groups import process_group
@@ -225,8 +225,8 @@ class PipelineStage:
         elif self._wplan is not None:
             # by capture index; I turns them into (index, tensor, grad). Under selective checkpointing an
             # op output inside a region is kept as its autograd edge only, so its storage can go.
-            saved.weight_work = [edge_if_checkpointed(sink.get(k), self._region_call is not None)
-                                 for k in range(self._wplan.num_captures)]
+            caps, saved.weight_params, saved.whole_now = weight_captures(self._wplan, sink)
+            saved.weight_work = [edge_if_checkpointed(c, self._region_call is not None) for c in caps]
         if self.is_last and loss is not None and target is not None:
             saved.loss = self.compute_loss(mb, outputs, target, loss)
             self._losses[mb] = saved.loss.detach()
@@ -291,7 +291,7 @@ class PipelineStage:
                                 f"checkpointing raised {type(e).__name__}: {e}") from e
         saved.outputs = outputs
         if self._wplan is not None:
-            saved.weight_work = [sink.get(k) for k in range(self._wplan.num_captures)]
+            saved.weight_work, saved.weight_params, saved.whole_now = weight_captures(self._wplan, sink)
         if self.is_last and saved.loss is not None and loss is not None:
             saved.loss = self.compute_loss(mb, outputs, target, loss)
 
@@ -376,7 +376,7 @@ class PipelineStage:
         plan = self._wplan
         captures = [(k, c) for k, c in enumerate(saved.weight_work)
                     if isinstance(c, GradientEdge) or (isinstance(c, torch.Tensor) and c.requires_grad)] if plan else []
-        multi = plan.whole_params if plan else []
+        multi = plan.whole_params + saved.whole_now if plan else []
         targets: list[Any] = [a for _, a in leaves] + [c for _, c in captures] + multi
         results: Sequence[torch.Tensor | None] = []
         if tensors and targets:
@@ -416,7 +416,7 @@ class PipelineStage:
                 return  # computed by I
             if self._wplan is not None:
                 for k, cap, g in saved.weight_work:
-                    torch.autograd.backward([cap], [g], inputs=self._wplan.params[k])
+                    torch.autograd.backward([cap], [g], inputs=saved.weight_params[k])
             else:
                 params = [p for p in self.module.parameters() if p.requires_grad]
                 for tensors, grads in saved.weight_work:
