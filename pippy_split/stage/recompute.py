@@ -24,6 +24,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from ..split.calls import call_stack, module_paths
+from ..split.module_calls import called_module_names
 
 __all__ = ["checkpoint_patterns", "check_patterns_match", "RegionRecorder", "CheckpointRegion",
            "checkpointed_graph_module", "checkpoint_submodules", "rng_state", "restored_rng", "unchanged",
@@ -351,10 +352,8 @@ def graph_module_paths(gm: GraphModule) -> set[str]:
     """Every original module FQN the ops of a stage graph ran inside, and every module (and
     submodule) of the user's that it calls."""
     paths = {p for n in gm.graph.nodes if n.op == "call_function" for p in module_paths(n)}
-    for n in gm.graph.nodes:
-        if n.op == "call_module":
-            target = str(n.target)
-            parts = target.split(".")
-            paths.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
-            paths.update(f"{target}.{name}" for name, _ in gm.get_submodule(target).named_modules() if name)
-    return paths
+    called = called_module_names(gm)
+    for name in called:  # and the modules enclosing a called one
+        parts = name.split(".")
+        paths.update(".".join(parts[:k]) for k in range(1, len(parts)))
+    return paths | called
