@@ -8,7 +8,7 @@ comms and validated) → runtime (one interpreter); README.md says how to use it
 from . import checkpoint
 from .clip import clip_grad_norm_
 from .grad_scaler import PipelineGradScaler
-from .microbatch import Replicate, TensorChunkSpec, merge_chunks, split_args_kwargs
+from .microbatch import Microbatches, Replicate, TensorChunkSpec, merge_chunks, split_args_kwargs
 from .parallelize import parallelize
 from .plan import Candidate, CommModel, Plan, PlanError, plan
 from .schedule import (
@@ -46,7 +46,7 @@ from .stage import PipelineError, PipelineStage, PipelineTimeout
 
 __all__ = ["checkpoint", "clip_grad_norm_", "PipelineGradScaler", "MODEL_INPUT", "Edge", "Pipe", "SplitError", "SplitPoint", "SymbolSource", "TensorSpec", "TraceError",
            "pipe_split", "pipeline", "PipelineError", "PipelineStage", "PipelineTimeout", "Replicate",
-           "TensorChunkSpec", "merge_chunks", "split_args_kwargs", "Action", "PipelineSchedule", "Schedule1F1B",
+           "TensorChunkSpec", "Microbatches", "merge_chunks", "split_args_kwargs", "Action", "PipelineSchedule", "Schedule1F1B",
            "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
            "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "ScheduleFromOrder", "ScheduleError", "build_schedule", "get_schedule_class",
            "simulate", "stage_to_rank", "validate", "BalanceReport", "plan", "Plan", "Candidate", "PlanError",

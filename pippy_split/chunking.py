@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["MicrobatchError", "TensorChunkSpec", "Replicate"]
+__all__ = ["MicrobatchError", "TensorChunkSpec", "Replicate", "Microbatches"]
 
 
 class MicrobatchError(ValueError):
@@ -55,6 +55,35 @@ Replicate = _ReplicateType.Replicate
 all microbatches produced equal values and return one of them."""
 
 _REDUCTIONS = ("sum", "mean")
+
+
+class Microbatches(list):
+    """A value already split into microbatches: entry ``k`` goes to microbatch ``k``
+    as it is, so microbatches may differ in a dim declared dynamic (a sequence length).
+
+    Pass it to ``step()`` / ``eval()`` in place of a batched argument (and as ``target=``);
+    its length must be the schedule's ``n_microbatches``. A step given any ``Microbatches``
+    returns the last stage's outputs as ``Microbatches`` too (unequal shapes do not
+    concatenate).
+
+    Example:
+        >>> from pippy_split.microbatch import split_args_kwargs
+        >>> x = Microbatches([torch.zeros(2, 16), torch.zeros(2, 8)])
+        >>> [a[0].shape[1] for a, _ in split_args_kwargs((x,), {}, 2)]
+        [16, 8]
+    """
+
+    def __repr__(self) -> str:
+        return f"Microbatches({super().__repr__()})"
+
+
+def any_per_microbatch(*values: Any) -> bool:
+    """Whether any of these values (or a top-level argument inside a tuple/dict) is :class:`Microbatches`."""
+    for v in values:
+        inner = v.values() if isinstance(v, Mapping) else v if isinstance(v, tuple) else (v,)
+        if any(isinstance(x, Microbatches) for x in inner):
+            return True
+    return False
 
 
 # --------------------------------------------------------------------------- #

@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from .chunking import (
     MicrobatchError,
+    Microbatches,
     Replicate,
     TensorChunkSpec,
     _check_leaf_spec,
@@ -49,6 +50,7 @@ __all__ = [
     "MicrobatchError",
     "TensorChunkSpec",
     "Replicate",
+    "Microbatches",
     "split_args_kwargs",
     "merge_chunks",
 ]
@@ -93,6 +95,8 @@ def split_args_kwargs(
             differ in size by at most one (the first ones are larger), as with
             ``torch.tensor_split``.
         names: parameter names of the positional arguments, used in messages.
+            An argument given as :class:`Microbatches` is already split: entry ``k``
+            is microbatch ``k``'s value, whatever its shape.
 
     Returns:
         A list of ``n`` ``(args, kwargs)`` pairs. Tensor chunks are views of the
@@ -153,6 +157,11 @@ def _kwarg_spec(spec: Any, key: str) -> Any:
 
 def _split(value: Any, spec: Any, path: str, st: _SplitState) -> list:
     """Split one value (and everything inside it) under ``spec`` into ``st.n`` parts."""
+    if isinstance(value, Microbatches):
+        if len(value) != st.n:
+            raise MicrobatchError(f"argument {_show(path)} is Microbatches of {len(value)} entries, but the step "
+                                  f"has {st.n} microbatches: give one entry per microbatch")
+        return list(value)
     if _is_container(spec):
         if value is None:
             return [None] * st.n  # an optional argument left out: nothing to split

@@ -4,7 +4,7 @@ Part of the schedule layer (… → **schedule** → runtime), used by
 :class:`~pippy_split.schedule.schedules.PipelineSchedule`: at construction, the
 process group's size, a check that every rank built the same lowered order, and
 the links of hand-built stages; every step, the batch's item count
-(``loss_count``), the dynamic sizes, the step's loss and the summed gradient of
+(``loss_count``), the step's loss and the summed gradient of
 tied parameters. Each is a plain function of what it needs (group, ranks,
 tensors), so none reaches into a schedule or a stage.
 """
@@ -23,7 +23,7 @@ from ..stage.groups import process_group
 from .actions import Order
 from .validate import ScheduleError
 
-__all__ = ["group_info", "agree_on_order", "gather_links", "shared_item_count", "share_symbols", "share_loss",
+__all__ = ["group_info", "agree_on_order", "gather_links", "shared_item_count", "share_loss",
            "sync_shared_grads"]
 
 Link = tuple[int, int, bool]
@@ -107,27 +107,6 @@ def shared_item_count(loss_count: Callable[[Any], Any], targets: list | None, gr
                             "nothing to average the loss over — check the padding value it looks for, or drop "
                             "loss_count for a mean over microbatches")
     return value
-
-
-def local_symbols(pipe: Any, flat_inputs: list[list[Any]] | None) -> torch.Tensor:
-    """The dynamic sizes this rank reads off its microbatches (zeros where it has none)."""
-    values = torch.zeros(len(pipe.symbols), dtype=torch.int64)
-    if flat_inputs is not None:
-        first = pipe.bind_symbols(flat_inputs[0])
-        for mb, flat in enumerate(flat_inputs[1:], 1):
-            if pipe.bind_symbols(flat) != first:
-                raise PipelineError(f"microbatch {mb} has different dynamic sizes than microbatch 0: "
-                                    f"{pipe.bind_symbols(flat)} vs {first}")
-        values = torch.tensor([first[s.symbol] for s in pipe.symbols], dtype=torch.int64)
-    return values
-
-
-def share_symbols(pipe: Any, values: torch.Tensor, group: Any, world: int, src_rank: int) -> dict:
-    """``{symbol: size}`` for this step on every rank, from the rank given the data."""
-    if world > 1:
-        # One tiny message per step: the rank given the data tells everyone the sizes.
-        dist.broadcast(values, group=group, group_src=src_rank)
-    return {s.symbol: int(v) for s, v in zip(pipe.symbols, values.tolist())}
 
 
 def share_loss(mb_losses: list, items: float | None, group: Any, world: int, device: torch.device,

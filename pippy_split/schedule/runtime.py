@@ -48,7 +48,8 @@ class StepContext:
     mb_args: list[tuple] | None = None  # per mb, manual stage 0
     mb_kwargs: list[dict] | None = None
     targets: list[Any] | None = None  # per mb, on the rank holding the last stage
-    bindings: dict = field(default_factory=dict)
+    bindings: list[dict] = field(default_factory=list)  # per mb, each dynamic symbol's size (see .dynamic_sizes)
+    per_microbatch: bool = False  # given Microbatches: outputs stay per microbatch
     outputs: dict[int, Any] = field(default_factory=dict)
     loss: Any = None  # the schedule's LossRule (loss_fn, on_nonfinite) for the last stage
 
@@ -92,7 +93,7 @@ class Interpreter:
         self._fwd_pending: dict[tuple[int, int], list[tuple[StageInput, Pending]]] = {}
         self._bwd_pending: dict[tuple[int, int], list[tuple[Edge, Pending]]] = {}
         self._sends: list[Batch] = []
-        self._shapes: dict[int, tuple[int, ...]] = {}
+        self._shapes: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = {}
         self._steps: dict[int, list[Action | list[Action]]] = {}  # id(actions) -> compute actions and batches
         # measuring only: called right before and right after each compute action
         self.observer: ActionObserver | None = None
@@ -172,17 +173,19 @@ class Interpreter:
         """One receive sized exactly by the spec for this step (never a reused buffer); once the
         batch is posted, its Pending lands in ``box[key]`` next to ``where`` (its slot or route)."""
         assert spec is not None  # every received value is an edge, and an edge has a spec
-        op, complex_dtype = P2P.recv_op(self._shape(spec, ctx), spec.dtype, stage.device, peer, what, tag)
+        op, complex_dtype = P2P.recv_op(self._shape(spec, ctx, key[1]), spec.dtype, stage.device, peer, what, tag)
         return op, (box, key, where, complex_dtype)
 
-    def _shape(self, spec: TensorSpec, ctx: StepContext) -> tuple[int, ...]:
-        """Concrete shape of a spec for this step (evaluated once per step, not per message)."""
+    def _shape(self, spec: TensorSpec, ctx: StepContext, mb: int) -> tuple[int, ...]:
+        """Concrete shape of a spec for microbatch ``mb`` of this step (its own sizes: microbatches
+        may differ in a dynamic dim); evaluated once per distinct sizes, not per message."""
         if not spec.is_dynamic:
             return spec.shape
-        key = id(spec)
+        bindings = ctx.bindings[mb]
+        key = (id(spec), tuple(bindings.values()))
         shape = self._shapes.get(key)
         if shape is None:
-            shape = self._shapes[key] = spec.concrete_shape(ctx.bindings)
+            shape = self._shapes[key] = spec.concrete_shape(bindings)
         return shape
 
     def finish(self) -> None:
@@ -262,13 +265,13 @@ class Interpreter:
 
         flat = ctx.flat_inputs[mb] if ctx.flat_inputs is not None else None
         slots = self._slots(stage)
-        args = gather_inputs(slots, flat, inbox, ctx.bindings, on_missing=missing)
+        args = gather_inputs(slots, flat, inbox, ctx.bindings[mb] if ctx.bindings else {}, on_missing=missing)
         return [_to(a, stage.device) if slot.kind is InputKind.MODEL else a for a, slot in zip(args, slots)]
 
-    def _check(self, t: Any, spec: TensorSpec | None, ctx: StepContext, what: str) -> None:
+    def _check(self, t: Any, spec: TensorSpec | None, ctx: StepContext, mb: int, what: str) -> None:
         if spec is None or not isinstance(t, torch.Tensor):
             return
-        expected = self._shape(spec, ctx)
+        expected = self._shape(spec, ctx, mb)
         if tuple(t.shape) != tuple(expected) or t.dtype != spec.dtype:
             changed = [f"dim {i}: traced {spec.shape[i]}, got {g}" for i, (g, e) in enumerate(zip(t.shape, expected)) if g != e]
             hint = (" — declare it dynamic with dynamic_shapes=... when calling pipeline()" if changed and not spec.is_dynamic
@@ -296,7 +299,7 @@ class Interpreter:
             else:
                 value = outs[route.src_output]
             what = f"stage {a.stage}, microbatch {a.mb}, forward to stage {route.dst_stage} (rank {self.stage_rank[route.dst_stage]})"
-            self._check(value, route.spec, ctx, what)
+            self._check(value, route.spec, ctx, a.mb, what)
             if ctx.train and route.spec is not None and not route.spec.carries_grad and not route.from_input \
                     and isinstance(value, torch.Tensor) and value.requires_grad:
                 raise PipelineError(f"{what}: value {route.src_output} requires grad at run time but the traced "

@@ -14,7 +14,8 @@ from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 
 import torch
 
-from ..microbatch import merge_chunks, split_args_kwargs
+from ..chunking import any_per_microbatch
+from ..microbatch import Microbatches, MicrobatchError, merge_chunks, split_args_kwargs
 from ..split.spec import InputKind
 from ..stage.errors import PipelineError
 from ..stage.groups import process_group
@@ -22,13 +23,12 @@ from ..stage.stage import LossRule, PipelineStage
 from ..stage.transport import P2P
 from .actions import Action, ActionKind, Order, order_from_csv
 from .agree import agree_before_step
+from .dynamic_sizes import local_sizes, share_sizes
 from .collectives import (
     agree_on_order,
     gather_links,
     group_info,
-    local_symbols,
     share_loss,
-    share_symbols,
     shared_item_count,
     sync_shared_grads,
 )
@@ -196,7 +196,7 @@ class PipelineSchedule:
                           loss=None if self.loss_fn is None else LossRule(self.loss_fn, self.on_nonfinite))
         error: Exception | None = None
         try:
-            symbols = self._local_context(ctx, args, kwargs, target, train)
+            sizes = self._local_context(ctx, args, kwargs, target, train)
         except Exception as e:  # raised on every rank alike below, before any rank waits for a message
             error = e
         agree_before_step(error, self.group, self.world, self.rank, self.stages[0].device,
@@ -208,7 +208,7 @@ class PipelineSchedule:
                                                  self.placement[self.num_stages - 1])
         pipe = self.stages[0].pipe
         if pipe is not None and pipe.symbols:
-            ctx.bindings = share_symbols(pipe, symbols, self.group, self.world, self.placement[0])
+            ctx.bindings = share_sizes(pipe.symbols, sizes, self.group, self.world, self.stages[0].device)
         return ctx
 
     def _local_context(self, ctx: StepContext, args: tuple, kwargs: dict, target: Any, train: bool) -> Any:
@@ -228,7 +228,7 @@ class PipelineSchedule:
             mbs = split_args_kwargs(tuple(args), dict(kwargs), n, self.args_chunk_spec, self.kwargs_chunk_spec,
                                     names=names)
             if pipe is not None:
-                ctx.flat_inputs = [pipe.flatten_inputs(a, k) for a, k in mbs]
+                ctx.flat_inputs = [_flat_microbatch(pipe, mb, a, k) for mb, (a, k) in enumerate(mbs)]
             ctx.mb_args = [a for a, _ in mbs]
             ctx.mb_kwargs = [k for _, k in mbs]
         if last is not None and train:
@@ -245,7 +245,11 @@ class PipelineSchedule:
         if self._splits_backward and train:  # a wrapper (fully_shard) applied after construction: I runs it whole
             for st in self.stages:
                 st.check_split_backward()
-        return local_symbols(pipe, ctx.flat_inputs) if pipe is not None and pipe.symbols else None
+        ctx.per_microbatch = any_per_microbatch(args, kwargs, target)
+        if pipe is None or not pipe.symbols:
+            return None
+        flat = ctx.flat_inputs if needs_inputs else _inputs_given_anyway(pipe, args, kwargs, n, self)
+        return local_sizes(pipe.symbols, flat, n, pipe.input_names)
 
     def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
         """One training step over ``n_microbatches``; the same call on every rank.
@@ -314,6 +318,8 @@ class PipelineSchedule:
             raise
 
     def _merge(self, ctx: StepContext) -> Any:
+        if ctx.per_microbatch:  # given Microbatches: unequal shapes do not concatenate
+            return Microbatches(ctx.outputs[mb] for mb in range(ctx.n_microbatches))
         return merge_chunks([ctx.outputs[mb] for mb in range(ctx.n_microbatches)], self.output_merge_spec)
 
     @property
@@ -470,3 +476,27 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
     stages = [pipe.build_stage(s, device, group, activation_checkpoint=activation_checkpoint,
                                mixed_precision=mixed_precision, compile=compile) for s in mine]
     return cls(stages, n_microbatches, loss_fn, **kwargs)
+
+
+def _flat_microbatch(pipe: Any, mb: int, args: tuple, kwargs: dict) -> list[Any]:
+    """One microbatch's model inputs, flat; a shape the trace cannot take names the microbatch."""
+    try:
+        return pipe.flatten_inputs(args, kwargs)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, MicrobatchError):
+            raise
+        raise type(e)(f"microbatch {mb}: {e}") from e
+
+
+def _inputs_given_anyway(pipe: Any, args: tuple, kwargs: dict, n: int, sched: PipelineSchedule) -> list | None:
+    """A rank that reads no model input but was given them (every rank loading the same batch,
+    the usual torchrun script) still reports their sizes, so ranks whose data differ (an
+    unseeded loader) are caught before any message; inputs it cannot split are ignored."""
+    if not args and not kwargs:
+        return None
+    try:
+        mbs = split_args_kwargs(tuple(args), dict(kwargs), n, sched.args_chunk_spec, sched.kwargs_chunk_spec,
+                                names=pipe.arg_names)
+        return [pipe.flatten_inputs(a, k) for a, k in mbs]
+    except (TypeError, ValueError):
+        return None

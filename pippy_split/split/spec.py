@@ -116,11 +116,22 @@ class Edge:
 
 @dataclass(frozen=True)
 class SymbolSource:
-    """A dynamic-shape symbol and where its value is read: ``inputs[input_index].shape[dim]``."""
+    """A dynamic-shape symbol and where its value is read: ``inputs[input_index].shape[dim]``;
+    ``lower``/``upper`` are the range it was traced for (``Dim(min=, max=)``; ``upper``
+    None: unbounded)."""
 
     symbol: sympy.Symbol
     input_index: int
     dim: int
+    lower: int = 0
+    upper: int | None = None
+
+    def allows(self, value: int) -> bool:
+        """Whether ``value`` lies in the traced range."""
+        return self.lower <= value and (self.upper is None or value <= self.upper)
+
+    def range_text(self) -> str:
+        return f"[{self.lower}, {'inf' if self.upper is None else self.upper}]"
 
 
 class InputKind(str, enum.Enum):

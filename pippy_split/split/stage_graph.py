@@ -117,8 +117,18 @@ def _symbol_sources(traced: Traced, placeholders: dict[str, torch.fx.Node]) -> l
                 expr = d.node.expr
                 if isinstance(expr, sympy.Symbol) and expr not in seen:
                     seen.add(expr)
-                    out.append(SymbolSource(expr, idx, dim))
+                    out.append(SymbolSource(expr, idx, dim, *_traced_range(traced, expr)))
     return out
+
+
+def _traced_range(traced: Traced, symbol: sympy.Symbol) -> tuple[int, int | None]:
+    """The range export traced ``symbol`` for: its ``Dim(min=, max=)`` (bounds export refined included)."""
+    vr = traced.ep.range_constraints.get(symbol)
+    if vr is None:
+        return 0, None
+    lower = int(vr.lower) if vr.lower.is_finite else 0
+    upper = int(vr.upper) if vr.upper.is_finite else None
+    return lower, upper
 
 
 def _install(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool, persistent: bool = True) -> None:
@@ -141,7 +151,8 @@ class _Builder:
         raw_symbols = _symbol_sources(traced, self.placeholders)
         self.known_symbols = {s.symbol for s in raw_symbols}  # export's own symbols
         self.rename = _user_symbol_names(self.placeholders)  # shown and bound under the user's Dim names
-        self.symbols = [SymbolSource(self.rename.get(s.symbol, s.symbol), s.input_index, s.dim) for s in raw_symbols]
+        self.symbols = [SymbolSource(self.rename.get(s.symbol, s.symbol), s.input_index, s.dim, s.lower, s.upper)
+                        for s in raw_symbols]
         self.position = {n: i for i, n in enumerate(self.graph.nodes)}
         self.n = plan.num_stages
         self.last = self.n - 1
