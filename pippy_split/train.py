@@ -2,7 +2,7 @@
 
 Where this sits: on top of the whole flow split → Pipe → stage → schedule → runtime.
 Every rank has the same model (same seed), traced and split with `ps.pipeline`
-(on CPU once, by the launcher, before it forks the ranks), keeps only its own
+(each rank itself; ranks are spawned, never forked), keeps only its own
 stages via `ps.build_schedule`, and steps an AdamW over those stages' parameters.
 At the end every rank saves its stages and AdamW state with :mod:`pippy_split.checkpoint`
 (keyed by the original FQNs); rank 0 loads that into a fresh unsplit model, samples
@@ -38,8 +38,6 @@ import re
 import sys
 from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 from .testing import free_port
 from .training.loop import TRAIN_STATE_DIR, worker  # noqa: F401  (importable from here, as before)
@@ -128,35 +126,19 @@ def run(cfg: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # On CPU the ranks are forked from this process after it has traced and split the
-    # model once: they start without importing torch and tracing again (seconds each),
-    # and get the prepared run as an argument (fork passes it without pickling). With
-    # CUDA they are spawned (a forked CUDA runtime is unusable) and prepare themselves.
-    start_method = "spawn" if torch.cuda.is_available() else "fork"
-    threads = torch.get_num_threads()
+    # Ranks are spawned, never forked: the launcher's agent runs its rendezvous store on
+    # threads in this process, and a fork taken while another thread holds a lock can
+    # leave a child blocked forever (seen once in CI). Each rank prepares its own run.
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.ranks, rdzv_backend="c10d",
+                          rdzv_endpoint=f"localhost:{free_port()}", run_id=f"pippy-split-{os.getpid()}",
+                          max_restarts=cfg.max_restarts, monitor_interval=0.1, start_method="spawn")
     try:
-        prepared: Prepared | None = None
-        if start_method == "fork":
-            torch.set_num_threads(1)  # no OpenMP pool in the parent, so none is inherited half-alive
-            try:
-                prepared = _prepare_here(cfg)
-            except (SystemExit, KeyboardInterrupt):
-                raise
-            except Exception as e:  # a bad --split, a model that does not trace, ...: say what, no traceback
-                print(f"pippy-split train failed: {type(e).__name__}: {e}", file=sys.stderr)
-                return 1
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.ranks, rdzv_backend="c10d",
-                              rdzv_endpoint=f"localhost:{free_port()}", run_id=f"pippy-split-{os.getpid()}",
-                              max_restarts=cfg.max_restarts, monitor_interval=0.1, start_method=start_method)
-        try:
-            elastic_launch(config, worker)(cfg, prepared)
-        except ChildFailedError as e:
-            print(f"pippy-split train failed:\n{e.format_msg()}", file=sys.stderr)
-            print(failure_line(e), file=sys.stderr, flush=True)  # last: what to read under the dump
-            return 1
-        return 0
-    finally:
-        torch.set_num_threads(threads)
+        elastic_launch(config, worker)(cfg, None)
+    except ChildFailedError as e:
+        print(f"pippy-split train failed:\n{e.format_msg()}", file=sys.stderr)
+        print(failure_line(e), file=sys.stderr, flush=True)  # last: what to read under the dump
+        return 1
+    return 0
 
 
 def _check_options(cfg: argparse.Namespace, schedules: Any) -> str:
@@ -168,15 +150,3 @@ def _check_options(cfg: argparse.Namespace, schedules: Any) -> str:
     if cfg.simulate_failure and not re.fullmatch(r"\d+:\d+", cfg.simulate_failure):
         return f"--simulate-failure takes RANK:STEP (e.g. 1:5), got {cfg.simulate_failure!r}"
     return ""
-
-
-def _prepare_here(cfg: argparse.Namespace) -> Prepared:
-    from rich.console import Console
-
-    prepared = prepare(cfg, cfg.ranks, Console().print)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    return prepared
-
-if __name__ == "__main__":
-    sys.exit(main())

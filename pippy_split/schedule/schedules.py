@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 import torch
 
 from ..chunking import any_per_microbatch
-from ..microbatch import Microbatches, MicrobatchError, merge_chunks, split_args_kwargs
+from ..microbatch import MicrobatchError, Microbatches, merge_chunks, split_args_kwargs
 from ..split.spec import InputKind
 from ..stage.errors import PipelineError
 from ..stage.groups import process_group
@@ -23,7 +23,6 @@ from ..stage.stage import LossRule, PipelineStage
 from ..stage.transport import P2P
 from .actions import Action, ActionKind, Order, order_from_csv
 from .agree import agree_before_step
-from .dynamic_sizes import local_sizes, share_sizes
 from .collectives import (
     agree_on_order,
     gather_links,
@@ -32,6 +31,7 @@ from .collectives import (
     shared_item_count,
     sync_shared_grads,
 )
+from .dynamic_sizes import local_sizes, share_sizes
 from .lower import lower
 from .orders import ORDERS, get_order_spec
 from .placement import placement_of_order, replace_placement

@@ -48,8 +48,8 @@ class RunState:
 def worker(cfg: argparse.Namespace, prepared: Prepared | None = None) -> None:
     """One rank of the training run (call under torchrun or the elastic launcher).
 
-    ``prepared``: the launcher's :func:`~pippy_split.training.setup.prepare` result,
-    inherited by forked ranks; None to prepare here.
+    ``prepared``: a :func:`~pippy_split.training.setup.prepare` result made
+    elsewhere (tests); None to prepare here.
     """
     import torch.distributed as dist
 

@@ -1,9 +1,9 @@
 """What every rank of ``pippy-split train`` trains: data, model and the traced, split Pipe.
 
 Where this sits: the first half of :mod:`pippy_split.train`, before any rank runs.
-:func:`prepare` gives the same :class:`Prepared` on every rank (same seed); the
-launcher runs it once before forking the local ranks and hands it to each
-(:func:`pippy_split.training.loop.worker`); under torchrun every rank runs it itself.
+:func:`prepare` gives the same :class:`Prepared` on every rank (same seed); every
+rank runs it itself (:func:`pippy_split.training.loop.worker`), under torchrun or
+the launcher's spawned ranks.
 """
 
 from __future__ import annotations
