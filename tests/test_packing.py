@@ -66,3 +66,18 @@ def test_step_inputs_give_one_microbatches_per_field():
     ids, tgt = step_inputs(mbs, "input_ids", "targets")
     assert isinstance(ids, ps.Microbatches) and [t.shape for t in ids] == [torch.Size([1, 5]), torch.Size([1, 4])]
     assert torch.equal(tgt[1], torch.tensor([[7, 8, 9, -100]]))
+
+
+def test_a_packed_row_computes_each_document_as_if_alone():
+    """The zoo's tiny Llama with documents= (what the pipelined packed tests rely on)."""
+    from pippy_split import zoo
+
+    model = zoo.get("tiny_llama").model
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    mb = next(pack_documents(docs, 32))
+    packed = model(mb.input_ids, mb.position_ids, mb.document_ids)
+    alone = torch.cat([model(torch.tensor([d]), torch.arange(len(d))[None]) for d in docs], 1)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+    # without documents= the later documents would attend to the earlier ones
+    assert not torch.allclose(model(mb.input_ids, mb.position_ids), alone, atol=1e-3)

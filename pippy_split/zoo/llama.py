@@ -67,7 +67,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(d_model, d_model, bias=False)
 
     def forward(
-        self, x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor
+        self, x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
         shape = (B, T, -1, self.head_dim)  # -1: n_head, or this rank's heads under tensor parallelism
@@ -76,6 +77,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(shape)  # (B, T, H, hd)
         # query t may attend to key s iff positions[s] <= positions[t]
         mask = (positions[:, None, :] <= positions[:, :, None]).unsqueeze(1)  # (B, 1, T, T) bool
+        if documents is not None:  # packed rows: ... and both lie in the same document
+            mask = mask & (documents[:, None, :] == documents[:, :, None]).unsqueeze(1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, hd)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
@@ -105,14 +108,19 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(d_model, hidden=4 * d_model)
 
     def forward(
-        self, x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor
+        self, x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs, positions)
+        extra = () if documents is None else (documents,)
+        h = x + self.attention(self.attention_norm(x), freqs, positions, *extra)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class TinyLlama(nn.Module):
-    """forward(tokens (B, T) int64, positions (B, T) int64) -> logits (B, T, vocab_size)."""
+    """forward(tokens (B, T) int64, positions (B, T) int64) -> logits (B, T, vocab_size).
+
+    Packed rows (several documents per row) pass ``documents`` (B, T): each token's
+    document; attention then stays inside a document, and positions restart in each."""
 
     freqs_cis: torch.Tensor  # buffer (registered in __init__)
 
@@ -134,11 +142,13 @@ class TinyLlama(nn.Module):
             "freqs_cis", precompute_freqs_cis(d_model // n_head, max_seq), persistent=False
         )
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         freqs = self.freqs_cis[positions]  # (B, T, hd/2) complex64
         h = self.tok_embeddings(tokens)  # (B, T, C)
+        extra = () if documents is None else (documents,)
         for layer in self.layers:
-            h = layer(h, freqs, positions)  # (B, T, C)
+            h = layer(h, freqs, positions, *extra)  # (B, T, C)
         return self.output(self.norm(h))  # (B, T, V)
 
 

@@ -11,8 +11,19 @@ import torch
 
 from pippy_split.testing import run_ranks
 
-from .varlen_bodies import ALL_SCHEDULES, LENGTHS, LENGTHS_8, bad_step, every_schedule, ranks_disagree, reference, stages_for, \
-    with_options
+from .varlen_bodies import (
+    ALL_SCHEDULES,
+    LENGTHS,
+    LENGTHS_8,
+    bad_step,
+    every_schedule,
+    packed_reference,
+    packed_step,
+    ranks_disagree,
+    reference,
+    stages_for,
+    with_options,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -95,3 +106,18 @@ def test_ranks_given_different_lengths_fail_on_every_rank():
     errors = run_ranks(ranks_disagree, 2, timeout=180)
     for text in errors:
         assert "ranks 0 and 1 were given different inputs" in text and "microbatch 3" in text, text
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["qwen2", "tiny_llama"])
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_packed_documents_with_restarting_positions_are_exact(kind, schedule):
+    pytest.importorskip("transformers")
+    results = run_ranks(packed_step, 2, kind, schedule, timeout=280)
+    ref_loss, ref_grads = packed_reference(kind, stages_for(schedule, 2))
+    seen: set[str] = set()
+    for r in results:
+        _assert_exact(r, ref_loss, ref_grads)
+        seen |= set(r["grads"])
+    assert seen == set(ref_grads)
+    assert len(set(results[0]["lengths"])) > 1

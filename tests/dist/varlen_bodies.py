@@ -144,3 +144,71 @@ def ranks_disagree(rank: int, world: int):
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+# ---- packed documents: positions restart at every document, attention stays inside it ----
+
+def packed_docs(n_mb: int = 4, budget: int = 24):
+    """Documents of random lengths packed into ``n_mb`` microbatches of different lengths."""
+    from pippy_split.packing import pack_documents
+
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(2, 11, (60,), generator=g).tolist()
+    docs = [torch.randint(1, 64, (n,), generator=g).tolist() for n in lengths]
+    mbs = list(pack_documents(docs, budget))[:n_mb]
+    assert len({mb.shape[1] for mb in mbs}) > 1  # the point: unequal microbatches
+    return mbs
+
+
+def packed_loss(out, t):
+    logits = out.logits if hasattr(out, "logits") else out
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), t.flatten(), ignore_index=-100,
+                                             reduction="sum")
+
+
+def packed_model(kind: str):
+    """(model, kwargs of one microbatch, dynamic_shapes, split by stage count) for a packed batch."""
+    if kind == "qwen2":
+        import transformers as t
+        torch.manual_seed(0)
+        cfg = t.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+        cfg._attn_implementation = "sdpa"
+        model = t.Qwen2ForCausalLM(cfg)
+
+        def inputs(mb):
+            return {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "attention_mask": mb.attention_mask()}
+        T = Dim("T", min=2, max=64)
+        dyn = {"input_ids": {1: T}, "position_ids": {1: T}, "attention_mask": {2: T, 3: T}}
+        return model, inputs, dyn, lambda n: zoo.layer_split("model.layers", 4, n)
+    entry = zoo.get("tiny_llama", n_layer=4)
+
+    def inputs(mb):
+        return {"tokens": mb.input_ids, "positions": mb.position_ids, "documents": mb.document_ids}
+    T = Dim("T", min=2, max=64)
+    dyn = {"tokens": {1: T}, "positions": {1: T}, "documents": {1: T}}
+    return entry.model, inputs, dyn, lambda n: zoo.layer_split("layers", 4, n)
+
+
+def packed_reference(kind: str, num_stages: int):
+    """The unsplit model on the same packed microbatches: the token mean of the step."""
+    model, inputs, _, _ = packed_model(kind)
+    mbs = packed_docs()
+    items = sum(float((mb.targets != -100).sum()) for mb in mbs)
+    total = 0.0
+    for mb in mbs:
+        loss = packed_loss(model(**inputs(mb)), mb.targets) / items
+        loss.backward()
+        total += loss.item()
+    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def packed_step(rank: int, world: int, kind: str, schedule: str):
+    model, inputs, dyn, split = packed_model(kind)
+    mbs = packed_docs()
+    pipe = ps.pipeline(model, split(stages_for(schedule, world)), (), inputs(mbs[0]), dynamic_shapes=dyn)
+    sched = ps.build_schedule(pipe, schedule, len(mbs), loss_fn=packed_loss,
+                              loss_count=lambda t: (t != -100).sum())
+    per_field = {k: ps.Microbatches(inputs(mb)[k] for mb in mbs) for k in inputs(mbs[0])}
+    sched.step(target=ps.Microbatches(mb.targets for mb in mbs), **per_field)
+    return {"loss": float(sched.loss), "grads": _grads(sched), "lengths": [mb.shape[1] for mb in mbs]}
