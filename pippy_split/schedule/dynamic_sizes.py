@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..split.spec import SymbolSource
 from ..stage.errors import PipelineError
 
-__all__ = ["local_sizes", "share_sizes"]
+__all__ = ["local_sizes", "share_sizes", "message_bytes"]
 
 Bindings = dict[sympy.Symbol, int]
 
@@ -77,3 +77,25 @@ def share_sizes(symbols: Sequence[SymbolSource], mine: torch.Tensor, group: Any,
                                 f"{int(gathered[r][mb, j])} on rank {r}; every rank reading model inputs "
                                 "must get the same microbatches")
     return [{s.symbol: int(v) for s, v in zip(symbols, row)} for row in ref.tolist()]
+
+
+def message_bytes(edges: Sequence[Any], bindings: Bindings) -> int:
+    """Bytes one microbatch sends across the cuts (every edge once, forward direction) at
+    these sizes: what a receive of that microbatch allocates, and a microbatch's weight
+    for ``simulate(..., microbatch_scale=)``.
+
+    Example:
+        >>> from pippy_split.split.spec import Edge, TensorSpec
+        >>> T = sympy.Symbol("T")
+        >>> e = Edge(0, 0, 1, 0, TensorSpec((2, T, 8), torch.float32, True))
+        >>> message_bytes([e], {T: 16}), message_bytes([e], {T: 8})
+        (1024, 512)
+    """
+    total = 0
+    for e in edges:
+        shape = e.spec.concrete_shape(bindings)
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n * e.spec.dtype.itemsize
+    return total

@@ -100,11 +100,14 @@ class LoopRun:
     """Per stuck rank, the key it waits for (empty when every rank finished)."""
 
 
-def run_loop(enc: Encoded, table: Sequence[Sequence[tuple[int, float]]], cost: Sequence[float]) -> LoopRun:
+def run_loop(enc: Encoded, table: Sequence[Sequence[tuple[int, float]]], cost: Sequence[float],
+             scale: Sequence[float] | None = None) -> LoopRun:
     """Run every rank of ``enc`` as far as it can (see the module docstring).
 
     ``table[code * S + stage]`` lists ``(key base, latency)`` of each requirement
-    (:func:`requirement_table`); ``cost[code * S + stage]`` is one such action's time.
+    (:func:`requirement_table`); ``cost[code * S + stage]`` is one such action's time,
+    times ``scale[mb]`` when given (microbatches of different sizes; a message's latency
+    scales with the microbatch it carries).
     """
     M, S = enc.num_mb, enc.num_stages
     done = [-1.0] * (4 * S * M)  # key -> end time; -1 = not yet
@@ -135,12 +138,13 @@ def run_loop(enc: Encoded, table: Sequence[Sequence[tuple[int, float]]], cost: S
             sk = k // M
             start = t
             miss = -1
+            f = 1.0 if scale is None else scale[k - sk * M]
             for d, lat in deltas[sk]:
                 e = done[k + d]
                 if e < 0.0:
                     miss = k + d
                     break
-                e += lat
+                e += lat * f
                 if e > start:
                     start = e
             if miss >= 0:
@@ -151,7 +155,7 @@ def run_loop(enc: Encoded, table: Sequence[Sequence[tuple[int, float]]], cost: S
                 pending[i] = k
                 break
             append(start)
-            t = start + cost[sk]
+            t = start + cost[sk] * f
             if done[k] < 0.0:
                 done[k] = t
                 if waiter[k] >= 0:
@@ -177,10 +181,11 @@ def run_loop(enc: Encoded, table: Sequence[Sequence[tuple[int, float]]], cost: S
 
 
 def held_peaks(enc: Encoded, add: Sequence[float], release: Sequence[float],
-               extra: Sequence[float] | None = None) -> dict[int, float]:
+               extra: Sequence[float] | None = None, scale: Sequence[float] | None = None) -> dict[int, float]:
     """Per rank, the most bytes held at once when each action ``code * S + stage`` adds
     ``add[...]`` as it starts and frees ``release[...]`` once it ends (optional ``extra``
-    on top while it runs): e.g. a stage's activations added by F, freed by B or W.
+    on top while it runs): e.g. a stage's activations added by F, freed by B or W; each
+    times ``scale[mb]`` when given.
 
     Depends on each rank's list only, not on timing.
     """
@@ -190,12 +195,13 @@ def held_peaks(enc: Encoded, add: Sequence[float], release: Sequence[float],
         cur = peak = 0.0
         for k in enc.keys[r]:
             sk = k // M
-            cur += add[sk]
-            if extra is not None and cur + extra[sk] > peak:
-                peak = cur + extra[sk]
+            f = 1.0 if scale is None else scale[k - sk * M]
+            cur += add[sk] * f
+            if extra is not None and cur + extra[sk] * f > peak:
+                peak = cur + extra[sk] * f
             if cur > peak:
                 peak = cur
-            cur -= release[sk]
+            cur -= release[sk] * f
         out[r] = peak
     return out
 

@@ -126,6 +126,7 @@ def simulate(
     activation_bytes: Mapping[int, float] | Sequence[float] | None = None,
     workspace_bytes: Mapping[Any, float] | Sequence[float] | None = None,
     input_grad_bytes: Mapping[int, float] | Sequence[float] | None = None,
+    microbatch_scale: Sequence[float] | None = None,
 ) -> Simulation:
     """Simulate ``order`` and report makespan, bubble and activation memory.
 
@@ -146,6 +147,10 @@ def simulate(
             kind, ``{(stage, "I"): bytes, (stage, "B"): bytes}``.
         input_grad_bytes: per stage, what a split backward keeps from its I until its
             W (the output gradients of the ops W differentiates).
+        microbatch_scale: each microbatch's size relative to the one the costs and
+            bytes describe (e.g. its tokens over the traced example's): multiplies that
+            microbatch's action times, message latencies and bytes, so a step of
+            unequal microbatches (packed or bucketed sequences) is priced as it runs.
 
     Returns:
         A :class:`Simulation`.
@@ -162,28 +167,42 @@ def simulate(
         >>> sim = simulate(get_order_spec("1F1B").compute_order(2, 4), {(1, "F"): 3}, activation_bytes=[10, 20])
         >>> sim.makespan, sim.peak_bytes
         (23.0, {0: 20.0, 1: 20.0})
+        >>> simulate(get_order_spec("1F1B").compute_order(2, 2), microbatch_scale=[2, 1]).makespan  # unscaled: 9.0
+        14.0
     """
     latency = latency_fn(comm_latency)
+    scale = _checked_scale(order, microbatch_scale)
     try:
         enc = encode(order)
     except KeyError:  # a SEND/RECV: a lowered order, run under the batch rule
-        return _simulate_batches(order, costs, links, latency, activation_bytes, workspace_bytes, input_grad_bytes)
+        return _simulate_batches(order, costs, links, latency, activation_bytes, workspace_bytes, input_grad_bytes,
+                                 scale)
     num_stages = enc.num_stages
     table = stage_cost_table(costs, num_stages)
     link_list = chain_links(num_stages) if links is None else list(links)
     reqs = requirement_table(DepIndex(link_list, num_stages), placement_of_order(order), enc.num_mb, latency)
-    run = run_loop(enc, reqs, table)
+    run = run_loop(enc, reqs, table, scale)
     if run.blocked:
         raise _deadlock_error(order, enc, run)
     makespan = max((run.free[r] for r in enc.ranks if enc.keys[r]), default=0.0)
     M = enc.num_mb
-    busy = sum(table[k // M] for r in enc.ranks for k in enc.keys[r])
+    busy = sum(table[k // M] * (1.0 if scale is None else scale[k % M]) for r in enc.ranks for k in enc.keys[r])
     return _finish(order, enc, makespan, busy, table, activation_bytes, workspace_bytes, input_grad_bytes,
-                   lambda: _timeline(order, enc, run, table))
+                   lambda: _timeline(order, enc, run, table, scale), scale)
+
+
+def _checked_scale(order: Order, scale: Sequence[float] | None) -> list[float] | None:
+    if scale is None:
+        return None
+    n_mb = 1 + max((a.mb for acts in order.values() for a in acts if a is not None), default=-1)
+    values = [float(v) for v in scale]
+    if len(values) != n_mb or any(not v > 0 for v in values):
+        raise ValueError(f"microbatch_scale needs one positive number per microbatch ({n_mb}), got {list(scale)}")
+    return values
 
 
 def _finish(order: Order, enc: Encoded, makespan: float, busy: float, table: list[float], activation_bytes,
-            workspace_bytes, input_grad_bytes, build: Callable) -> Simulation:
+            workspace_bytes, input_grad_bytes, build: Callable, scale: list[float] | None = None) -> Simulation:
     S = enc.num_stages
     ones, zeros = [1.0] * S, [0.0] * S
     counts = held_peaks(enc, ones + zeros * 3, zeros * 2 + ones * 2)  # F holds one, W or B frees it
@@ -197,7 +216,7 @@ def _finish(order: Order, enc: Encoded, makespan: float, busy: float, table: lis
             extra = zeros + work_i + zeros + work_b
         add = held + grads + zeros + zeros  # F: activations; I: the output gradients W needs
         release = zeros + zeros + [h + g for h, g in zip(held, grads)] + held
-        peak_bytes = held_peaks(enc, add, release, extra)
+        peak_bytes = held_peaks(enc, add, release, extra, scale)
     num_ranks = len(order)
     return Simulation(
         makespan=makespan,
@@ -219,17 +238,18 @@ def _per_backward(values: Mapping[Any, float] | Sequence[float], num_stages: int
     return both, both
 
 
-def _timeline(order: Order, enc: Encoded, run: LoopRun, table: list[float]) -> dict:
+def _timeline(order: Order, enc: Encoded, run: LoopRun, table: list[float], scale: list[float] | None) -> dict:
     out, M = {}, enc.num_mb
     for r in enc.ranks:
         acts = [a for a in order[r] if a is not None]
-        out[r] = [(s, s + table[k // M], a) for s, k, a in zip(run.starts[r], enc.keys[r], acts)]
+        out[r] = [(s, s + table[k // M] * (1.0 if scale is None else scale[k % M]), a)
+                  for s, k, a in zip(run.starts[r], enc.keys[r], acts)]
     return out
 
 
 def _simulate_batches(order: Order, costs: CostSpec, links: Iterable[Link] | None,
                       latency: Callable[[int, int], float], activation_bytes: Any, workspace_bytes: Any,
-                      input_grad_bytes: Any) -> Simulation:
+                      input_grad_bytes: Any, scale: list[float] | None = None) -> Simulation:
     """A lowered order under the batch rule (see the module docstring)."""
     from .lower import peer_table
 
@@ -241,7 +261,7 @@ def _simulate_batches(order: Order, costs: CostSpec, links: Iterable[Link] | Non
     def cost(stage: int, kind: ActionKind) -> float:
         return table[CODE[kind._value_] * S + stage]
 
-    run = run_batches(order, peer_table(num_stages, links, placement_of_order(order)), cost, latency)
+    run = run_batches(order, peer_table(num_stages, links, placement_of_order(order)), cost, latency, scale)
     if run.blocked:
         lines = []
         for r in sorted(run.blocked):
@@ -255,7 +275,7 @@ def _simulate_batches(order: Order, costs: CostSpec, links: Iterable[Link] | Non
     makespan = max((t[-1][1] for t in run.timeline.values() if t), default=0.0)
     busy = sum(end - start for t in run.timeline.values() for start, end, _ in t)
     return _finish(order, enc, makespan, busy, table, activation_bytes, workspace_bytes, input_grad_bytes,
-                   lambda: run.timeline)
+                   lambda: run.timeline, scale)
 
 
 @dataclass
@@ -274,14 +294,15 @@ class BatchRun:
 
 def run_batches(order: Order, table: dict,
                 cost: Mapping[ActionKind, float] | Callable[[int, ActionKind], float] | None = None,
-                latency: float | Callable[[int, int], float] = 0.0) -> BatchRun:
+                latency: float | Callable[[int, int], float] = 0.0,
+                scale: Sequence[float] | None = None) -> BatchRun:
     """Run a lowered order under NCCL's batch rule, the one event loop that ``simulate``
     (times) and ``validate`` (deadlocks) share: a rank posts a batch once it reaches it
     and its previous batch completed; a batch completes once every message in it has its
     counterpart posted (plus ``latency``); a compute action waits only for the batches
     that receive what it consumes. Ranks that can never go on are left in ``blocked``.
     ``cost`` is per kind or ``f(stage, kind)``; ``latency`` one number or
-    ``f(src_stage, dst_stage)`` per message.
+    ``f(src_stage, dst_stage)`` per message; ``scale[mb]`` multiplies both for microbatch ``mb``.
 
     Raises:
         ValueError: a comm action names a peer it does not exchange with (from
@@ -291,7 +312,7 @@ def run_batches(order: Order, table: dict,
         by_kind = dict(cost or {})
         cost = lambda stage, kind: by_kind.get(kind, 0.0)  # noqa: E731
     lat = latency if callable(latency) else (lambda src, dst, value=float(latency): value)
-    loop = _BatchLoop(order, table, cost, lat)
+    loop = _BatchLoop(order, table, cost, lat, scale)
     queue = deque(sorted(order))
     while queue:
         queue.extend(loop.advance(queue.popleft()))
@@ -305,8 +326,9 @@ class _BatchLoop:
     """The state of :func:`run_batches`: per rank, how far it got and when it is free."""
 
     def __init__(self, order: Order, table: dict, cost: Callable[[int, ActionKind], float],
-                 lat: Callable[[int, int], float]) -> None:
+                 lat: Callable[[int, int], float], scale: Sequence[float] | None = None) -> None:
         self.order, self.table, self.cost, self.lat = order, table, cost, lat
+        self.scale = scale
         self.posted: dict[Op, float] = {}  # -> time posted
         self.waiting: dict[Op, list[int]] = {}  # ranks waiting for an op to be posted
         self.arrival: dict[Message, float] = {}  # completion time of the batch that receives it
@@ -349,7 +371,7 @@ class _BatchLoop:
         start = self.free[rank]
         for m in _consumed(a, self.table):
             start = max(start, self.arrival.get(m, start))
-        self.free[rank] = start + self.cost(a.stage, a.kind)
+        self.free[rank] = start + self.cost(a.stage, a.kind) * (1.0 if self.scale is None else self.scale[a.mb])
         self.timeline[rank].append((start, self.free[rank], a))
 
     def _batch(self, rank: int, pos: int) -> tuple[int, list[Op]]:
@@ -369,7 +391,9 @@ class _BatchLoop:
         return end, ops
 
     def _complete(self, rank: int, ops: list[Op], t_post: float, comms: list[Action]) -> None:
-        done = max((max(t_post, self.posted[(m, not side)]) + self.lat(m.sender, m.receiver) for m, side in ops),
+        f = (lambda mb: 1.0) if self.scale is None else self.scale.__getitem__
+        done = max((max(t_post, self.posted[(m, not side)]) + self.lat(m.sender, m.receiver) * f(m.mb)
+                    for m, side in ops),
                    default=t_post + self.lat(-1, -1))
         for m, side in ops:
             if not side:
