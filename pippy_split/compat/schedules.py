@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from .. import schedule as _core
-from ..microbatch import merge_chunks, split_args_kwargs
+from ..microbatch import Microbatches, merge_chunks, split_args_kwargs
 from ..stage import PipelineStage
 from .microbatch import TensorChunkSpec
 
@@ -98,6 +98,8 @@ def _eval(self: _core.PipelineSchedule, *args: Any, target: Any = None, losses: 
         out = _core.PipelineSchedule.eval(self, *args, **kwargs)
     finally:
         self.output_merge_spec = merge_spec
+    if isinstance(out, Microbatches):  # given per-microbatch inputs: the outputs were not merged
+        per_mb = list(out)
     device = next(st for st in self.stages if st.is_last).device
     targets = [a[0] for a, _ in split_args_kwargs((target,), {}, self.n_microbatches, names=["target"])]
     with torch.no_grad():

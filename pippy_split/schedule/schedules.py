@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..chunking import any_per_microbatch
 from ..microbatch import MicrobatchError, Microbatches, merge_chunks, split_args_kwargs
@@ -246,6 +247,8 @@ class PipelineSchedule:
             for st in self.stages:
                 st.check_split_backward()
         ctx.per_microbatch = any_per_microbatch(args, kwargs, target)
+        if pipe is None and ctx.mb_args is not None:
+            _refuse_unequal_for_hand_built(ctx.mb_args, ctx.mb_kwargs or [])
         if pipe is None or not pipe.symbols:
             return None
         flat = ctx.flat_inputs if needs_inputs else _inputs_given_anyway(pipe, args, kwargs, n, self)
@@ -500,3 +503,18 @@ def _inputs_given_anyway(pipe: Any, args: tuple, kwargs: dict, n: int, sched: Pi
         return [pipe.flatten_inputs(a, k) for a, k in mbs]
     except (TypeError, ValueError):
         return None
+
+
+def _refuse_unequal_for_hand_built(mb_args: list[tuple], mb_kwargs: list[dict]) -> None:
+    """Hand-built stages learn one set of shapes on the first step, so every microbatch must have them."""
+    def shapes(a: tuple, k: dict) -> list:
+        return [tuple(x.shape) for x in pytree.tree_leaves((a, k)) if isinstance(x, torch.Tensor)]
+
+    first = shapes(mb_args[0], mb_kwargs[0] if mb_kwargs else {})
+    for mb in range(1, len(mb_args)):
+        got = shapes(mb_args[mb], mb_kwargs[mb] if mb_kwargs else {})
+        if got != first:
+            raise PipelineError(f"microbatch {mb} has input shapes {got}, microbatch 0 {first}: hand-built stages "
+                                "learn one set of shapes on the first step, so their microbatches must agree; for "
+                                "microbatches of different lengths trace the model with ps.pipeline(..., "
+                                "dynamic_shapes=...) and build the stages from the pipe")

@@ -140,3 +140,24 @@ def test_misuse_is_a_type_error_that_says_what_to_pass():
         S.ScheduleZBVZeroBubble(stages[:1], N_MB)
     with pytest.raises(NotImplementedError, match="DTensor"):
         compat.PipelineStage(torch.nn.Linear(2, 2), 0, 1, torch.device("cpu"), get_mesh=lambda *a: None)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name, n_stages", [("1F1B", 1), ("ZBVZeroBubble", 2)])
+def test_step_and_eval_take_microbatches_already_split(name, n_stages):
+    """ps.Microbatches through the peer-shaped step/eval: same losses and grads as the batch."""
+    model, x, target, stages = _stages(n_stages)
+    sched = _schedule(name, stages, loss_fn=F.mse_loss)
+    ref_losses, ref_out, ref_grads = reference(model, x, target)
+    xs, ys = ps.Microbatches(x.chunk(N_MB)), ps.Microbatches(target.chunk(N_MB))
+    losses: list = []
+    out = sched.step(xs, target=ys, losses=losses)
+    assert isinstance(out, ps.Microbatches) and len(out) == N_MB
+    close(torch.cat(list(out)), ref_out)
+    for got, want in zip(losses, ref_losses):
+        close(got, want)
+    grads = grads_of([st.submod for st in stages])
+    assert grads and all(torch.allclose(g, ref_grads[n], atol=ATOL) for n, g in grads.items())
+    eval_losses: list = []
+    sched.eval(xs, target=ys, losses=eval_losses)
+    assert len(eval_losses) == N_MB

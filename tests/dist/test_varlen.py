@@ -17,6 +17,7 @@ from .varlen_bodies import (
     LENGTHS_8,
     bad_step,
     every_schedule,
+    hand_built_unequal,
     packed_reference,
     packed_step,
     ranks_disagree,
@@ -121,3 +122,10 @@ def test_packed_documents_with_restarting_positions_are_exact(kind, schedule):
         seen |= set(r["grads"])
     assert seen == set(ref_grads)
     assert len(set(results[0]["lengths"])) > 1
+
+
+@pytest.mark.timeout(200)
+def test_hand_built_stages_refuse_unequal_microbatches_on_every_rank():
+    errors = run_ranks(hand_built_unequal, 2, timeout=180)
+    for text in errors:
+        assert "microbatch 2 has input shapes" in text and "dynamic_shapes" in text, text

@@ -212,3 +212,20 @@ def packed_step(rank: int, world: int, kind: str, schedule: str):
     per_field = {k: ps.Microbatches(inputs(mb)[k] for mb in mbs) for k in inputs(mbs[0])}
     sched.step(target=ps.Microbatches(mb.targets for mb in mbs), **per_field)
     return {"loss": float(sched.loss), "grads": _grads(sched), "lengths": [mb.shape[1] for mb in mbs]}
+
+
+def hand_built_unequal(rank: int, world: int):
+    """Hand-built stages (no Pipe) given microbatches of different batch sizes: refused on every rank."""
+    torch.manual_seed(0)
+    part = torch.nn.Linear(6, 6) if rank == 0 else torch.nn.Linear(6, 3)
+    stage = ps.PipelineStage(part, rank, world, "cpu")
+    sched = ps.get_schedule_class("1F1B")(stage, 4, loss_fn=torch.nn.functional.mse_loss)
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    sizes = [2, 2, 3, 1]
+    starts = [0, 2, 4, 7]
+    try:
+        sched.step(ps.Microbatches(x[s:s + n] for s, n in zip(starts, sizes)),
+                   target=ps.Microbatches(y[s:s + n] for s, n in zip(starts, sizes)))
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"
