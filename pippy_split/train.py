@@ -67,6 +67,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help=f"directory (default {DEFAULT_CHECKPOINT})")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint: weights and AdamW state")
     p.add_argument("--data", default=None, help="train on this text file (vocabulary: its characters)")
+    p.add_argument("--pack", action="store_true",
+                   help="with --data: each microbatch is one row of whole lines of the file packed up to "
+                        "batch-size/microbatches x seq-len characters, so microbatches differ in length "
+                        "(ps.Microbatches); the loss is the mean over every predicted character of the step")
     p.add_argument("--samples", type=int, default=8, help="lines to sample at the end")
     p.add_argument("--activation-checkpoint", nargs="?", const="full", default=None, metavar="PATTERNS",
                    help="recompute each stage right before its backward instead of keeping its activations; "
@@ -147,6 +151,8 @@ def _check_options(cfg: argparse.Namespace, schedules: Any) -> str:
         return f"unknown schedule {cfg.schedule!r}; choose from {', '.join(schedules)}"
     if cfg.checkpoint_every < 0 or cfg.max_restarts < 0:
         return "--checkpoint-every and --max-restarts must be >= 0"
+    if cfg.pack and (not cfg.data or cfg.model):
+        return "--pack packs the lines of a --data text file for the built-in TinyGPT (not with --model)"
     if cfg.simulate_failure and not re.fullmatch(r"\d+:\d+", cfg.simulate_failure):
         return f"--simulate-failure takes RANK:STEP (e.g. 1:5), got {cfg.simulate_failure!r}"
     return ""

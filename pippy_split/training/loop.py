@@ -14,6 +14,7 @@ what the first attempt drew (dropout).
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import signal
@@ -24,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from .setup import SUM_MAX, Prepared, prepare
+from .setup import SUM_MAX, Prepared, pack_budget, prepare
 
 __all__ = ["worker", "train_rank", "RunState", "TRAIN_STATE_DIR"]
 
@@ -95,6 +96,7 @@ def _build(cfg: argparse.Namespace, prep: Prepared, device: torch.device) -> tup
     import pippy_split as ps
 
     sched = ps.build_schedule(prep.pipe, cfg.schedule, cfg.microbatches, loss_fn=prep.loss_fn, device=device,
+                              loss_count=prep.loss_count,
                               activation_checkpoint=checkpoint_setting(cfg.activation_checkpoint),
                               mixed_precision=torch.bfloat16 if cfg.bf16 else None, compile=cfg.compile)
     params = list({id(p): p for st in sched.stages for p in st.module.parameters()}.values())
@@ -180,6 +182,10 @@ def _banner(cfg: argparse.Namespace, prep: Prepared, world: int, device: torch.d
     log(f"[bold]pippy-split train[/]: {type(prep.model).__name__}, {pipe.num_stages} stages on {world} ranks "
         f"({'nccl' if device.type == 'cuda' else 'gloo'}), schedule {cfg.schedule}, {M} microbatches, "
         f"{sum(s.num_params for s in pipe.stages):,} params, simulated bubble {bubble:.1%}")
+    if prep.documents is not None:
+        log(f"data: the {len(prep.documents)} lines of {cfg.data} packed whole into one row per microbatch of up "
+            f"to {pack_budget(cfg)} characters (each microbatch its own length); loss: mean over the step's "
+            "predicted characters")
     if prep.corpus is not None and not cfg.data:
         log(f"data: sums a+b=c of 0..{SUM_MAX}, operands zero-padded, c's digits backwards (07+45=25 is "
             "7+45=52), windows starting at line starts; the loss is the answers' (the operands are random)")
@@ -198,8 +204,35 @@ def lr_at(cfg: argparse.Namespace, step: int) -> float:
 def _batch(cfg: argparse.Namespace, prep: Prepared, state: RunState) -> tuple[tuple, dict, Any]:
     if prep.corpus is None:
         return prep.args, prep.kwargs, prep.target
+    if prep.documents is not None:
+        return _packed_batch(cfg, prep.documents, state.data_gen)
     x, y = prep.corpus.batch(prep.batch_size, cfg.seq_len, state.data_gen)
     return (x,), {}, y
+
+
+def _packed_batch(cfg: argparse.Namespace, documents: list[torch.Tensor], gen: torch.Generator) -> tuple:
+    """--pack: whole lines from a random place in the text, packed into ``--microbatches`` rows."""
+    import pippy_split as ps
+    from pippy_split.packing import pack_documents, step_inputs
+
+    start = int(torch.randint(len(documents), (1,), generator=gen))
+    stream = (documents[(start + i) % len(documents)] for i in itertools.count())
+    packed = pack_documents(stream, pack_budget(cfg))
+    mbs = [next(packed) for _ in range(cfg.microbatches)]
+    x, y = step_inputs(mbs, "input_ids", "targets")
+    return (x,), {}, ps.Microbatches(y)
+
+
+def _to_device(v: Any, device: torch.device) -> Any:
+    import pippy_split as ps
+
+    if isinstance(v, ps.Microbatches):
+        return ps.Microbatches(_to_device(t, device) for t in v)
+    return v.to(device) if isinstance(v, torch.Tensor) else v
+
+
+def _tokens(v: Any) -> int:
+    return sum(_tokens(t) for t in v) if isinstance(v, list) else v.numel() if isinstance(v, torch.Tensor) else 0
 
 
 def _maybe_fail(cfg: argparse.Namespace, rank: int, step: int) -> None:
@@ -227,11 +260,11 @@ def _loop(cfg: argparse.Namespace, prep: Prepared, sched: Any, opt: torch.optim.
         while state.step < cfg.steps:
             _maybe_fail(cfg, rank, state.step)
             a, k, y = _batch(cfg, prep, state)
-            a = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in a)
+            a = tuple(_to_device(t, device) for t in a)
             for g in opt.param_groups:
                 g["lr"] = lr_at(cfg, state.step)
             torch.manual_seed(cfg.seed + 1_000_003 * (state.step + 1))  # the same draws on a resumed step
-            sched.step(*a, target=y.to(device), **k)
+            sched.step(*a, target=_to_device(y, device), **k)
             if cfg.clip_grad_norm is not None:
                 ps.clip_grad_norm_(sched, cfg.clip_grad_norm)
             opt.step()
@@ -239,7 +272,7 @@ def _loop(cfg: argparse.Namespace, prep: Prepared, sched: Any, opt: torch.optim.
             state.step += 1
             if rank == 0:  # only rank 0 reports: reading sched.loss elsewhere would wait for its broadcast
                 state.losses.append(float(sched.loss))
-                tokens += a[0].numel() if isinstance(a[0], torch.Tensor) else 0
+                tokens += _tokens(a[0])
                 tps = tokens / max(time.perf_counter() - t0, 1e-9)
                 progress.update(task, advance=1, loss=f"{state.losses[-1]:.4f}", tps=f"{tps:,.0f}")
             if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:

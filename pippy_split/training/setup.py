@@ -42,6 +42,10 @@ class Prepared:
     target: Any
     batch_size: int
     pipe: Any
+    dynamic_shapes: Any = None
+    documents: list[torch.Tensor] | None = None
+    """``--pack``: the text's lines, encoded; each step packs them into microbatches."""
+    loss_count: Callable | None = None
 
 
 def load_factory(spec: str) -> Callable[[], Any]:
@@ -91,8 +95,9 @@ def _stages_per_rank(schedule: str) -> int:
 
 def gpt_config(cfg: argparse.Namespace, vocab_size: int, num_stages: int) -> dict:
     n_layer = cfg.n_layer or max(4, num_stages)
+    longest = pack_budget(cfg) if getattr(cfg, "pack", False) else cfg.seq_len
     return dict(vocab_size=vocab_size, d_model=cfg.d_model, n_layer=n_layer, n_head=4,
-                block_size=max(64, cfg.seq_len))
+                block_size=max(64, longest))
 
 
 def corpus_of(cfg: argparse.Namespace, chars: str = "") -> Any:
@@ -144,7 +149,7 @@ def prepare(cfg: argparse.Namespace, world: int, log: Callable[..., None]) -> Pr
                              f"missing {missing}, unexpected {unexpected}")
         log(f"[green]resumed[/] from {os.path.join(cfg.checkpoint, CHECKPOINT_FILE)}")
     prep.world = world
-    prep.pipe = ps.pipeline(prep.model, split_spec, ex_args, ex_kwargs)
+    prep.pipe = ps.pipeline(prep.model, split_spec, ex_args, ex_kwargs, dynamic_shapes=prep.dynamic_shapes)
     if prep.pipe.num_stages % world:
         raise SystemExit(f"{prep.pipe.num_stages} stages cannot be spread over {world} ranks")
     return prep
@@ -166,7 +171,39 @@ def _builtin(cfg: argparse.Namespace, num_stages: int, resume_state: dict | None
     x0, _ = corpus.batch(B, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1))
     prep = Prepared(world=0, corpus=corpus, gpt_cfg=gpt_cfg, model=model, loss_fn=lm_loss, args=(), kwargs={},
                     target=None, batch_size=B, pipe=None)
+    if cfg.pack:
+        return _packed(cfg, prep, split_spec)
     return prep, split_spec, (x0[: B // M],), {}
+
+
+def pack_budget(cfg: argparse.Namespace) -> int:
+    """``--pack``: characters per microbatch (one row)."""
+    return cfg.batch_size // cfg.microbatches * cfg.seq_len
+
+
+def _packed(cfg: argparse.Namespace, prep: Prepared, split_spec: Any) -> tuple:
+    """--pack: the text's lines as documents, a pipe traced with a dynamic length up to the budget,
+    a summed loss over predicted characters divided by their count in the step (``loss_count``)."""
+    from torch.export import Dim
+
+    lines = [ln + "\n" for ln in prep.corpus.text.splitlines() if ln.strip()]
+    if not lines:
+        raise SystemExit(f"--pack: {cfg.data} has no non-empty lines to pack")
+    prep.documents = [prep.corpus.encode(ln) for ln in lines]
+    budget = pack_budget(cfg)
+    prep.loss_fn, prep.loss_count = packed_lm_loss, valid_targets
+    prep.dynamic_shapes = {"idx": {1: Dim("T", min=2, max=budget)}}
+    return prep, split_spec, (torch.zeros(1, min(budget, 16), dtype=torch.long),), {}
+
+
+def packed_lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Summed cross entropy over the predicted positions (-100: none), for ``loss_count``."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100,
+                                             reduction="sum")
+
+
+def valid_targets(target: torch.Tensor) -> torch.Tensor:
+    return (target != -100).sum()
 
 
 def _factory(cfg: argparse.Namespace, num_stages: int) -> tuple:
