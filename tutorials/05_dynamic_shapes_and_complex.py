@@ -75,6 +75,86 @@ except ValueError as err:
     print(err)
 
 # %% [markdown]
+# ## A different length in every microbatch
+#
+# Language-model batches are rarely rectangular: documents are bucketed by
+# length or packed end to end, so the microbatches *of one step* differ. Hand
+# the step its microbatches already split, as `ps.Microbatches` (one entry per
+# microbatch, for each input and for the target). Each receive is then sized
+# for its own microbatch: before the first message, one small all-gather tells
+# every rank every microbatch's sizes (never a header on the data channel: NCCL
+# pairs sends and receives by order, so a receive must know its size first).
+# The outputs come back per microbatch too.
+
+# %%
+lengths = [16, 32, 24, 8]
+xs = ps.Microbatches(x[2 * k:2 * k + 2, :n] for k, n in enumerate(lengths))
+ys = ps.Microbatches(y[2 * k:2 * k + 2, :n] for k, n in enumerate(lengths))
+out = sched.step(xs, target=ys)
+print([tuple(o.shape) for o in out])  # one output per microbatch, each its own length
+
+expected = sum(entry.loss_fn(reference(xm), ym) for xm, ym in zip(xs, ys)) / len(lengths)
+torch.testing.assert_close(sched.loss, expected.detach())
+print(f"unequal microbatches {lengths}: loss {sched.loss:.4f} == unsplit {expected:.4f}")
+
+# %% [markdown]
+# A length outside the range the pipe was traced for is refused on every rank,
+# before any message, naming the microbatch, the input, the dim and the range:
+
+# %%
+try:
+    too_long = torch.zeros(2, 70, dtype=torch.long)  # the Dim's max is 64
+    sched.step(ps.Microbatches([x[:2, :16], x[2:4, :32], too_long, x[6:, :8]]), target=ys)
+except ps.PipelineError as err:
+    print(err)
+
+# %% [markdown]
+# ## Packed documents
+#
+# `pippy_split.packing` turns a stream of tokenized documents into
+# microbatches for a token budget: `pack_documents` puts whole documents end to
+# end in one row (no padding; each microbatch its own length), with positions
+# that restart at every document and a document id per token. The tiny Llama
+# takes them as `positions` and `documents=` (attention stays inside a
+# document), read by every stage. With unequal microbatches, average the loss
+# over tokens, not microbatches: a summed loss and `loss_count`.
+
+# %%
+from pippy_split.packing import pack_documents, step_inputs  # noqa: E402
+
+g = torch.Generator().manual_seed(0)
+docs = [torch.randint(1, 64, (int(n),), generator=g) for n in torch.randint(3, 14, (40,), generator=g)]
+packed = list(pack_documents(docs, max_tokens=32))[:4]
+print([mb.shape for mb in packed], "documents per row:", [int(mb.document_ids.max()) + 1 for mb in packed])
+
+
+def token_sum_loss(logits, target):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100,
+                                             reduction="sum")
+
+
+plm = zoo.get("tiny_llama")
+T = Dim("T", min=2, max=32)
+ppipe = ps.pipeline(plm.model, plm.split_spec, (), {"tokens": packed[0].input_ids,
+                    "positions": packed[0].position_ids, "documents": packed[0].document_ids},
+                    dynamic_shapes={"tokens": {1: T}, "positions": {1: T}, "documents": {1: T}})
+psched = ps.build_schedule(ppipe, "Interleaved1F1B", n_microbatches=4, loss_fn=token_sum_loss,
+                           loss_count=lambda t: (t != -100).sum())
+ids, pos, doc, tgt = step_inputs(packed, "input_ids", "position_ids", "document_ids", "targets")
+plm_ref = copy.deepcopy(plm.model)
+psched.step(tokens=ids, positions=pos, documents=doc, target=tgt)
+n_tokens = sum(int((t != -100).sum()) for t in tgt)
+expected = sum(token_sum_loss(plm_ref(i, p, d), t) for i, p, d, t in zip(ids, pos, doc, tgt)) / n_tokens
+torch.testing.assert_close(psched.loss, expected.detach())
+print(f"packed: {n_tokens} predicted tokens, loss {psched.loss:.4f} == unsplit {expected:.4f}")
+
+# %% [markdown]
+# `python -m benchmarks.packing` measures what this saves against padding every
+# document to the longest (see the README for the figures), and
+# `pippy-split train --data FILE --pack` trains on the lines of a text file packed
+# this way.
+
+# %% [markdown]
 # ## Complex and integer values between stages
 #
 # `TinyLlama.forward(tokens, positions)` looks up its rotary table once,
