@@ -152,3 +152,31 @@ def arg_order(rank: int, world: int) -> dict | None:
         return None
     with torch.no_grad():
         return {"out": out.detach(), "model": model(x, y), "swapped": model(y, x)}
+
+
+class SeqModel(torch.nn.Module):
+    """(mb, T) token ids -> (mb, T, D): what crosses the cut has the sequence length in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, D)
+        self.a = torch.nn.Linear(D, D)
+        self.b = torch.nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(self.emb(x))))
+
+
+def other_length(rank: int, world: int) -> dict:
+    """The peer's traced pipe built on (2, 16) microbatches, then a step of length 8 (GPipe, 2 ranks)."""
+    from torch.distributed import pipelining as tdp
+
+    torch.manual_seed(0)
+    model = SeqModel()
+    pipe = tdp.pipeline(model, (torch.zeros(2, 16, dtype=torch.long),), split_spec={"b": tdp.SplitPoint.BEGINNING})
+    stage = pipe.build_stage(rank, torch.device("cpu"))
+    sched = tdp.ScheduleGPipe(stage, N_MB, loss_fn=lambda out, t: out.pow(2).mean())
+    x = torch.randint(0, 16, (8, 8))
+    with common.quiet():
+        out = sched.step(x) if rank == 0 else sched.step(target=torch.zeros(8, 8, D))
+    return {"out_shape": None if out is None else tuple(out.shape)}

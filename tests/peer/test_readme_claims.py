@@ -151,3 +151,14 @@ def test_cannot_run(row, case, schedule, world, expected):
         _stale(f"cannot run {row} ({expected!r})", "it ran")
     if expected not in error:
         _stale(f"fails on {row} with {expected!r}", f"it fails with {error!r}")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_another_sequence_length_than_traced_fails():
+    """README: microbatches of different lengths -> 'one length per pipe: a step at another
+    length than traced fails'. The peer sizes its receive buffers from the traced example
+    (stage 0's backward gets a (2, 16, 8) gradient for its (2, 8, 8) output)."""
+    error = _peer_error(bodies.other_length, 2)
+    if error is None:
+        _stale("fails on a step at another length than traced", "the step ran")
