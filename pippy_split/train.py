@@ -40,54 +40,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from .testing import free_port
+from .training.config import TrainConfig, build_train_parser, config_from_namespace
 from .training.loop import TRAIN_STATE_DIR, worker  # noqa: F401  (importable from here, as before)
 from .training.setup import CHECKPOINT_FILE, SUM_MAX, Prepared, load_factory, parse_split, prepare, unpack_entry  # noqa: F401
 
-__all__ = ["build_parser", "main", "run", "worker", "load_factory", "failure_line", "DEFAULT_CHECKPOINT"]
+__all__ = ["build_parser", "main", "run", "worker", "load_factory", "failure_line", "DEFAULT_CHECKPOINT",
+           "TrainConfig"]
 
-DEFAULT_CHECKPOINT = os.path.join("checkpoints", "tiny_gpt")
+DEFAULT_CHECKPOINT = os.path.join("checkpoints", "tiny_gpt")  # the built-in model's run directory
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = parser or argparse.ArgumentParser(prog="pippy-split train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None,
-                   help="module:factory returning a ZooEntry or (model, args[, kwargs]); trains on its example "
-                        "batch. Also zoo:NAME. Default: a TinyGPT on --data or the built-in addition corpus.")
-    p.add_argument("--split", default=None, help="comma-separated FQNs to split at (beginning of each)")
-    p.add_argument("--schedule", default="ZBVZeroBubble", help="schedule name (default ZBVZeroBubble)")
-    p.add_argument("--ranks", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak; warmup, then cosine decay to 10%%")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=16, help="characters per window (16 holds one sum and more)")
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--n-layer", type=int, default=None, help="default: max(4, number of stages)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help=f"directory (default {DEFAULT_CHECKPOINT})")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint: weights and AdamW state")
-    p.add_argument("--data", default=None, help="train on this text file (vocabulary: its characters)")
-    p.add_argument("--pack", action="store_true",
-                   help="with --data: each microbatch is one row of whole lines of the file packed up to "
-                        "batch-size/microbatches x seq-len characters, so microbatches differ in length "
-                        "(ps.Microbatches); the loss is the mean over every predicted character of the step")
-    p.add_argument("--samples", type=int, default=8, help="lines to sample at the end")
-    p.add_argument("--activation-checkpoint", nargs="?", const="full", default=None, metavar="PATTERNS",
-                   help="recompute each stage right before its backward instead of keeping its activations; "
-                        "with comma-separated module FQN patterns (e.g. 'blocks.*.mlp'), only those modules")
-    p.add_argument("--bf16", action="store_true", help="run the stages under torch.autocast(bfloat16), loss in fp32")
-    p.add_argument("--compile", action="store_true", help="torch.compile every stage (the first step compiles)")
-    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
-                   help="write the stages, AdamW state and data position every N steps; a group the launcher "
-                        "restarts (--max-restarts) resumes from the last complete one")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="restart the local group this many times after a rank fails (ignored under torchrun: "
-                        "pass torchrun --max-restarts)")
-    p.add_argument("--simulate-failure", default=None, metavar="RANK:STEP",
-                   help="testing: SIGKILL that rank when it reaches that step, on the first attempt only")
-    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
-                   help="clip the gradients of all stages of all ranks to this total 2-norm (ps.clip_grad_norm_)")
-    return p
+    """``pippy-split train``'s flags: one per :class:`~pippy_split.training.config.TrainConfig` field, plus ``--config``."""
+    return build_train_parser(parser or argparse.ArgumentParser(prog="pippy-split train",
+                                                                 description=__doc__.split("\n\n")[0]))
 
 
 def failure_line(error: Any) -> str:
@@ -116,9 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     return run(build_parser().parse_args(argv))
 
 
-def run(cfg: argparse.Namespace) -> int:
-    """Train with parsed options: run the worker under torchrun, else launch ``cfg.ranks`` local ranks."""
+def run(options: argparse.Namespace | TrainConfig) -> int:
+    """Train with parsed options (flags, or a :class:`TrainConfig`): run the worker under torchrun,
+    else launch ``cfg.ranks`` local ranks."""
     from .schedule.orders import ORDERS
+
+    try:
+        cfg = options if isinstance(options, TrainConfig) else config_from_namespace(options)
+    except (SystemExit, TypeError, ValueError, OSError) as e:
+        print(f"pippy-split train: {e}", file=sys.stderr)
+        return 2
 
     problem = _check_options(cfg, ORDERS)
     if problem:
@@ -145,12 +118,16 @@ def run(cfg: argparse.Namespace) -> int:
     return 0
 
 
-def _check_options(cfg: argparse.Namespace, schedules: Any) -> str:
+def _check_options(cfg: TrainConfig, schedules: Any) -> str:
     """What is wrong with the options, before any rank starts ("" if nothing)."""
     if cfg.schedule not in schedules:
         return f"unknown schedule {cfg.schedule!r}; choose from {', '.join(schedules)}"
     if cfg.checkpoint_every < 0 or cfg.max_restarts < 0:
         return "--checkpoint-every and --max-restarts must be >= 0"
+    if cfg.grad_accum < 1 or cfg.log_every < 1 or cfg.eval_every < 0 or cfg.steps < 1:
+        return "--steps, --grad-accum and --log-every must be >= 1, --eval-every >= 0"
+    if cfg.lr_schedule not in ("cosine", "linear", "constant"):
+        return f"--lr-schedule is cosine, linear or constant, got {cfg.lr_schedule!r}"
     if cfg.pack and (not cfg.data or cfg.model):
         return "--pack packs the lines of a --data text file for the built-in TinyGPT (not with --model)"
     if cfg.simulate_failure and not re.fullmatch(r"\d+:\d+", cfg.simulate_failure):

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..split.calls import all_module_paths
 from ..split.cost import value_bytes
 from ..split.partition import Cut, plan_stages
 from ..split.partition import Plan as PartitionPlan
@@ -32,7 +33,7 @@ from ..split.profile import DEFAULT_PASSES, OpProfile, op_profiles
 from ..split.stage_graph import build_stages
 from ..split.trace import Traced, trace_model
 
-__all__ = ["CommModel", "StageCosts", "SplitCosts", "parse_bytes", "price_split", "resize_batch"]
+__all__ = ["CommModel", "StageCosts", "SplitCosts", "parse_bytes", "price_split", "resize_batch", "cut_fqns"]
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -205,6 +206,59 @@ class SplitCosts:
     @property
     def pipe_ops(self) -> list:
         return [n for n in self.pipe._traced.graph.nodes if n.op == "call_function"]
+
+    @property
+    def cut_fqns(self) -> list[str | None]:
+        """Per cut, the module whose beginning it is (what ``ps.pipeline(model, [fqn, ...])``
+        cuts before), or None where the cut falls inside a module's code (see
+        :func:`cut_fqns`)."""
+        if "_cut_fqns" not in self.__dict__:
+            self.__dict__["_cut_fqns"] = cut_fqns(self.pipe_ops, self.positions, self.model)
+        return self.__dict__["_cut_fqns"]
+
+    @property
+    def cut_label(self) -> str:
+        """The cuts for a reader: ``"blocks.1, blocks.2, blocks.3"``; a cut no module begins
+        at reads ``"inside blocks.1.mlp"`` (the innermost module around it)."""
+        ops = self.pipe_ops
+        names = [fqn if fqn is not None else f"inside {_innermost(ops[p]) or 'the model'}"
+                 for fqn, p in zip(self.cut_fqns, self.positions)]
+        return ", ".join(names) if names else "none (1 stage)"
+
+
+def cut_fqns(ops: Sequence[torch.fx.Node], positions: Sequence[int],
+             model: torch.nn.Module | None) -> list[str | None]:
+    """Per cut position (an index into ``ops``, a traced graph's call nodes), the module
+    that begins there, as :func:`~pippy_split.pipeline` reads a split FQN (its first op is
+    ``ops[position]``), or None where no module begins there. Among the modules beginning
+    at a cut, the outermost that ends before the next cut: the first module of the stage
+    (``blocks.1``, not ``blocks.1.ln_1``; not ``blocks`` for a cut before ``blocks.0``
+    when later cuts fall inside ``blocks``).
+
+    Example:
+        >>> costs = price_split(traced, gpt, flat, 4)  # doctest: +SKIP
+        >>> cut_fqns(costs.pipe_ops, costs.positions, gpt)  # doctest: +SKIP
+        ['blocks.1', 'blocks.2', 'blocks.3']
+    """
+    known = {name for name, _ in model.named_modules() if name} if model is not None else None
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, op in enumerate(ops):
+        for path in all_module_paths(op):
+            first.setdefault(path, i)
+            last[path] = i
+    ends = list(positions[1:]) + [len(ops)]
+    out: list[str | None] = []
+    for p, end in zip(positions, ends):
+        starting = [path for path, i in first.items() if i == p and (known is None or path in known)]
+        whole = [path for path in starting if last[path] < end]
+        out.append(min(whole or starting, key=lambda f: (f.count("."), f)) if starting else None)
+    return out
+
+
+def _innermost(op: torch.fx.Node) -> str | None:
+    paths = all_module_paths(op)
+    return paths[-1] if paths else None
 
 
 def resize_batch(values: tuple, old: int, new: int) -> tuple:

@@ -12,12 +12,20 @@ split backward's bookkeeping, the recompute of checkpointing and how ops run one
 after another rather than alone. Each action starts from a cold cache
 (:data:`FLUSH_BYTES` are written before it), as in a pipeline.
 
+Steps are repeated until the timings settle: the recorded steps alternate between two
+halves, and measuring stops once each half's least times agree (:func:`half_gap` at most
+``target``, 1% by default), or ``budget_s`` seconds have passed, or ``max_passes`` steps
+were recorded (:func:`repeat_until_steady`). The halves are kept: simulating a candidate
+with each half's times says how far its prediction moves with timing noise (the
+planner's ties and its "too noisy" verdict, :mod:`.report`).
+
 Each action is measured at the example's microbatch size and at half and twice it
 (those within the sizes the planner will price); between them its time is interpolated
 linearly, beyond them the nearest segment is extended (an op's time is not linear in
 the microbatch: fixed costs dominate small ones). Bytes are per sample. The model is
 left as it was (gradients, buffers, random state). Cost: about 50 forward+backward
-passes of the whole model on the example microbatch per split.
+passes of the whole model on the example microbatch per split where the timings settle
+at once; on a busy machine more, up to ``budget_s`` seconds.
 
 Example:
     >>> m = measure_split(costs, loss_fn=None)  # doctest: +SKIP
@@ -29,10 +37,9 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -42,13 +49,24 @@ from ..schedule.schedules import ScheduleFromOrder
 from .costs import resize_batch
 from .saved_bytes import SavedBytes
 
-__all__ = ["StageMeasure", "SplitMeasure", "measure_split", "group_of_one", "DEFAULT_MEASURE_PASSES"]
+__all__ = ["StageMeasure", "SplitMeasure", "measure_split", "group_of_one", "half_gap", "repeat_until_steady",
+           "DEFAULT_MEASURE_PASSES", "SPREAD_TARGET", "MAX_MEASURE_PASSES", "MEASURE_BUDGET_S"]
 
 DEFAULT_MEASURE_PASSES = 4
-"""Steps per measured schedule: two warm up (the allocator settles: the first schedule
-measured in a process ran 10-20% slow with one), each action keeps its least time."""
+"""Steps per measured schedule at least: two warm up (the allocator settles: the first
+schedule measured in a process ran 10-20% slow with one), then one step for each half of
+the samples; each action keeps its least time."""
 
 WARMUP_PASSES = 2
+
+SPREAD_TARGET = 0.01
+"""Steps are repeated until the two halves' least times agree this closely (:func:`half_gap`)."""
+
+MAX_MEASURE_PASSES = 24
+"""Recorded steps per measured schedule at most, however noisy."""
+
+MEASURE_BUDGET_S = 10.0
+"""Seconds one :func:`measure_split` may spend repeating steps beyond the first ones."""
 
 FLUSH_BYTES = 64 * 2**20
 """At most this is written before each measured action, so that it starts from a cold
@@ -105,14 +123,72 @@ class SplitMeasure:
     seconds: float
     """How long the measurement took."""
     noise: float = 0.0
-    """How repeatable the timings were: over every (stage, kind), the median of (median
-    sample / least sample - 1). Predictions closer than this are not told apart."""
+    """How repeatable the timings were: the largest :func:`half_gap` of the measured
+    schedules when measuring stopped (0.01: the two halves' least times summed 1% apart)."""
+    halves: tuple[dict[tuple[bool, bool], list[StageMeasure]], ...] = ()
+    """``stages`` again from each half of the samples alone (two entries, or none)."""
+    passes: int = 0
+    """Steps recorded per measured schedule (the fewest of them)."""
 
     def stage(self, *, ac: bool, split_backward: bool, stage: int) -> StageMeasure:
         return self.stages[(ac, split_backward)][stage]
 
     def has(self, ac: bool, split_backward: bool) -> bool:
         return (ac, split_backward) in self.stages
+
+    def half(self, i: int) -> SplitMeasure:
+        """The measurement as half ``i`` (0 or 1) of the samples alone gave it.
+
+        Example:
+            >>> m = SplitMeasure({}, (4,), 1.0, halves=({"a": 1}, {"b": 2}))
+            >>> m.half(1).stages
+            {'b': 2}
+        """
+        return SplitMeasure(self.halves[i], self.sizes, self.seconds, self.noise, (), self.passes)
+
+
+def half_gap(samples: Mapping[Any, tuple[Sequence[float], Sequence[float]]]) -> float:
+    """How far apart two halves of the samples put the least times: the sum over keys of
+    ``|least of half 0 - least of half 1|`` over the sum of the least times (``inf`` while
+    a key lacks a sample in either half). Long actions weigh more than short ones, as in a
+    step.
+
+    Example:
+        >>> round(half_gap({"F": ([1.0, 1.3], [1.02]), "B": ([2.0], [2.0, 5.0])}), 4)
+        0.0067
+        >>> half_gap({"F": ([1.0], [])})
+        inf
+    """
+    if any(not a or not b for a, b in samples.values()):
+        return float("inf")
+    least = sum(min(min(a), min(b)) for a, b in samples.values())
+    apart = sum(abs(min(a) - min(b)) for a, b in samples.values())
+    return apart / least if least > 0 else 0.0
+
+
+def repeat_until_steady(step: Callable[[bool], None], gap: Callable[[], float], *, warmup: int = WARMUP_PASSES,
+                        least: int = 2, most: int = MAX_MEASURE_PASSES, target: float = SPREAD_TARGET,
+                        budget_s: float = MEASURE_BUDGET_S,
+                        clock: Callable[[], float] = time.perf_counter) -> int:
+    """Run ``step(False)`` ``warmup`` times, then ``step(True)`` at least ``least`` times
+    and on until ``gap()`` is at most ``target``, ``budget_s`` seconds (by ``clock``, from
+    the first warm-up step) have passed, or ``most`` steps were recorded. Returns the
+    recorded steps.
+
+    Example:
+        >>> gaps = iter([0.5, 0.2, 0.005])
+        >>> repeat_until_steady(lambda record: None, lambda: next(gaps), least=1, target=0.01)
+        3
+    """
+    start = clock()
+    for _ in range(warmup):
+        step(False)
+    recorded = 0
+    while True:
+        step(True)
+        recorded += 1
+        if recorded >= least and (recorded >= most or clock() - start >= budget_s or gap() <= target):
+            return recorded
 
 
 def _order(num_stages: int, split_backward: bool) -> dict[int, list[Action | None]]:
@@ -171,7 +247,8 @@ def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target
                   activation_checkpoint: Sequence[bool] = (False, True), split_backward: Sequence[bool] = (False, True),
                   batch_range: tuple[float, float] | None = None,
                   only: Collection[tuple[bool, bool]] | None = None, group: Any = None,
-                  passes: int = DEFAULT_MEASURE_PASSES) -> SplitMeasure:
+                  passes: int = DEFAULT_MEASURE_PASSES, target: float = SPREAD_TARGET,
+                  budget_s: float = MEASURE_BUDGET_S, max_passes: int = MAX_MEASURE_PASSES) -> SplitMeasure:
     """Run ``costs``' split (a :class:`~.costs.SplitCosts`) stage by stage on this process
     and measure every action kind (see the module docstring).
 
@@ -181,7 +258,14 @@ def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target
     outside it are not measured (default: half and twice the example's). ``only``: the
     ``(checkpointing, split backward)`` pairs to measure (default: every combination).
     ``group``: inside a process group, a group of this rank alone (:func:`group_of_one`;
-    default: a new one).
+    default: a new one). ``passes`` steps at least (two warm up); more until the two
+    halves of the samples agree within ``target`` (:func:`half_gap`), ``budget_s`` seconds
+    have passed or ``max_passes`` steps were recorded.
+
+    Example:
+        >>> m = measure_split(costs, loss_fn=None, budget_s=5.0)  # doctest: +SKIP
+        >>> m.noise, m.passes  # doctest: +SKIP
+        (0.004, 3)
     """
     t0 = time.perf_counter()
     model = costs.model
@@ -193,27 +277,40 @@ def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target
     group = group if group is not None else group_of_one()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     out: dict[tuple[bool, bool], list[StageMeasure]] = {}
-    spreads: list[float] = []
+    halves: tuple[dict[tuple[bool, bool], list[StageMeasure]], ...] = ({}, {})
+    gaps: list[float] = []
+    recorded: list[int] = []
+    phases = [(split, [ac for ac in activation_checkpoint if only is None or (ac, split) in only])
+              for split in sorted(split_backward)]
+    phases = [(split, acs) for split, acs in phases if acs]
     with _model_untouched(model):
         # plain stages first: the I/W split instruments the (shared) stage modules in place.
         # Within a phase the runs take turns step by step, so a passing disturbance of the
         # machine slows one step of each rather than every step of one.
-        for split in sorted(split_backward):
-            acs = [ac for ac in activation_checkpoint if only is None or (ac, split) in only]
-            if not acs:
-                continue
+        for k, (split, acs) in enumerate(phases):
             runs = {(ac, b): _Run(costs.pipe_for(b), costs.example, b, b0, ac, split, device, group, loss_fn,
                                   example_target, _flush_bytes(costs, b / b0))
                     for ac in acs for b in sizes}
-            for k in range(max(passes, WARMUP_PASSES + 1)):
+            share = max(budget_s - (time.perf_counter() - t0), 0.0) / (len(phases) - k)  # of what is left
+
+            def step(record: bool, runs: dict = runs) -> None:
                 for run in runs.values():
-                    run.step(record=k >= WARMUP_PASSES)
+                    run.step(record)
+
+            def gap(runs: dict = runs) -> float:
+                return max(half_gap(run.samples) for run in runs.values())
+
+            recorded.append(repeat_until_steady(step, gap, least=max(passes - WARMUP_PASSES, 2), most=max_passes,
+                                                target=target, budget_s=share))
+            gaps.append(gap())
             for run in runs.values():
                 run.close()
             for ac in acs:
-                out[(ac, split)] = _fit({b: runs[(ac, b)] for b in sizes}, sizes, costs.num_stages, b0)
-            spreads += [spread for run in runs.values() for spread in run.spread()]
-    return SplitMeasure(out, sizes, time.perf_counter() - t0, statistics.median(spreads) if spreads else 0.0)
+                by_size = {b: runs[(ac, b)] for b in sizes}
+                out[(ac, split)] = _fit(by_size, sizes, costs.num_stages, b0)
+                for i, half in enumerate(halves):
+                    half[(ac, split)] = _fit(by_size, sizes, costs.num_stages, b0, half=i)
+    return SplitMeasure(out, sizes, time.perf_counter() - t0, max(gaps, default=0.0), halves, min(recorded, default=0))
 
 
 class _Run:
@@ -236,7 +333,9 @@ class _Run:
         self.kwargs = dict(zip(example[1], resize_batch(tuple(example[1].values()), b0, batch * n_mb)))
         self.sched = ScheduleFromOrder(self.stages, n_mb, loss, order=_order(S, split))
         self.params = {p.untyped_storage().data_ptr() for st in self.stages for p in st.module.parameters()}
-        self.samples: dict[tuple[int, str], list[float]] = {}
+        self.samples: dict[tuple[int, str], tuple[list[float], list[float]]] = {}
+        """Per (stage, kind) the recorded seconds, in two halves: even and odd recorded steps."""
+        self.recorded = 0
         self.retained: dict[int, float] = {}
         self.work: dict[tuple[int, str], float] = {}
         self.flush = torch.zeros(max(flush_bytes // 4, 1), device=device)
@@ -252,9 +351,11 @@ class _Run:
             self.sched.step(*self.args, target=self.target, **self.kwargs)
         if not record:
             return
+        half = self.recorded % 2
+        self.recorded += 1
         for t in times:
             s, kind = t.action.stage, t.action.kind
-            self.samples.setdefault((s, kind.value), []).append(t.seconds)
+            self.samples.setdefault((s, kind.value), ([], []))[half].append(t.seconds)
             (live0, _), (live1, peak) = t.before, t.after
             if kind is ActionKind.B:
                 self.work[(s, "B")] = max(self.work.get((s, "B"), 0.0), float(peak - live0))
@@ -262,12 +363,10 @@ class _Run:
                 self.work[(s, "I")] = max(self.work.get((s, "I"), 0.0), float(peak - live1))
                 self.retained[s] = max(self.retained.get(s, 0.0), float(live1 - live0))
 
-    @property
-    def best(self) -> dict[tuple[int, str], float]:
-        return {key: min(ts) for key, ts in self.samples.items()}
-
-    def spread(self) -> list[float]:
-        return [statistics.median(ts) / min(ts) - 1 for ts in self.samples.values() if min(ts) > 0]
+    def best(self, half: int | None = None) -> dict[tuple[int, str], float]:
+        """Per (stage, kind) the least time: of every sample, or of one half's."""
+        return {key: min(halves[half] if half is not None else halves[0] + halves[1])
+                for key, halves in self.samples.items()}
 
     def close(self) -> None:
         for st in self.stages:
@@ -283,9 +382,11 @@ def _flush_bytes(costs: Any, scale: float) -> int:
     return int(min(FLUSH_BYTES, 2 * largest))
 
 
-def _fit(runs: dict[int, _Run], sizes: tuple[int, ...], num_stages: int, b0: int) -> list[StageMeasure]:
-    """Each (stage, kind)'s least time at each size; bytes per sample at the example's size."""
-    best = {b: runs[b].best for b in sizes}
+def _fit(runs: dict[int, _Run], sizes: tuple[int, ...], num_stages: int, b0: int,
+         half: int | None = None) -> list[StageMeasure]:
+    """Each (stage, kind)'s least time at each size (of every sample, or of one half's);
+    bytes per sample at the example's size."""
+    best = {b: runs[b].best(half) for b in sizes}
     r0 = runs[b0]
     out = []
     for s in range(num_stages):

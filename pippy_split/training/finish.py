@@ -5,11 +5,16 @@ Where this sits: after every rank's :mod:`pippy_split.checkpoint` save in
 fresh unsplit model (no gather of state dicts: the save has returned on every
 rank, so the checkpoint is complete), samples from it, and writes its state dict
 as ``model.pt`` atomically (:func:`pippy_split.checkpointing.files.save_file`).
+
+``model.pt`` holds ``{"state_dict": {FQN: tensor}, "meta": {...}}``: the unsplit model's
+own keys, and plain values about the run (model, config of the built-in GPT, data,
+schedule, split, losses). It loads without unpickling code::
+
+    model.load_state_dict(torch.load("checkpoints/tiny_gpt/model.pt", weights_only=True)["state_dict"])
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import warnings
@@ -18,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, cast
 import torch
 
 from ..checkpointing.files import save_file
+from .config import TrainConfig
 from .setup import CHECKPOINT_FILE, SUM_MAX, Prepared, fresh_model
 
 if TYPE_CHECKING:
@@ -32,7 +38,7 @@ def save_model_file(path: str, state_dict: dict, meta: dict) -> str:
                                                                                  "meta": meta}, f))
 
 
-def finish(cfg: argparse.Namespace, prep: Prepared, dcp_dir: str, losses: list[float], world: int,
+def finish(cfg: TrainConfig, prep: Prepared, dcp_dir: str, losses: list[float], world: int,
            log: Callable[..., None]) -> None:
     import pippy_split as ps
 
@@ -50,7 +56,7 @@ def finish(cfg: argparse.Namespace, prep: Prepared, dcp_dir: str, losses: list[f
     pipe = prep.pipe
     meta = {"model": cfg.model or "TinyGPT", "gpt_config": prep.gpt_cfg,
             "chars": prep.corpus.chars if prep.corpus else None,
-            "data": cfg.data or "additions (operands padded, answers reversed)", "steps": cfg.steps,
+            "data": _data_description(cfg, prep), "steps": cfg.steps, "run_name": cfg.run_name,
             "schedule": cfg.schedule, "ranks": world,
             "num_stages": pipe.num_stages, "split": [list(s.modules) for s in pipe.stages],
             "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
@@ -59,7 +65,15 @@ def finish(cfg: argparse.Namespace, prep: Prepared, dcp_dir: str, losses: list[f
     log(f"checkpoint saved to {path} ({len(merged)} tensors, original FQNs)")
 
 
-def sample(cfg: argparse.Namespace, model: torch.nn.Module, corpus, log: Callable[..., None]) -> None:
+def _data_description(cfg: TrainConfig, prep: Prepared) -> str:
+    if cfg.data:
+        return cfg.data + (" (lines packed per microbatch)" if cfg.pack else "")
+    if prep.corpus is not None:
+        return "additions (operands padded, answers reversed)"
+    return f"{cfg.model}'s example batch"
+
+
+def sample(cfg: TrainConfig, model: torch.nn.Module, corpus, log: Callable[..., None]) -> None:
     """Greedy samples from ``model`` (the built-in sums are judged right or wrong)."""
     from ..data import parse_sum, sum_prompt
     from ..zoo.gpt import generate

@@ -13,9 +13,6 @@ what the first attempt drew (dropout).
 
 from __future__ import annotations
 
-import argparse
-import itertools
-import math
 import os
 import signal
 import time
@@ -25,6 +22,10 @@ from typing import Any, Callable
 
 import torch
 
+from .batches import count_tokens, heldout_batch, to_device, train_batch
+from .config import TrainConfig
+from .metrics import METRICS_FILE, RunLog, peak_memory_mib
+from .optim import average_accumulated, lr_at
 from .setup import SUM_MAX, Prepared, pack_budget, prepare
 
 __all__ = ["worker", "train_rank", "RunState", "TRAIN_STATE_DIR"]
@@ -41,12 +42,12 @@ class RunState:
     losses: list[float] = field(default_factory=list)
     resumed_from: int | None = None
 
-    def extra(self, cfg: argparse.Namespace) -> dict:
+    def extra(self, cfg: TrainConfig) -> dict:
         return {"step": self.step, "data_rng": self.data_gen.get_state(), "losses": list(self.losses),
                 "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "steps": cfg.steps, "seed": cfg.seed}
 
 
-def worker(cfg: argparse.Namespace, prepared: Prepared | None = None) -> None:
+def worker(cfg: TrainConfig, prepared: Prepared | None = None) -> None:
     """One rank of the training run (call under torchrun or the elastic launcher).
 
     ``prepared``: a :func:`~pippy_split.training.setup.prepare` result made
@@ -69,7 +70,7 @@ def worker(cfg: argparse.Namespace, prepared: Prepared | None = None) -> None:
         dist.destroy_process_group()
 
 
-def train_rank(cfg: argparse.Namespace, prepared: Prepared | None, rank: int, world: int,
+def train_rank(cfg: TrainConfig, prepared: Prepared | None, rank: int, world: int,
                device: torch.device) -> None:
     """Build this rank's stages, train ``cfg.steps`` steps (resuming if restarted), save, finish."""
     from rich.console import Console
@@ -92,7 +93,7 @@ def train_rank(cfg: argparse.Namespace, prepared: Prepared | None, rank: int, wo
         finish(cfg, prep, dcp_dir, state.losses, world, log)
 
 
-def _build(cfg: argparse.Namespace, prep: Prepared, device: torch.device) -> tuple[Any, torch.optim.Optimizer]:
+def _build(cfg: TrainConfig, prep: Prepared, device: torch.device) -> tuple[Any, torch.optim.Optimizer]:
     import pippy_split as ps
 
     sched = ps.build_schedule(prep.pipe, cfg.schedule, cfg.microbatches, loss_fn=prep.loss_fn, device=device,
@@ -134,7 +135,7 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def _start(cfg: argparse.Namespace, sched: Any, opt: torch.optim.Optimizer, dcp_dir: str,
+def _start(cfg: TrainConfig, sched: Any, opt: torch.optim.Optimizer, dcp_dir: str,
            log: Callable[..., None]) -> RunState:
     """Step 0, or (after a restart) the last complete checkpoint of this run; --resume's optimizer state."""
     import pippy_split as ps
@@ -156,7 +157,7 @@ def _start(cfg: argparse.Namespace, sched: Any, opt: torch.optim.Optimizer, dcp_
     return state
 
 
-def _ours(cfg: argparse.Namespace, dcp_dir: str) -> bool:
+def _ours(cfg: TrainConfig, dcp_dir: str) -> bool:
     """A complete checkpoint written by this run (same run id, steps and seed)?"""
     import pippy_split as ps
 
@@ -170,7 +171,7 @@ def _ours(cfg: argparse.Namespace, dcp_dir: str) -> bool:
             and extra.get("seed") == cfg.seed and extra.get("run_id") == os.environ.get("TORCHELASTIC_RUN_ID"))
 
 
-def _banner(cfg: argparse.Namespace, prep: Prepared, world: int, device: torch.device,
+def _banner(cfg: TrainConfig, prep: Prepared, world: int, device: torch.device,
             log: Callable[..., None]) -> float:
     import pippy_split as ps
 
@@ -192,50 +193,7 @@ def _banner(cfg: argparse.Namespace, prep: Prepared, world: int, device: torch.d
     return bubble
 
 
-def lr_at(cfg: argparse.Namespace, step: int) -> float:
-    """Short warmup, then cosine decay to 10% of ``cfg.lr``."""
-    warm = max(1, min(20, cfg.steps // 10))
-    if step < warm:
-        return cfg.lr * (step + 1) / warm
-    frac = (step - warm) / max(1, cfg.steps - warm)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-def _batch(cfg: argparse.Namespace, prep: Prepared, state: RunState) -> tuple[tuple, dict, Any]:
-    if prep.corpus is None:
-        return prep.args, prep.kwargs, prep.target
-    if prep.documents is not None:
-        return _packed_batch(cfg, prep.documents, state.data_gen)
-    x, y = prep.corpus.batch(prep.batch_size, cfg.seq_len, state.data_gen)
-    return (x,), {}, y
-
-
-def _packed_batch(cfg: argparse.Namespace, documents: list[torch.Tensor], gen: torch.Generator) -> tuple:
-    """--pack: whole lines from a random place in the text, packed into ``--microbatches`` rows."""
-    import pippy_split as ps
-    from pippy_split.packing import pack_documents, step_inputs
-
-    start = int(torch.randint(len(documents), (1,), generator=gen))
-    stream = (documents[(start + i) % len(documents)] for i in itertools.count())
-    packed = pack_documents(stream, pack_budget(cfg))
-    mbs = [next(packed) for _ in range(cfg.microbatches)]
-    x, y = step_inputs(mbs, "input_ids", "targets")
-    return (x,), {}, ps.Microbatches(y)
-
-
-def _to_device(v: Any, device: torch.device) -> Any:
-    import pippy_split as ps
-
-    if isinstance(v, ps.Microbatches):
-        return ps.Microbatches(_to_device(t, device) for t in v)
-    return v.to(device) if isinstance(v, torch.Tensor) else v
-
-
-def _tokens(v: Any) -> int:
-    return sum(_tokens(t) for t in v) if isinstance(v, list) else v.numel() if isinstance(v, torch.Tensor) else 0
-
-
-def _maybe_fail(cfg: argparse.Namespace, rank: int, step: int) -> None:
+def _maybe_fail(cfg: TrainConfig, rank: int, step: int) -> None:
     """``--simulate-failure RANK:STEP``: SIGKILL this rank there, on the first attempt only."""
     if cfg.simulate_failure and restart_count() == 0:
         r, s = (int(v) for v in cfg.simulate_failure.split(":"))
@@ -243,41 +201,83 @@ def _maybe_fail(cfg: argparse.Namespace, rank: int, step: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _loop(cfg: argparse.Namespace, prep: Prepared, sched: Any, opt: torch.optim.Optimizer, state: RunState,
+def _loop(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimizer, state: RunState,
           rank: int, device: torch.device, console: Any, dcp_dir: str, bubble: float) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     import pippy_split as ps
 
+    plain = not console.is_terminal  # a file, SLURM, CI: lines every --log-every steps instead of a bar
     progress = Progress(TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
                         TextColumn("bubble {task.fields[bubble]}"), TimeElapsedColumn(),
-                        console=console, disable=rank != 0)
+                        console=console, disable=rank != 0 or plain)
+    run_log = RunLog(cfg.checkpoint, log_every=cfg.log_every, tensorboard=cfg.tensorboard, plain=plain,
+                     print_fn=lambda text: console.print(text, highlight=False),
+                     append=state.step > 0 or cfg.resume) if rank == 0 else None
+    if run_log is not None and run_log.tensorboard_missing:
+        console.print("tensorboard is not installed: metrics go to metrics.jsonl only")
+    heldout = heldout_batch(cfg, prep) if cfg.eval_every else None
+    if cfg.eval_every and heldout is None:
+        console.print("--eval-every: no held-out data (--data under 10 lines, or --model): not evaluating")
     tokens, t0 = 0, time.perf_counter()
     with progress:
         task = progress.add_task("train", total=cfg.steps, completed=state.step, loss="-", tps="-",
                                  bubble=f"{bubble:.1%}")
         while state.step < cfg.steps:
             _maybe_fail(cfg, rank, state.step)
-            a, k, y = _batch(cfg, prep, state)
-            a = tuple(_to_device(t, device) for t in a)
+            lr = lr_at(cfg, state.step)
             for g in opt.param_groups:
-                g["lr"] = lr_at(cfg, state.step)
+                g["lr"] = lr
             torch.manual_seed(cfg.seed + 1_000_003 * (state.step + 1))  # the same draws on a resumed step
-            sched.step(*a, target=_to_device(y, device), **k)
-            if cfg.clip_grad_norm is not None:
-                ps.clip_grad_norm_(sched, cfg.clip_grad_norm)
+            loss = 0.0
+            for _ in range(cfg.grad_accum):  # gradients add up over the pipeline steps, then are averaged
+                a, k, y = train_batch(cfg, prep, state.data_gen)
+                sched.step(*(to_device(t, device) for t in a), target=to_device(y, device), **k)
+                loss += float(sched.loss) / cfg.grad_accum  # the step's loss, on every rank
+                tokens += count_tokens(a[0])
+            average_accumulated(sched, cfg.grad_accum)
+            max_norm = cfg.clip_grad_norm if cfg.clip_grad_norm is not None else float("inf")
+            grad_norm = float(ps.clip_grad_norm_(sched, max_norm))  # every rank: one all-reduce
             opt.step()
             opt.zero_grad(set_to_none=True)
             state.step += 1
-            if rank == 0:  # only rank 0 reports: reading sched.loss elsewhere would wait for its broadcast
-                state.losses.append(float(sched.loss))
-                tokens += _tokens(a[0])
+            if heldout is not None and (state.step % cfg.eval_every == 0 or state.step == cfg.steps):
+                held_loss = evaluate(sched, heldout, prep, device)
+                if run_log is not None:
+                    run_log.eval(state.step, held_loss)
+            if run_log is not None:
+                state.losses.append(loss)
                 tps = tokens / max(time.perf_counter() - t0, 1e-9)
-                progress.update(task, advance=1, loss=f"{state.losses[-1]:.4f}", tps=f"{tps:,.0f}")
+                run_log.step(state.step, last=state.step == cfg.steps, loss=loss, lr=lr, grad_norm=grad_norm,
+                             tokens_per_s=tps, peak_mib=peak_memory_mib(device))
+                progress.update(task, advance=1, loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
             if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
                 ps.checkpoint.save(dcp_dir, sched, opt, extra=state.extra(cfg))
+    if run_log is not None:
+        run_log.close()
     if rank == 0 and state.losses:
         log = console.print
         log(f"first loss {state.losses[0]:.4f}   last loss {state.losses[-1]:.4f}   ({cfg.steps} steps, "
-            f"{time.perf_counter() - t0:.1f} s)")
+            f"{time.perf_counter() - t0:.1f} s; per step: {os.path.join(cfg.checkpoint, METRICS_FILE)})")
+
+
+def evaluate(sched: Any, batch: tuple[tuple, dict, Any], prep: Prepared, device: torch.device) -> float:
+    """The held-out loss (forward only, no gradients), the same value on every rank: the last
+    stage's rank computes it and broadcasts it."""
+    import torch.distributed as dist
+
+    a, k, y = batch
+    out = sched.eval(*(to_device(t, device) for t in a), **k)
+    value = torch.zeros((), dtype=torch.float64, device=device)
+    if out is not None:  # this rank holds the last stage
+        with torch.no_grad():
+            y = to_device(y, device)
+            if prep.loss_count is not None:  # summed loss over unequal microbatches / their items
+                total = sum(float(prep.loss_fn(o, t)) for o, t in zip(out, y))
+                value.fill_(total / max(1.0, float(sum(float(prep.loss_count(t)) for t in y))))
+            else:
+                value.fill_(float(prep.loss_fn(out, y)))
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast(value, src=sched.placement[sched.num_stages - 1])
+    return float(value)

@@ -8,7 +8,6 @@ the launcher's spawned ranks.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
@@ -16,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from .config import TrainConfig
 
 __all__ = ["Prepared", "prepare", "load_factory", "unpack_entry", "parse_split", "SUM_MAX", "CHECKPOINT_FILE"]
 
@@ -42,6 +43,9 @@ class Prepared:
     target: Any
     batch_size: int
     pipe: Any
+    heldout: Any = None
+    """Held-out text (a corpus like ``corpus``): the last tenth of --data's lines, or other sums."""
+    heldout_documents: list[torch.Tensor] | None = None
     dynamic_shapes: Any = None
     documents: list[torch.Tensor] | None = None
     """``--pack``: the text's lines, encoded; each step packs them into microbatches."""
@@ -93,32 +97,63 @@ def _stages_per_rank(schedule: str) -> int:
     return ORDERS[schedule].default_stages_per_rank()
 
 
-def gpt_config(cfg: argparse.Namespace, vocab_size: int, num_stages: int) -> dict:
+def gpt_config(cfg: TrainConfig, vocab_size: int, num_stages: int) -> dict:
     n_layer = cfg.n_layer or max(4, num_stages)
     longest = pack_budget(cfg) if getattr(cfg, "pack", False) else cfg.seq_len
     return dict(vocab_size=vocab_size, d_model=cfg.d_model, n_layer=n_layer, n_head=4,
                 block_size=max(64, longest))
 
 
-def corpus_of(cfg: argparse.Namespace, chars: str = "") -> Any:
+def corpus_of(cfg: TrainConfig, chars: str = "") -> Any:
     """The user's text (plain next-character prediction), or the built-in sums: operands
     zero-padded, answers written backwards, windows starting at line starts, loss on the
     answers only (see :mod:`pippy_split.data`)."""
     from ..data import CharCorpus, addition_corpus
 
     if cfg.data:
-        with open(cfg.data, encoding="utf-8") as f:
-            text = f.read()
-        return CharCorpus(text, chars=chars)
+        return CharCorpus(_split_text(cfg)[0], chars=chars or _text_chars(cfg))
     return CharCorpus(addition_corpus(max_value=SUM_MAX, seed=cfg.seed, reverse=True, pad=True), chars=chars,
                       prompt_end="=")
 
 
+def heldout_of(cfg: TrainConfig, chars: str) -> Any:
+    """Text the run never trains on: the last tenth of --data's lines (None under 10 lines), or
+    sums drawn with another seed (the task is synthetic: some sums recur)."""
+    from ..data import CharCorpus, addition_corpus
+
+    if cfg.data:
+        held = _split_text(cfg)[1]
+        return CharCorpus(held, chars=chars) if len(held) > cfg.seq_len + 1 else None
+    return CharCorpus(addition_corpus(max_value=SUM_MAX, seed=cfg.seed + 1, reverse=True, pad=True), chars=chars,
+                      prompt_end="=")
+
+
+def _read(cfg: TrainConfig) -> str:
+    assert cfg.data is not None
+    with open(cfg.data, encoding="utf-8") as f:
+        return f.read()
+
+
+def _text_chars(cfg: TrainConfig) -> str:
+    return "".join(sorted(set(_read(cfg))))
+
+
+def _split_text(cfg: TrainConfig) -> tuple[str, str]:
+    """(training text, held-out text): the last tenth of the lines held out, from 10 lines on."""
+    lines = _read(cfg).splitlines(keepends=True)
+    if len(lines) < 10:
+        return "".join(lines), ""
+    cut = len(lines) - len(lines) // 10
+    return "".join(lines[:cut]), "".join(lines[cut:])
+
+
 def load_model_file(path: str) -> dict:
-    return torch.load(os.path.join(path, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
+    """``<path>/model.pt``: ``{"state_dict": {FQN: tensor}, "meta": {...plain values}}``, read with
+    ``weights_only=True`` (tensors and plain containers only: a crafted file cannot run code)."""
+    return torch.load(os.path.join(path, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
 
 
-def fresh_model(cfg: argparse.Namespace, prep: Prepared) -> torch.nn.Module:
+def fresh_model(cfg: TrainConfig, prep: Prepared) -> torch.nn.Module:
     """A new unsplit model of the run's kind (what ``model.pt`` is loaded into)."""
     from ..zoo.gpt import TinyGPT
 
@@ -126,10 +161,11 @@ def fresh_model(cfg: argparse.Namespace, prep: Prepared) -> torch.nn.Module:
         assert prep.gpt_cfg is not None  # set together with corpus
         return TinyGPT(**prep.gpt_cfg)
     torch.manual_seed(cfg.seed)
+    assert cfg.model is not None  # no corpus: a factory's model
     return unpack_entry(load_factory(cfg.model)())[0]
 
 
-def prepare(cfg: argparse.Namespace, world: int, log: Callable[..., None]) -> Prepared:
+def prepare(cfg: TrainConfig, world: int, log: Callable[..., None]) -> Prepared:
     """Data, model and the traced, split Pipe: the same on every rank (same seed)."""
     import pippy_split as ps
 
@@ -155,7 +191,7 @@ def prepare(cfg: argparse.Namespace, world: int, log: Callable[..., None]) -> Pr
     return prep
 
 
-def _builtin(cfg: argparse.Namespace, num_stages: int, resume_state: dict | None) -> tuple:
+def _builtin(cfg: TrainConfig, num_stages: int, resume_state: dict | None) -> tuple:
     from ..zoo import layer_split
     from ..zoo.gpt import TinyGPT, lm_loss
 
@@ -170,18 +206,18 @@ def _builtin(cfg: argparse.Namespace, num_stages: int, resume_state: dict | None
     B, M = cfg.batch_size, cfg.microbatches
     x0, _ = corpus.batch(B, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1))
     prep = Prepared(world=0, corpus=corpus, gpt_cfg=gpt_cfg, model=model, loss_fn=lm_loss, args=(), kwargs={},
-                    target=None, batch_size=B, pipe=None)
+                    target=None, batch_size=B, pipe=None, heldout=heldout_of(cfg, corpus.chars))
     if cfg.pack:
         return _packed(cfg, prep, split_spec)
     return prep, split_spec, (x0[: B // M],), {}
 
 
-def pack_budget(cfg: argparse.Namespace) -> int:
+def pack_budget(cfg: TrainConfig) -> int:
     """``--pack``: characters per microbatch (one row)."""
     return cfg.batch_size // cfg.microbatches * cfg.seq_len
 
 
-def _packed(cfg: argparse.Namespace, prep: Prepared, split_spec: Any) -> tuple:
+def _packed(cfg: TrainConfig, prep: Prepared, split_spec: Any) -> tuple:
     """--pack: the text's lines as documents, a pipe traced with a dynamic length up to the budget,
     a summed loss over predicted characters divided by their count in the step (``loss_count``)."""
     from torch.export import Dim
@@ -190,6 +226,9 @@ def _packed(cfg: argparse.Namespace, prep: Prepared, split_spec: Any) -> tuple:
     if not lines:
         raise SystemExit(f"--pack: {cfg.data} has no non-empty lines to pack")
     prep.documents = [prep.corpus.encode(ln) for ln in lines]
+    if prep.heldout is not None:
+        prep.heldout_documents = [prep.heldout.encode(ln + "\n") for ln in prep.heldout.text.splitlines()
+                                  if ln.strip()] or None
     budget = pack_budget(cfg)
     prep.loss_fn, prep.loss_count = packed_lm_loss, valid_targets
     prep.dynamic_shapes = {"idx": {1: Dim("T", min=2, max=budget)}}
@@ -206,7 +245,8 @@ def valid_targets(target: torch.Tensor) -> torch.Tensor:
     return (target != -100).sum()
 
 
-def _factory(cfg: argparse.Namespace, num_stages: int) -> tuple:
+def _factory(cfg: TrainConfig, num_stages: int) -> tuple:
+    assert cfg.model is not None
     torch.manual_seed(cfg.seed)
     model, args, kwargs, spec, loss_fn, target = unpack_entry(load_factory(cfg.model)())
     split_spec = parse_split(cfg.split) or spec or num_stages
