@@ -29,6 +29,9 @@ from typing import Any, Callable
 
 import torch
 
+from ..checkpointing.files import _check_ancestors, _reason
+from ..checkpointing.layout import CheckpointError
+
 __all__ = ["RunLog", "METRICS_FILE", "peak_memory_mib"]
 
 METRICS_FILE = "metrics.jsonl"
@@ -49,7 +52,7 @@ class RunLog:
 
     def __init__(self, directory: str, *, log_every: int, tensorboard: bool, plain: bool,
                  print_fn: Callable[[str], Any], append: bool = False) -> None:
-        os.makedirs(directory, exist_ok=True)
+        _make_run_dir(directory)
         self.path = os.path.join(directory, METRICS_FILE)
         self._file = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.log_every, self.plain, self.print = log_every, plain, print_fn
@@ -81,6 +84,16 @@ class RunLog:
         self._file.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def _make_run_dir(directory: str) -> None:
+    """The run's directory, or a CheckpointError naming what is in the way (before any step runs)."""
+    try:
+        _check_ancestors(os.path.abspath(directory))
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot write the run directory {directory}: {_reason(directory, e)}",
+                              directory) from e
 
 
 def _line(step: int, m: dict) -> str:
