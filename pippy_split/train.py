@@ -128,6 +128,11 @@ def _check_options(cfg: TrainConfig, schedules: Any) -> str:
         return "--steps, --grad-accum and --log-every must be >= 1, --eval-every >= 0"
     if cfg.lr_schedule not in ("cosine", "linear", "constant"):
         return f"--lr-schedule is cosine, linear or constant, got {cfg.lr_schedule!r}"
+    if cfg.model and cfg.model.startswith("hf:") and not cfg.data:
+        return "--model hf:... trains on --data FILE (a text file)"
+    if cfg.data and cfg.model and not cfg.model.startswith("hf:"):
+        return (f"--data is read for the built-in TinyGPT and --model hf:...; {cfg.model} trains on its own "
+                "example batch, so --data would be ignored")
     if cfg.pack and (not cfg.data or cfg.model):
         return "--pack packs the lines of a --data text file for the built-in TinyGPT (not with --model)"
     if cfg.simulate_failure and not re.fullmatch(r"\d+:\d+", cfg.simulate_failure):

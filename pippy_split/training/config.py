@@ -30,8 +30,9 @@ class TrainConfig:
     """One training run. Defaults train a character-level TinyGPT on written-out sums."""
 
     model: str | None = None
-    """module:factory returning a ZooEntry or (model, args[, kwargs]); also zoo:NAME. Default: a TinyGPT
-    on --data or the built-in addition corpus."""
+    """module:factory returning a ZooEntry or (model, args[, kwargs]); zoo:NAME; or hf:CONFIG (a config.json,
+    or a directory holding one: a Hugging Face causal LM trained on --data). Default: a TinyGPT on --data or
+    the built-in addition corpus."""
     split: str | None = None
     """comma-separated FQNs to split at (the beginning of each); default: balanced over the stages"""
     schedule: str = "ZBVZeroBubble"
@@ -68,6 +69,13 @@ class TrainConfig:
     """continue from --checkpoint: weights and AdamW state"""
     data: str | None = None
     """train on this text file (vocabulary: its characters)"""
+    tokenizer: str | None = None
+    """with --model hf:...: a local tokenizer directory for --data (default: the text's UTF-8 bytes as ids)"""
+    export_hf: str | None = None
+    """write the trained model here as a Hugging Face directory (config.json, safetensors shards and index)
+    that AutoModelForCausalLM.from_pretrained loads (with --model hf:...)"""
+    export_shard_size: str = "2GB"
+    """--export-hf: the largest safetensors shard (e.g. 2GB, 500MB)"""
     pack: bool = False
     """with --data: each microbatch is one row of whole lines of the file packed up to batch-size/microbatches
     x seq-len characters, so microbatches differ in length (ps.Microbatches); the loss is the mean over every
@@ -112,11 +120,15 @@ def default_run_name(model: str | None, data: str | None = None) -> str:
     Example:
         >>> default_run_name(None), default_run_name(None, "notes/README.md"), default_run_name("zoo:tiny_llama")
         ('tiny_gpt', 'tiny_gpt-README', 'tiny_llama')
-        >>> default_run_name("mymodels:qwen2_tiny")
-        'qwen2_tiny'
+        >>> default_run_name("mymodels:qwen2_tiny"), default_run_name("hf:examples/qwen2_tiny.json")
+        ('qwen2_tiny', 'qwen2_tiny')
     """
     if not model:
         name = "tiny_gpt" + (f"-{os.path.splitext(os.path.basename(data))[0]}" if data else "")
+    elif model.startswith("hf:"):  # a config.json (its file name) or a directory (its name)
+        path = model[3:].rstrip("/")
+        stem = os.path.splitext(os.path.basename(path))[0]
+        name = os.path.basename(os.path.dirname(path)) if stem == "config" else stem
     else:
         name = model.split(":", 1)[-1].split(".")[-1]
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name) or "run"

@@ -24,6 +24,7 @@ import torch
 
 from ..checkpointing.files import save_file
 from .config import TrainConfig
+from .hf import export_hf, is_hf
 from .setup import CHECKPOINT_FILE, SUM_MAX, Prepared, fresh_model
 
 if TYPE_CHECKING:
@@ -51,11 +52,16 @@ def finish(cfg: TrainConfig, prep: Prepared, dcp_dir: str, losses: list[float], 
             log(f"[yellow]stages' checkpoint vs fresh model: {w.message}")
     merged = {k: v.detach().cpu() for k, v in fresh.state_dict().items()}
     fresh.eval()
-    if prep.corpus is not None:
+    if prep.gpt_cfg is not None:  # the built-in TinyGPT on characters
         sample(cfg, fresh, prep.corpus, log)
+    if cfg.export_hf:
+        if not is_hf(cfg):
+            log("[yellow]--export-hf writes Hugging Face models (--model hf:...): skipped")
+        else:
+            log(f"Hugging Face directory written to {export_hf(fresh, cfg.export_hf, cfg.tokenizer, cfg.export_shard_size)}")
     pipe = prep.pipe
     meta = {"model": cfg.model or "TinyGPT", "gpt_config": prep.gpt_cfg,
-            "chars": prep.corpus.chars if prep.corpus else None,
+            "chars": prep.corpus.chars if prep.gpt_cfg is not None else None,
             "data": _data_description(cfg, prep), "steps": cfg.steps, "run_name": cfg.run_name,
             "schedule": cfg.schedule, "ranks": world,
             "num_stages": pipe.num_stages, "split": [list(s.modules) for s in pipe.stages],

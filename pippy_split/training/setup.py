@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .config import TrainConfig
+from .hf import causal_lm_loss, hf_corpora, hf_model, is_hf
 
 __all__ = ["Prepared", "prepare", "load_factory", "unpack_entry", "parse_split", "SUM_MAX", "CHECKPOINT_FILE"]
 
@@ -157,8 +158,10 @@ def fresh_model(cfg: TrainConfig, prep: Prepared) -> torch.nn.Module:
     """A new unsplit model of the run's kind (what ``model.pt`` is loaded into)."""
     from ..zoo.gpt import TinyGPT
 
+    if is_hf(cfg):
+        return hf_model(cfg)
     if prep.corpus is not None:
-        assert prep.gpt_cfg is not None  # set together with corpus
+        assert prep.gpt_cfg is not None  # set together with a character corpus
         return TinyGPT(**prep.gpt_cfg)
     torch.manual_seed(cfg.seed)
     assert cfg.model is not None  # no corpus: a factory's model
@@ -176,6 +179,8 @@ def prepare(cfg: TrainConfig, world: int, log: Callable[..., None]) -> Prepared:
     resume_state = load_model_file(cfg.checkpoint) if cfg.resume else None
     if cfg.model is None:
         prep, split_spec, ex_args, ex_kwargs = _builtin(cfg, num_stages, resume_state)
+    elif is_hf(cfg):
+        prep, split_spec, ex_args, ex_kwargs = _hf(cfg, num_stages)
     else:
         prep, split_spec, ex_args, ex_kwargs = _factory(cfg, num_stages)
     if resume_state is not None:
@@ -243,6 +248,18 @@ def packed_lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def valid_targets(target: torch.Tensor) -> torch.Tensor:
     return (target != -100).sum()
+
+
+def _hf(cfg: TrainConfig, num_stages: int) -> tuple:
+    """--model hf:CONFIG: the causal LM on --data's tokens, split over its decoder layers."""
+    model = hf_model(cfg)
+    corpus, heldout = hf_corpora(cfg, model.config.vocab_size)
+    B, M = cfg.batch_size, cfg.microbatches
+    x0, _ = corpus.batch(B, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1))
+    split_spec = parse_split(cfg.split) or num_stages
+    prep = Prepared(world=0, corpus=corpus, gpt_cfg=None, model=model, loss_fn=causal_lm_loss, args=(), kwargs={},
+                    target=None, batch_size=B, pipe=None, heldout=heldout)
+    return prep, split_spec, (x0[: B // M],), {}
 
 
 def _factory(cfg: TrainConfig, num_stages: int) -> tuple:

@@ -1,0 +1,120 @@
+"""``pippy-split train --model hf:CONFIG``: a Hugging Face causal LM from a config, your text, an HF export.
+
+Where this sits: one of the model sources of :mod:`pippy_split.training.setup` (beside the
+built-in TinyGPT and ``module:factory``), and the export at the end of
+:mod:`pippy_split.training.finish`. Needs the ``transformers`` extra. The model is
+built from ``config.json`` (a file, or a directory holding one; nothing is downloaded),
+trained on a text file tokenized by a local tokenizer directory (``--tokenizer``) or
+as UTF-8 bytes, with the causal LM loss (next-token cross entropy, the loss the model
+computes itself when given ``labels=``). ``--export-hf DIR`` writes the trained model
+as ``save_pretrained`` does: ``config.json`` and safetensors shards with their index,
+which ``AutoModelForCausalLM.from_pretrained(DIR)`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .config import TrainConfig
+
+__all__ = ["TokenCorpus", "hf_model", "hf_corpora", "causal_lm_loss", "export_hf", "is_hf"]
+
+
+def is_hf(cfg: TrainConfig) -> bool:
+    return bool(cfg.model and cfg.model.startswith("hf:"))
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("--model hf:... needs transformers: pip install 'pippy-split[job]' "
+                         "(or pip install transformers)") from None
+    return transformers
+
+
+def hf_config(spec: str) -> Any:
+    """``hf:PATH``: PATH a config.json file or a directory with one (local only)."""
+    t = _transformers()
+    path = spec.split(":", 1)[1]
+    if os.path.isdir(path):
+        return t.AutoConfig.from_pretrained(path, local_files_only=True)
+    if not os.path.isfile(path):
+        raise SystemExit(f"--model {spec}: {path} is neither a config.json file nor a directory holding one")
+    with open(path, encoding="utf-8") as f:
+        values = json.load(f)
+    if "model_type" not in values:
+        raise SystemExit(f"--model {spec}: {path} has no model_type (e.g. \"qwen2\", \"llama\")")
+    return t.AutoConfig.for_model(**values)
+
+
+def hf_model(cfg: TrainConfig) -> Any:
+    """The causal LM of ``--model hf:PATH`` (random weights under ``--seed``, no cache in its output)."""
+    t = _transformers()
+    assert cfg.model is not None
+    config = hf_config(cfg.model)
+    config.use_cache = False
+    torch.manual_seed(cfg.seed)
+    return t.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+@dataclass
+class TokenCorpus:
+    """Token ids of a text (``ids``, int64) with :meth:`batch` drawing next-token windows."""
+
+    ids: torch.Tensor
+    text: str = field(default="", repr=False)
+
+    def batch(self, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random windows ``(x, y)``, both ``(batch_size, seq_len)``, y is x shifted left by one."""
+        if seq_len + 1 > len(self.ids):
+            raise ValueError(f"seq_len={seq_len} needs more than {seq_len + 1} tokens, the text has {len(self.ids)}")
+        starts = torch.randint(0, len(self.ids) - seq_len, (batch_size,), generator=generator)
+        windows = self.ids[starts[:, None] + torch.arange(seq_len + 1)]
+        return windows[:, :-1].contiguous(), windows[:, 1:].clone()
+
+
+def _tokenize(cfg: TrainConfig, text: str, vocab_size: int) -> torch.Tensor:
+    if cfg.tokenizer:
+        tok = _transformers().AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = list(text.encode("utf-8"))
+    out = torch.tensor(ids, dtype=torch.int64)
+    if len(out) and int(out.max()) >= vocab_size:
+        how = "its tokenizer" if cfg.tokenizer else "UTF-8 bytes (ids up to 255; pass --tokenizer DIR)"
+        raise SystemExit(f"--data {cfg.data} tokenized by {how} has id {int(out.max())}, beyond the model's "
+                         f"vocab_size {vocab_size}")
+    return out
+
+
+def hf_corpora(cfg: TrainConfig, vocab_size: int) -> tuple[TokenCorpus, TokenCorpus | None]:
+    """(training, held-out) token corpora of ``--data``: the last tenth of its lines held out."""
+    if not cfg.data:
+        raise SystemExit("--model hf:... trains on --data FILE (a text file)")
+    with open(cfg.data, encoding="utf-8") as f:
+        lines = f.read().splitlines(keepends=True)
+    cut = len(lines) - len(lines) // 10 if len(lines) >= 10 else len(lines)
+    train_text, held_text = "".join(lines[:cut]), "".join(lines[cut:])
+    train = TokenCorpus(_tokenize(cfg, train_text, vocab_size), train_text)
+    held_ids = _tokenize(cfg, held_text, vocab_size) if held_text else torch.zeros(0, dtype=torch.int64)
+    return train, (TokenCorpus(held_ids, held_text) if len(held_ids) > cfg.seq_len + 1 else None)
+
+
+def causal_lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy of an HF output (``.logits``) against shifted targets, mean over tokens."""
+    logits = out.logits if hasattr(out, "logits") else out
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100)
+
+
+def export_hf(model: Any, directory: str, tokenizer: str | None, shard_size: str = "2GB") -> str:
+    """``save_pretrained``: config.json, safetensors shards and their index (and the tokenizer's files)."""
+    model.save_pretrained(directory, safe_serialization=True, max_shard_size=shard_size)
+    if tokenizer:
+        _transformers().AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).save_pretrained(directory)
+    return directory
