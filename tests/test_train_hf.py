@@ -48,3 +48,30 @@ def test_hf_config_trains_on_text_resumes_and_exports_what_transformers_loads(tm
     out = _ok(_cli("train", "--config", "job.toml", "--steps", "2", "--resume", "--eval-every", "0",
                    cwd=tmp_path, timeout=400))
     assert "resumed" in out
+
+
+def test_a_pretrained_directory_fills_each_stage_from_its_own_tensors_only(tmp_path):
+    """Built on meta, each stage reads only its keys from the safetensors shards (tied lm_head via its alias)."""
+    import pippy_split as ps
+    from pippy_split.training.hf import SafetensorsStateDict, tied_aliases
+
+    cfg = transformers.AutoConfig.for_model(**CONFIG)
+    cfg.use_cache = False
+    torch.manual_seed(0)
+    source = transformers.AutoModelForCausalLM.from_config(cfg)
+    source.save_pretrained(tmp_path / "pre", safe_serialization=True, max_shard_size="100KB")
+    ids = torch.randint(0, 256, (2, 16))
+    seen: list[set[str]] = []
+    for i in range(4):  # as each rank does: its own meta model and pipe, then only its stage
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        pipe = ps.pipeline(model, 4, (ids,))
+        sd = SafetensorsStateDict(str(tmp_path / "pre"), tied_aliases(model))
+        module = pipe.build_stage(i, "cpu", state_dict=sd).module
+        own = set(module.state_dict())
+        assert set(sd.read) <= own and set(sd.read) >= {n for n, _ in module.named_parameters()}
+        for name, value in module.state_dict().items():
+            torch.testing.assert_close(value, source.state_dict()[name], msg=name)
+        seen.append(set(sd.read))
+    assert all(not (a & b) - {"lm_head.weight", "model.embed_tokens.weight"}
+               for k, a in enumerate(seen) for b in seen[k + 1:])  # no stage read another's tensors

@@ -452,13 +452,15 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
                    loss_fn: Callable | None = None, group: Any = None, device: Any = None, *,
                    activation_checkpoint: str | Sequence[str] | None = None,
                    mixed_precision: torch.dtype | None = None,
-                   compile: Any = False, **kwargs: Any) -> PipelineSchedule:
+                   compile: Any = False, state_dict: Any = None, **kwargs: Any) -> PipelineSchedule:
     """Build this rank's stages of ``pipe`` with the schedule's placement and return the schedule.
 
     ``activation_checkpoint`` (``None``, ``"full"``, or module FQN patterns such as
     ``["blocks.*"]`` for selective checkpointing), ``mixed_precision`` (``None``,
     ``torch.bfloat16``, ``torch.float16``) and ``compile`` (``torch.compile`` each stage,
-    zero-bubble I/W split included) go to every stage; other keywords go to the schedule
+    zero-bubble I/W split included) go to every stage, and ``state_dict`` (values by original
+    FQN, e.g. a lazily read pretrained directory) fills the stages of a pipe traced on
+    ``meta``, each rank reading only its own stages' keys; other keywords go to the schedule
     class (``loss_count=``, ``placement=``, ...). ``group`` is the pipeline's process
     group or one dimension of a DeviceMesh (``mesh["pp"]``).
 
@@ -476,7 +478,7 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
                          f"{spec.stage_rule()}. What would work: {spec.nearest(pipe.num_stages, world)}")
     where = cls.stage_placement(pipe.num_stages, world, kwargs.get("placement"))
     mine = sorted(s for s, r in where.items() if r == rank)
-    stages = [pipe.build_stage(s, device, group, activation_checkpoint=activation_checkpoint,
+    stages = [pipe.build_stage(s, device, group, state_dict=state_dict, activation_checkpoint=activation_checkpoint,
                                mixed_precision=mixed_precision, compile=compile) for s in mine]
     return cls(stages, n_microbatches, loss_fn, **kwargs)
 

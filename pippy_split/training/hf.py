@@ -4,6 +4,8 @@ Where this sits: one of the model sources of :mod:`pippy_split.training.setup` (
 built-in TinyGPT and ``module:factory``), and the export at the end of
 :mod:`pippy_split.training.finish`. Needs the ``transformers`` extra. The model is
 built from ``config.json`` (a file, or a directory holding one; nothing is downloaded),
+or, from a directory with safetensors weights, built on ``meta`` and filled stage by stage
+(each rank reads only its own stages' tensors, :class:`SafetensorsStateDict`), then
 trained on a text file tokenized by a local tokenizer directory (``--tokenizer``) or
 as UTF-8 bytes, with the causal LM loss (next-token cross entropy, the loss the model
 computes itself when given ``labels=``). ``--export-hf DIR`` writes the trained model
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +25,8 @@ import torch
 
 from .config import TrainConfig
 
-__all__ = ["TokenCorpus", "hf_model", "hf_corpora", "causal_lm_loss", "export_hf", "is_hf"]
+__all__ = ["TokenCorpus", "hf_model", "hf_corpora", "causal_lm_loss", "export_hf", "is_hf", "SafetensorsStateDict",
+           "tied_aliases", "pretrained_dir"]
 
 
 def is_hf(cfg: TrainConfig) -> bool:
@@ -53,14 +57,16 @@ def hf_config(spec: str) -> Any:
     return t.AutoConfig.for_model(**values)
 
 
-def hf_model(cfg: TrainConfig) -> Any:
-    """The causal LM of ``--model hf:PATH`` (random weights under ``--seed``, no cache in its output)."""
+def hf_model(cfg: TrainConfig, meta: bool = False) -> Any:
+    """The causal LM of ``--model hf:PATH`` (random weights under ``--seed``, no cache in its output);
+    on ``meta`` (no memory) when its weights come from a pretrained directory, stage by stage."""
     t = _transformers()
     assert cfg.model is not None
     config = hf_config(cfg.model)
     config.use_cache = False
     torch.manual_seed(cfg.seed)
-    return t.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.device("meta" if meta else "cpu"):
+        return t.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
 @dataclass
@@ -118,3 +124,69 @@ def export_hf(model: Any, directory: str, tokenizer: str | None, shard_size: str
     if tokenizer:
         _transformers().AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).save_pretrained(directory)
     return directory
+
+
+class SafetensorsStateDict(Mapping):
+    """A pretrained directory's tensors by FQN, read one tensor at a time when asked for: a stage
+    filled from it reads only its own tensors (``read`` lists them). ``aliases`` maps a tied name
+    the files leave out (``lm_head.weight``) to the one they hold.
+
+    Example:
+        >>> sd = SafetensorsStateDict("my_pretrained_dir")  # doctest: +SKIP
+        >>> stage = pipe.build_stage(1, "cpu", state_dict=sd); sorted(sd.read)[:2]  # doctest: +SKIP
+    """
+
+    def __init__(self, directory: str, aliases: Mapping[str, str] | None = None) -> None:
+        self.directory = directory
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                self.files = {k: os.path.join(directory, v) for k, v in json.load(f)["weight_map"].items()}
+        else:
+            single = os.path.join(directory, "model.safetensors")
+            if not os.path.isfile(single):
+                raise SystemExit(f"{directory} has no model.safetensors or model.safetensors.index.json")
+            from safetensors import safe_open
+
+            with safe_open(single, "pt") as f:
+                self.files = {k: single for k in f.keys()}  # noqa: SIM118 - safe_open has keys(), no __iter__
+        self.aliases = {k: v for k, v in (aliases or {}).items() if k not in self.files and v in self.files}
+        self.read: list[str] = []
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        name = self.aliases.get(key, key)
+        if name not in self.files:
+            raise KeyError(key)
+        self.read.append(key)
+        with safe_open(self.files[name], "pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self.files, *self.aliases])
+
+    def __len__(self) -> int:
+        return len(self.files) + len(self.aliases)
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """``{name: first name of the same tensor}`` for every parameter held under several names."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
+
+
+def pretrained_dir(cfg: TrainConfig) -> str | None:
+    """The directory of ``--model hf:DIR`` when it holds safetensors weights (else None: random init)."""
+    assert cfg.model is not None
+    path = cfg.model.split(":", 1)[1]
+    if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
+                                   for f in ("model.safetensors", "model.safetensors.index.json")):
+        return path
+    return None

@@ -97,7 +97,7 @@ def _build(cfg: TrainConfig, prep: Prepared, device: torch.device) -> tuple[Any,
     import pippy_split as ps
 
     sched = ps.build_schedule(prep.pipe, cfg.schedule, cfg.microbatches, loss_fn=prep.loss_fn, device=device,
-                              loss_count=prep.loss_count,
+                              loss_count=prep.loss_count, state_dict=prep.state_dict,
                               activation_checkpoint=checkpoint_setting(cfg.activation_checkpoint),
                               mixed_precision=torch.bfloat16 if cfg.bf16 else None, compile=cfg.compile)
     params = list({id(p): p for st in sched.stages for p in st.module.parameters()}.values())

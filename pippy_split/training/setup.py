@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .config import TrainConfig
-from .hf import causal_lm_loss, hf_corpora, hf_model, is_hf
+from .hf import SafetensorsStateDict, causal_lm_loss, hf_corpora, hf_model, is_hf, pretrained_dir, tied_aliases
 
 __all__ = ["Prepared", "prepare", "load_factory", "unpack_entry", "parse_split", "SUM_MAX", "CHECKPOINT_FILE"]
 
@@ -47,6 +47,8 @@ class Prepared:
     heldout: Any = None
     """Held-out text (a corpus like ``corpus``): the last tenth of --data's lines, or other sums."""
     heldout_documents: list[torch.Tensor] | None = None
+    state_dict: Any = None
+    """Where the stages' weights come from when ``model`` is on meta (a pretrained directory, lazily)."""
     dynamic_shapes: Any = None
     documents: list[torch.Tensor] | None = None
     """``--pack``: the text's lines, encoded; each step packs them into microbatches."""
@@ -183,7 +185,10 @@ def prepare(cfg: TrainConfig, world: int, log: Callable[..., None]) -> Prepared:
         prep, split_spec, ex_args, ex_kwargs = _hf(cfg, num_stages)
     else:
         prep, split_spec, ex_args, ex_kwargs = _factory(cfg, num_stages)
-    if resume_state is not None:
+    if resume_state is not None and prep.state_dict is not None:  # a meta model: the stages read model.pt
+        prep.state_dict = resume_state["state_dict"]
+        log(f"[green]resumed[/] from {os.path.join(cfg.checkpoint, CHECKPOINT_FILE)}")
+    elif resume_state is not None:
         missing, unexpected = prep.model.load_state_dict(resume_state["state_dict"], strict=False)
         if missing or unexpected:
             raise SystemExit(f"checkpoint {cfg.checkpoint} does not match the model: "
@@ -252,13 +257,15 @@ def valid_targets(target: torch.Tensor) -> torch.Tensor:
 
 def _hf(cfg: TrainConfig, num_stages: int) -> tuple:
     """--model hf:CONFIG: the causal LM on --data's tokens, split over its decoder layers."""
-    model = hf_model(cfg)
+    pretrained = pretrained_dir(cfg)
+    model = hf_model(cfg, meta=pretrained is not None)  # pretrained: each rank fills only its stages
     corpus, heldout = hf_corpora(cfg, model.config.vocab_size)
     B, M = cfg.batch_size, cfg.microbatches
     x0, _ = corpus.batch(B, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1))
     split_spec = parse_split(cfg.split) or num_stages
     prep = Prepared(world=0, corpus=corpus, gpt_cfg=None, model=model, loss_fn=causal_lm_loss, args=(), kwargs={},
-                    target=None, batch_size=B, pipe=None, heldout=heldout)
+                    target=None, batch_size=B, pipe=None, heldout=heldout,
+                    state_dict=None if pretrained is None else SafetensorsStateDict(pretrained, tied_aliases(model)))
     return prep, split_spec, (x0[: B // M],), {}
 
 
