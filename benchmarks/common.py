@@ -354,3 +354,22 @@ def item_main(doc: str, run: Callable[[str, int], dict], report: Callable[[dict]
     for row in out["rows"]:
         report(row)
     return out
+
+
+def median_range(s: dict, fmt: str = "{:.2f}") -> str:
+    """``median [min, max]`` of a :func:`summarize` result, each number in ``fmt``."""
+    return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}, {fmt.format(s['max'])}]"
+
+
+def git_state(where: Path) -> tuple[str, bool]:
+    """The short commit and whether tracked files differ from it (``("unknown", False)`` outside git)."""
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", False
+    return commit, bool(dirty)

@@ -39,6 +39,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import memory, step_time, traffic
+from .common import git_state, median_range
 
 __all__ = ["ITEMS", "run", "main"]
 
@@ -67,7 +68,7 @@ def run(only: list[str] | None = None, mode: str = "full", reps: int = 5) -> dic
     unknown = [n for n in names if n not in ITEMS]
     if unknown:
         raise SystemExit(f"unknown item(s) {unknown}; choose from {list(ITEMS)}")
-    commit, dirty = _git_state(README.parent)  # before the run writes its own results files
+    commit, dirty = git_state(README.parent)  # before the run writes its own results files
     out: dict[str, Any] = {"meta": {
         "commit": commit, "dirty": dirty,
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
@@ -86,11 +87,6 @@ def run(only: list[str] | None = None, mode: str = "full", reps: int = 5) -> dic
 
 COLUMNS = ("#", "case", "ours", "peer", "ours/peer or result", "target", "met")
 Row = tuple  # one str per column; None in a row list starts a new section
-
-
-def _r(s: dict, fmt: str = "{:.2f}") -> str:
-    """median [min, max]"""
-    return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}, {fmt.format(s['max'])}]"
 
 
 def _met(ok: bool | None) -> str:
@@ -145,18 +141,18 @@ def _step_rows(out: list, res: dict) -> None:
         c = row["config"]
         item = "2" if c["item"] == "step" else "3"
         case = f"{c['item']} time {c['schedule']}, {c['num_stages']} stages, d={c['d']}, m={c['n_mb']}"
-        out.append((item, case, _r(row["ours_s"]) + " s", _r(row["peer_s"]) + " s",
-                    _r(row["ours_over_peer"]) + "x", f"≤ {c['target']}x", _met(row["met"])))
+        out.append((item, case, median_range(row["ours_s"]) + " s", median_range(row["peer_s"]) + " s",
+                    median_range(row["ours_over_peer"]) + "x", f"≤ {c['target']}x", _met(row["met"])))
         out.append((item, f"  CPU s per step, both ranks ({c['schedule']}, d={c['d']})",
-                    _r(row["ours_cpu_s"]) + " s", _r(row["peer_cpu_s"]) + " s",
-                    _r(row["cpu_ours_over_peer"]) + "x", "", "—"))
+                    median_range(row["ours_cpu_s"]) + " s", median_range(row["peer_cpu_s"]) + " s",
+                    median_range(row["cpu_ours_over_peer"]) + "x", "", "—"))
     for row in res["rows"]:
         if "serial_s" in row:
             c = row["config"]
             ok = row["speedup_ours"]["median"] >= 1.74
             out.append(("4", f"efficiency {c['schedule']} m={c['n_mb']}: serial step {row['serial_s']['median']:.2f} s"
                              f" / pipelined step (ideal {row['ideal_speedup']:.2f}x)",
-                        _r(row["speedup_ours"]) + "x", _r(row["speedup_peer"]) + "x", "speed-up over serial",
+                        median_range(row["speedup_ours"]) + "x", median_range(row["speedup_peer"]) + "x", "speed-up over serial",
                         "≥ 1.74x", _met(ok)))
 
 
@@ -191,14 +187,14 @@ def _memory_rows(out: list, res: dict) -> None:
             out.append(("6", f"peak RSS of a step, {row['schedule']} d={row['d']} m={row['n_mb']}, rank {r} "
                              f"(above the rank's start: {o['step_peak_above_start_mb']['median']:.0f} vs "
                              f"{p['step_peak_above_start_mb']['median']:.0f} MB)",
-                        _r(o["step_peak_mb"], "{:.0f}") + " MB", _r(p["step_peak_mb"], "{:.0f}") + " MB",
+                        median_range(o["step_peak_mb"], "{:.0f}") + " MB", median_range(p["step_peak_mb"], "{:.0f}") + " MB",
                         f"{x['ours_over_peer']:.2f}x (above start {x['above_start_ours_over_peer']:.2f}x)",
                         "≤ 0.8x", _met(x["ours_over_peer"] <= memory.TARGET)))
             if "ours_meta" in x:
                 m = x["ours_meta"]
                 out.append(("6", f"  same, ours with the model built on meta (rank allocates its stage only), "
-                                 f"rank {r}", _r(m["step_peak_mb"], "{:.0f}") + " MB",
-                            _r(p["step_peak_mb"], "{:.0f}") + " MB", f"{x['meta_over_peer']:.2f}x", "≤ 0.8x",
+                                 f"rank {r}", median_range(m["step_peak_mb"], "{:.0f}") + " MB",
+                            median_range(p["step_peak_mb"], "{:.0f}") + " MB", f"{x['meta_over_peer']:.2f}x", "≤ 0.8x",
                             _met(x["meta_over_peer"] <= memory.TARGET)))
             out.append(("6", f"peak activations held, {row['schedule']}, rank {r} (microbatches)",
                         f"{o['held']['median']:.0f}", f"{p['held']['median']:.0f}", "", "", "—"))
@@ -208,26 +204,12 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 BEGIN, END = "<!-- benchmarks.compare table: begin -->", "<!-- benchmarks.compare table: end -->"
 
 
-def _git_state(where: Path) -> tuple[str, bool]:
-    """The short commit and whether tracked files differ from it."""
-    import subprocess
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown", False
-    return commit, bool(dirty)
-
-
 def write_readme_table(readme: Path, table: str, meta: dict) -> None:
     """Replace the table between the README's markers with ``table``, stamped with the commit
     the run measured (taken when it started) and the date."""
     import datetime
 
-    commit, dirty = (meta["commit"], meta["dirty"]) if "commit" in meta else _git_state(readme.parent)
+    commit, dirty = (meta["commit"], meta["dirty"]) if "commit" in meta else git_state(readme.parent)
     text = readme.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{readme} has no {BEGIN} ... {END} markers to write the table between")

@@ -48,7 +48,6 @@ import copy
 import json
 import os
 import platform
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -63,6 +62,7 @@ from pippy_split import zoo
 from pippy_split.testing import run_ranks
 
 from . import common
+from .common import git_state, median_range
 
 __all__ = ["Size", "CONFIGS", "run", "main"]
 
@@ -335,14 +335,6 @@ def measure(cfg: str, size: Size, warmup: int, reps: int, timeout: float = 900.0
             "cpu_ours_over_peer": common.summarize([a / b for a, b in zip(cpu["ours"], cpu["peer"])])}
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run(smoke: bool = False, reps: int = 5, warmup: int = 2) -> dict:
     size = SMOKE if smoke else FULL
     configs = ("fsdp_block",) if smoke else CONFIGS
@@ -350,7 +342,7 @@ def run(smoke: bool = False, reps: int = 5, warmup: int = 2) -> dict:
         reps, warmup = 1, 1
     meta = {"command": "python -m benchmarks.nd_parallel" + (" --smoke" if smoke else "")
             + ("" if smoke or reps == 5 else f" --reps {reps}"),
-            "commit": _git_commit(), "torch": torch.__version__, "python": platform.python_version(),
+            "commit": git_state(Path(__file__).parent)[0], "torch": torch.__version__, "python": platform.python_version(),
             "cpus": os.cpu_count(), "size": asdict(size), "reps": reps, "warmup": warmup,
             "load_avg_before": os.getloadavg()}
     rows = []
@@ -364,10 +356,6 @@ def run(smoke: bool = False, reps: int = 5, warmup: int = 2) -> dict:
 
 
 # ---- the tables --------------------------------------------------------------------
-
-
-def _r(s: dict, fmt: str = "{:.2f}") -> str:
-    return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}, {fmt.format(s['max'])}]"
 
 
 def _kb(b: float) -> str:
@@ -388,8 +376,8 @@ def markdown(res: dict) -> str:
              "| config | ours s | peer s | ours/peer wall | ours/peer CPU s (4 ranks) |",
              "|---|---|---|---|---|"]
     for row in res["rows"]:
-        lines.append(f"| {row['label']} | {_r(row['ours_s'])} | {_r(row['peer_s'])} | "
-                     f"{_r(row['ours_over_peer'])}x | {_r(row['cpu_ours_over_peer'])}x |")
+        lines.append(f"| {row['label']} | {median_range(row['ours_s'])} | {median_range(row['peer_s'])} | "
+                     f"{median_range(row['ours_over_peer'])}x | {median_range(row['cpu_ours_over_peer'])}x |")
     lines += ["", "### Memory per rank (one measured step each; local shards)", "",
               "state = parameters + gradients + AdamW state at the end of the step; params/stage = "
               "local parameter bytes over the stage's full parameter bytes; held = most parameter "

@@ -83,7 +83,7 @@ from pippy_split.plan.saved_bytes import SavedBytes
 from pippy_split.testing import run_ranks
 
 from . import common
-from .compare import _git_state
+from .common import git_state, median_range
 
 __all__ = ["Size", "FULL", "SMOKE", "SCHEDULES", "documents", "padded", "packed", "run", "markdown", "main"]
 
@@ -239,7 +239,7 @@ def run(smoke: bool = False, reps: int = REPS, warmup: int = 2) -> dict:
     size = SMOKE if smoke else FULL
     if smoke:
         reps, warmup = 1, 1
-    commit, dirty = _git_state(Path(__file__).parent)
+    commit, dirty = git_state(Path(__file__).parent)
     meta = {"command": "python -m benchmarks.packing" + (" --smoke" if smoke else "")
             + ("" if smoke or reps == REPS else f" --reps {reps}"),
             "commit": commit, "dirty": dirty, "torch": torch.__version__, "python": platform.python_version(),
@@ -258,10 +258,6 @@ def run(smoke: bool = False, reps: int = REPS, warmup: int = 2) -> dict:
 # ---- the tables --------------------------------------------------------------------
 
 
-def _r(s: dict, fmt: str = "{:.2f}") -> str:
-    return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}, {fmt.format(s['max'])}]"
-
-
 def _kib(s: dict) -> str:
     return f"{s['median'] / 1024:,.0f} KiB"
 
@@ -276,11 +272,11 @@ def markdown(res: dict) -> str:
              f"2 gloo ranks, tiny Llama d={s['d']} {s['n_layer']} blocks; documents with log-normal lengths "
              f"(sigma {s['sigma']}) in [2, {s['max_len']}], {s['n_mb']} microbatches of {s['rows']} documents per step: "
              f"padded ({s['rows']} x {s['max_len']}) or packed into one row (1 x L, L = "
-             f"{_r(first['packed_row_lengths'], '{:.0f}')} tokens); {m['warmup']} warm-up + {m['reps']} timed steps "
+             f"{median_range(first['packed_row_lengths'], '{:.0f}')} tokens); {m['warmup']} warm-up + {m['reps']} timed steps "
              "per layout, alternating step by step, new documents every step (the same for both layouts).", "",
-             f"Real tokens per step {_r(first['real_tokens'], '{:.0f}')} of {first['padded_slots']} padded slots: "
-             f"padding fraction {_r(first['padding_fraction'])}, so at most a "
-             f"{_r(first['ideal_gain'])}x tokens/s gain and activations down to "
+             f"Real tokens per step {median_range(first['real_tokens'], '{:.0f}')} of {first['padded_slots']} padded slots: "
+             f"padding fraction {median_range(first['padding_fraction'])}, so at most a "
+             f"{median_range(first['ideal_gain'])}x tokens/s gain and activations down to "
              f"{1 - first['padding_fraction']['median']:.2f}x.", "",
              "Same losses in both layouts (the last step, same documents, same weights): "
              + "; ".join(f"{row['schedule']} padded {row['last_loss']['padded']:.6f}, packed "
@@ -290,9 +286,9 @@ def markdown(res: dict) -> str:
              "packed/padded CPU s (2 ranks) |",
              "|---|---|---|---|---|---|"]
     for row in res["rows"]:
-        lines.append(f"| {row['schedule']} ({row['stages']} stages) | {_r(row['padded_tokens_per_s'], '{:,.0f}')} | "
-                     f"{_r(row['packed_tokens_per_s'], '{:,.0f}')} | {_r(row['tokens_per_s_packed_over_padded'])}x | "
-                     f"{_r(row['ideal_gain'])}x | {_r(row['cpu_packed_over_padded'])}x |")
+        lines.append(f"| {row['schedule']} ({row['stages']} stages) | {median_range(row['padded_tokens_per_s'], '{:,.0f}')} | "
+                     f"{median_range(row['packed_tokens_per_s'], '{:,.0f}')} | {median_range(row['tokens_per_s_packed_over_padded'])}x | "
+                     f"{median_range(row['ideal_gain'])}x | {median_range(row['cpu_packed_over_padded'])}x |")
     lines += ["", "### Peak activation bytes per rank (packed / padded: median of per-step ratios [min, max])", "",
               "Most bytes autograd holds for backward at once during the step (saved storages, parameters left "
               "out), medians over the steps.", "",
@@ -300,7 +296,7 @@ def markdown(res: dict) -> str:
     for row in res["rows"]:
         for x in row["activations"]:
             lines.append(f"| {row['schedule']} | {x['rank']} | {_kib(x['padded_bytes'])} | {_kib(x['packed_bytes'])} | "
-                         f"{_r(x['packed_over_padded'])}x | {1 - row['padding_fraction']['median']:.2f} |")
+                         f"{median_range(x['packed_over_padded'])}x | {1 - row['padding_fraction']['median']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,9 @@ the whole flow on local ranks.
     pippy-split inspect zoo:tiny_unet --json
     pippy-split plan zoo:tiny_gpt --ranks 4 --memory 2GB --svg plan.svg
     pippy-split train --steps 100
+
+Importing this module imports no torch: ``--help``, ``--version`` and ``train --help`` answer
+at once, and each command imports what it runs.
 """
 
 from __future__ import annotations
@@ -18,9 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from typing import Any
 
-__all__ = ["main", "build_parser", "parse_costs", "simulate_cmd", "inspect_cmd", "plan_cmd", "pipe_to_json"]
+# torch probes for numpy once per process and warns "Failed to initialize NumPy" where it is
+# not installed (torch does not depend on it, and neither do these commands). Ignored here,
+# in the command's process, and in the ranks `train` spawns, which import this module first.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+__all__ = ["main", "build_parser", "parse_costs", "simulate_cmd", "inspect_cmd", "plan_cmd", "pipe_to_json", "failure_line",
+           "split_hint"]
 
 
 def parse_costs(text: str | None) -> dict[str, float] | None:
@@ -40,9 +50,13 @@ def parse_costs(text: str | None) -> dict[str, float] | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import train
+    """The whole command line; builds without importing torch (``train``'s flags come from
+    its config dataclass)."""
+    from . import __version__
+    from .training.config import build_train_parser
 
     p = argparse.ArgumentParser(prog="pippy-split", description="Pipeline parallelism for ordinary PyTorch models.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("simulate", help="simulate a schedule: timeline, bubble, activation memory")
@@ -73,9 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--svg", default="plan.svg", help="write the best candidate's predicted timeline here")
     pl.add_argument("--no-measure", action="store_true",
                     help="simulate with the profiled op sums instead of running each split's stages (faster)")
+    pl.add_argument("--measure-budget", type=float, default=None, metavar="SECONDS",
+                    help="seconds the measurement may spend repeating steps until the timings settle "
+                         "(default 20; a busy machine needs more)")
 
     t = sub.add_parser("train", help="train a model pipelined over local ranks (default: a tiny GPT learning sums)")
-    train.build_parser(t)
+    build_train_parser(t)
     return p
 
 
@@ -171,7 +188,7 @@ def pipe_to_json(pipe: Any) -> dict:
                "param_bytes": s.param_bytes, "flops": int(s.flops), "params": list(s.param_fqns)}
               for s in pipe.stages]
     edges = [{"src": "input" if e.from_input else e.src_stage, "src_output": e.src_output, "dst": e.dst_stage,
-              "dst_input": e.dst_input, "name": e.name, "shape": _shape_json(e.spec.shape),
+              "dst_input": e.dst_input, "name": e.name, "label": e.label, "shape": _shape_json(e.spec.shape),
               "dtype": str(e.spec.dtype).replace("torch.", ""), "grad": bool(e.spec.carries_grad),
               "skip": bool(e.is_skip)} for e in pipe.edges]
     shared = {fqn: [{"stage": st, "names": list(names)} for st, names in uses]
@@ -180,9 +197,37 @@ def pipe_to_json(pipe: Any) -> dict:
             "shared_parameters": shared}
 
 
-def inspect_cmd(args: argparse.Namespace, console: Any) -> int:
-    import pippy_split as ps
+def failure_line(command: str, error: BaseException) -> str:
+    """The one line a command prints for an error it expects (a split that cannot be made, a
+    model export cannot trace) instead of a traceback.
 
+    Example:
+        >>> failure_line("inspect", ValueError("split_spec names 'x'"))
+        "pippy-split inspect failed: ValueError: split_spec names 'x'"
+    """
+    return f"pippy-split {command} failed: {type(error).__name__}: {error}"
+
+
+def split_hint(model: Any) -> str:
+    """What to pass to split a model that nothing split (no split spec, no ``pipe_split()``),
+    naming one of its repeated blocks as the example where it has a ``ModuleList``/``Sequential``."""
+    from torch import nn
+
+    example = "layers.4"
+    for name, module in model.named_modules():
+        children = [child for child, _ in module.named_children()]
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) >= 2:
+            example = f"{name}.{children[len(children) // 2]}" if name else children[len(children) // 2]
+            break
+    return (f"hint: nothing splits {type(model).__name__}, so it is 1 stage; split it with --split FQN[,FQN...] "
+            f"(a stage begins at each named submodule, e.g. --split {example}) or --stages N (N stages "
+            "balanced by cost)")
+
+
+def inspect_cmd(args: argparse.Namespace, console: Any) -> int:
+    """``pippy-split inspect``: split a model and print its Pipe (tables or ``--json``); an
+    error of the split is one line and exit status 1."""
+    from .split import SplitError, TraceError, pipeline
     from .train import load_factory, parse_split, unpack_entry
 
     try:
@@ -195,11 +240,17 @@ def inspect_cmd(args: argparse.Namespace, console: Any) -> int:
         spec = parse_split(args.split)
     elif args.stages:
         spec = args.stages
-    pipe = ps.pipeline(model, spec, margs, mkwargs)
+    try:
+        pipe = pipeline(model, spec, margs, mkwargs)
+    except (SplitError, TraceError) as e:
+        print(failure_line("inspect", e), file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(pipe_to_json(pipe), indent=2))
     else:
         console.print(pipe)
+    if spec is None and pipe.num_stages == 1:
+        print(split_hint(model), file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -242,19 +293,33 @@ def plan_cmd(args: argparse.Namespace, console: Any) -> int:
         comm = CommModel(bandwidth=args.bandwidth * 1e9 if args.bandwidth else base.bandwidth,
                          latency=args.latency * 1e-6 if args.latency is not None else base.latency, source="given")
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
+    budget = {} if args.measure_budget is None else {"measure_budget": args.measure_budget}
     try:
         result = plan(model, mb_args, num_ranks=args.ranks, memory_budget=args.memory, loss_fn=loss_fn,
                       global_batch=global_batch, schedules=schedules, comm=comm, example_kwargs=mb_kwargs or None,
-                      example_target=mb_target, measure=not args.no_measure)
+                      example_target=mb_target, measure=not args.no_measure, **budget)
     except (PlanError, ValueError) as e:
         console.print(f"[red]{e}[/]")
         return 2
-    console.print(result.table(top=args.top))
-    console.print(f"best: {result.best}")
+    console.print(result.report(top=args.top))
+    for line in (result.how_to_run(), _train_line(result.best, args.target, global_batch == batch
+                                                   and loss_fn is not None and target is not None, batch)):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)  # unwrapped: commands to copy
     if args.svg:
         result.best.to_svg(args.svg)
         console.print(f"predicted timeline of the best candidate: {args.svg}")
     return 0
+
+
+def _train_line(best: Any, target: str, trains_this_batch: bool, batch: int) -> str:
+    """The ``pippy-split train`` command that runs ``best``, or why there is none."""
+    if not trains_this_batch:
+        return (f"pippy-split train does not run this plan: it trains {target}'s own example batch ({batch} "
+                "samples) with its loss_fn and target; plan with the default --global-batch, or run it in Python")
+    try:
+        return f"run it on local ranks:\n    {best.train_command(target)}"
+    except ValueError as e:
+        return f"pippy-split train does not run this plan: {e}"
 
 
 # --------------------------------------------------------------------------- main

@@ -27,7 +27,7 @@ def test_table_written_between_markers_with_commit_and_date(tmp_path):
 
 
 def test_the_stamp_names_the_tree_the_run_measured_not_the_results_it_wrote(tmp_path):
-    from benchmarks.compare import _git_state
+    from benchmarks.common import git_state
 
     readme = tmp_path / "README.md"
     readme.write_text(f"{BEGIN}\n{END}\n")
@@ -35,5 +35,5 @@ def test_the_stamp_names_the_tree_the_run_measured_not_the_results_it_wrote(tmp_
             "load_avg_after": (0.7,), "command": "python -m benchmarks.compare"}
     write_readme_table(readme, "| a |\n|---|\n", meta)  # the run's own results files are dirty by now
     assert "Measured at commit `abc1234` on" in readme.read_text()
-    commit, dirty = _git_state(README.parent)
+    commit, dirty = git_state(README.parent)
     assert commit != "unknown" and isinstance(dirty, bool)

@@ -21,7 +21,16 @@ Where the peer differs from pippy_split's own API:
   ``step(..., losses=, return_outputs=, loss_kwargs=)``, ``eval(..., target=, losses=)``,
   no ``loss_fn`` = forward only;
 - ``split_args_kwargs_into_chunks`` -> ``(args_chunks, kwargs_chunks)``, each tensor
-  chunked on its own.
+  chunked on its own; the schedules' ``step``/``eval`` chunk their inputs so too (a keyword
+  argument of 8 rows beside positional ones of 64 is fine, as in the peer), while
+  pippy_split's own schedules require chunked arguments to agree.
+
+Where this package does more than the peer, on purpose:
+
+- ``torch.compile`` under the zero-bubble schedules (``ScheduleInterleavedZeroBubble``,
+  ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``): the peer refuses a stage holding a
+  module compiled with ``torch.compile`` (``RuntimeError`` at construction); here such stages
+  run under them with the unsplit model's gradients (``tests/compat/test_compile_zero_bubble.py``).
 """
 
 from . import microbatch, schedules, stage

@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from .. import microbatch as _core
 from ..microbatch import MicrobatchError, Replicate
 
-__all__ = ["TensorChunkSpec", "split_args_kwargs_into_chunks", "merge_chunks"]
+__all__ = ["TensorChunkSpec", "split_args_kwargs_into_chunks", "merge_chunks", "peer_chunk_specs"]
 
 
 class TensorChunkSpec(_core.TensorChunkSpec):
@@ -97,6 +97,56 @@ def split_args_kwargs_into_chunks(
     kwargs = {} if kwargs is None else kwargs
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise MicrobatchError(f"chunks must be an int >= 1, got {chunks!r}")
+    arg_trees, kw_trees, dims = _per_tensor_specs(args, kwargs, args_chunk_spec, kwargs_chunk_spec)
+    n = min([chunks] + [t.shape[d] for _, t, d in dims])
+    mbs = _core.split_args_kwargs(tuple(args), dict(kwargs), max(n, 1), arg_trees, kw_trees)
+    return [a for a, _ in mbs], [k for _, k in mbs]
+
+
+def peer_chunk_specs(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    chunks: int,
+    args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
+    kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Chunk specs under which :func:`pippy_split.microbatch.split_args_kwargs` splits these
+    inputs as the peer's schedules do: each tensor by its own size along its dim, so a keyword
+    argument of 8 rows beside positional ones of 64 is fine (pippy_split's own schedules
+    require chunked arguments to agree). The compat schedules split ``step()``'s inputs so.
+
+    Args:
+        args / kwargs: one step's inputs.
+        chunks: the schedule's microbatches.
+        args_chunk_spec / kwargs_chunk_spec: the schedule's specs, as for
+            :func:`split_args_kwargs_into_chunks`.
+
+    Returns:
+        ``(args_spec, kwargs_spec)``: a per-tensor chunker at every chunked tensor,
+        ``Replicate`` elsewhere, shaped like the inputs.
+
+    Raises:
+        MicrobatchError: a spec that does not fit its argument, or a chunked tensor with
+            fewer than ``chunks`` entries along its dim (the peer cannot run that step either).
+
+    Example:
+        >>> x, m = torch.ones(64, 2), torch.ones(8, 2)
+        >>> specs = peer_chunk_specs((x,), {"m": m}, 4)
+        >>> [(a[0].shape[0], k["m"].shape[0]) for a, k in _core.split_args_kwargs((x,), {"m": m}, 4, *specs)]
+        [(16, 2), (16, 2), (16, 2), (16, 2)]
+    """
+    arg_trees, kw_trees, dims = _per_tensor_specs(args, kwargs, args_chunk_spec, kwargs_chunk_spec)
+    for where, t, d in dims:
+        if t.shape[d] < chunks:
+            raise MicrobatchError(f"{where} has shape {tuple(t.shape)}: {t.shape[d]} entries along dim {d}, fewer "
+                                  f"than the step's {chunks} microbatches")
+    return arg_trees, kw_trees
+
+
+def _per_tensor_specs(args: tuple[Any, ...], kwargs: dict[str, Any], args_chunk_spec: Any,
+                      kwargs_chunk_spec: Any) -> tuple[tuple[Any, ...], dict[str, Any], list]:
+    """Spec trees that chunk every tensor on its own (see :func:`_leaf_specs`), and every
+    chunked tensor as ``(where, tensor, dim)``."""
     if args_chunk_spec is not None and len(args_chunk_spec) != len(args):
         raise MicrobatchError(f"args_chunk_spec has {len(args_chunk_spec)} entries but {len(args)} positional "
                               "arguments were given")
@@ -105,9 +155,7 @@ def split_args_kwargs_into_chunks(
     dims: list[tuple[str, torch.Tensor, int]] = []  # every chunked tensor: (where, tensor, dim)
     arg_trees = tuple(_leaf_specs(a, s, f"args[{i}]", dims) for i, (a, s) in enumerate(zip(args, arg_specs)))
     kw_trees = {k: _leaf_specs(v, kw_specs[k], f"kwargs[{k!r}]", dims) for k, v in kwargs.items()}
-    n = min([chunks] + [t.shape[d] for _, t, d in dims])
-    mbs = _core.split_args_kwargs(tuple(args), dict(kwargs), max(n, 1), arg_trees, kw_trees)
-    return [a for a, _ in mbs], [k for _, k in mbs]
+    return arg_trees, kw_trees, dims
 
 
 def _leaf_specs(value: Any, spec: Any, where: str, dims: list) -> Any:

@@ -11,7 +11,10 @@ peer's constructor, and ``step``/``eval`` as the peer has them:
   ``loss_fn``; without a ``loss_fn`` the step is forward-only on every rank;
 - ``eval(*args, target=, losses=, **kwargs)``: forward only, and with a target the
   per-microbatch losses land in ``losses``;
-- ``ScheduleInterleaved1F1B`` with one stage per rank runs 1F1B.
+- ``ScheduleInterleaved1F1B`` with one stage per rank runs 1F1B;
+- ``step``/``eval`` chunk each input tensor by its own size, as the peer does (a keyword
+  argument of 8 rows beside positional ones of 64 is fine); pippy_split's own schedules
+  require chunked arguments to agree.
 
 Extra keyword arguments of the peer that change nothing here
 (``backward_requires_autograd``, ``defer_pp_recv``, ``use_full_backward``) are accepted.
@@ -24,7 +27,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -32,7 +37,7 @@ import torch
 from .. import schedule as _core
 from ..microbatch import Microbatches, merge_chunks, split_args_kwargs
 from ..stage import PipelineStage
-from .microbatch import TensorChunkSpec
+from .microbatch import TensorChunkSpec, peer_chunk_specs
 
 __all__ = ["get_schedule_class", "PipelineScheduleSingle", "PipelineScheduleMulti", "Schedule1F1B", "ScheduleGPipe",
            "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
@@ -56,6 +61,13 @@ def _step(self: _core.PipelineSchedule, *args: Any, target: Any = None, losses: 
 
     Without a ``loss_fn`` the step runs forward only (no gradients) on every rank.
     """
+    with _chunked_like_the_peer(self, args, kwargs):
+        return _run_step(self, *args, target=target, losses=losses, return_outputs=return_outputs,
+                         loss_kwargs=loss_kwargs, **kwargs)
+
+
+def _run_step(self: _core.PipelineSchedule, *args: Any, target: Any, losses: list | None, return_outputs: bool,
+              loss_kwargs: dict[str, Any] | None, **kwargs: Any) -> Any:
     if self.loss_fn is None:
         out = _core.PipelineSchedule.eval(self, *args, **kwargs)
         if losses is not None and _holds_last(self):
@@ -84,6 +96,11 @@ def _eval(self: _core.PipelineSchedule, *args: Any, target: Any = None, losses: 
     Returns:
         The merged outputs on the rank holding the last stage, else None.
     """
+    with _chunked_like_the_peer(self, args, kwargs):
+        return _run_eval(self, *args, target=target, losses=losses, **kwargs)
+
+
+def _run_eval(self: _core.PipelineSchedule, *args: Any, target: Any, losses: list | None, **kwargs: Any) -> Any:
     if target is None or losses is None or self.loss_fn is None or not _holds_last(self):
         return _core.PipelineSchedule.eval(self, *args, **kwargs)
     per_mb: list[Any] = []
@@ -106,6 +123,20 @@ def _eval(self: _core.PipelineSchedule, *args: Any, target: Any = None, losses: 
         losses[:] = [self.loss_fn(o, t.to(device) if isinstance(t, torch.Tensor) else t)
                      for o, t in zip(per_mb, targets)]
     return out
+
+
+@contextlib.contextmanager
+def _chunked_like_the_peer(sched: _core.PipelineSchedule, args: tuple, kwargs: dict) -> Iterator[None]:
+    """For one ``step``/``eval``: the schedule's chunk specs replaced by per-tensor chunkers
+    (:func:`~pippy_split.compat.microbatch.peer_chunk_specs`), so every input tensor is chunked
+    by its own size, as the peer does. A rank given no inputs keeps the specs it has."""
+    saved = sched.args_chunk_spec, sched.kwargs_chunk_spec
+    if args or kwargs:
+        sched.args_chunk_spec, sched.kwargs_chunk_spec = peer_chunk_specs(args, kwargs, sched.n_microbatches, *saved)
+    try:
+        yield
+    finally:
+        sched.args_chunk_spec, sched.kwargs_chunk_spec = saved
 
 
 def _holds_last(sched: _core.PipelineSchedule) -> bool:

@@ -16,6 +16,7 @@ peak of held activations (and, under checkpointing, one stage's rebuilt activati
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from typing import Any, Callable, Iterable, Sequence
@@ -47,6 +48,10 @@ out 4-16% optimistic, so one further behind would not win."""
 MIN_RESOLUTION = 0.01
 """Predictions closer than this (relative) are ties, however quiet the machine was."""
 
+MEASURE_BUDGET_S = 20.0
+"""Seconds ``measure=True`` may spend repeating steps until the timings settle, shared by
+the measured splits (beyond the few steps each takes anyway)."""
+
 ADAM_STATE = 2.0
 """Optimizer state per parameter byte by default (Adam: two moments)."""
 
@@ -70,7 +75,8 @@ def plan(
     example_target: Any = None,
     profile_passes: int = PROFILE_PASSES,
     measure: bool | int = True,
-    resolution: float | None = None,
+    measure_budget: float = MEASURE_BUDGET_S,
+    resolution: float = MIN_RESOLUTION,
     group: Any = None,
 ) -> Plan:
     """Choose split, schedule, stages per rank, microbatches and checkpointing for ``model``.
@@ -104,8 +110,13 @@ def plan(
             :mod:`.measure`: each action kind as the contenders run it, at up to three
             microbatch sizes) and simulate the contenders again with those times.
             ``False``: op sums only (faster, 4-16% optimistic on CPU).
-        resolution: relative step-time difference marked as a tie in the ranking;
-            default the measurement's timing noise, at least 1%.
+        measure_budget: seconds the measurement may spend repeating steps until each
+            split's timings settle (two halves of the samples agree within 1%), shared
+            by the measured splits. A measured candidate's ``spread`` is how far its
+            prediction moves between the halves; where the fastest candidates' spreads
+            stay over 5% the plan is ``too_noisy`` and says so.
+        resolution: relative step-time difference always marked as a tie; candidates
+            whose spreads overlap tie too.
         group: the pipeline's process group or DeviceMesh dimension (``mesh["pp"]``): the
             default link model is measured between its first two ranks. Every rank of
             the default group calls ``plan()`` and gets rank 0's plan.
@@ -156,12 +167,9 @@ def plan(
                                         group=group_of_one())
         limit = MEASURED_SPLITS if measure is True else int(measure)
         candidates = _measure_contenders(candidates, measure_one, limit, num_ranks, global_batch / b0, comm,
-                                         optimizer_state, budget)
+                                         optimizer_state, budget, measure_budget)
     if not candidates:
         raise PlanError(f"plan(): no candidate could be built for {num_ranks} ranks: " + "; ".join(notes or ["-"]))
-    if resolution is None:
-        noise = [c.split.measured.noise for c in candidates if c.split.measured is not None]
-        resolution = max([MIN_RESOLUTION] + noise)
     result = Plan(candidates, budget, comm, loss_fn, num_ranks, global_batch, notes, resolution)
     if not result.fitting:
         raise PlanError(result.no_fit_message())
@@ -170,13 +178,14 @@ def plan(
 
 def _measure_contenders(candidates: list[Candidate], measure: Callable[..., SplitMeasure], limit: int,
                         num_ranks: int, batches: float, comm: CommModel, optimizer_state: float,
-                        budget: float) -> list[Candidate]:
+                        budget: float, seconds: float = MEASURE_BUDGET_S) -> list[Candidate]:
     """Measure the splits of the fastest candidates (by op sums: the contenders, within
-    :data:`CONTENDER_WINDOW` of the fastest; up to ``limit`` splits), each only as its
-    contenders run it (checkpointed or not, split backward or not, their microbatch
-    sizes), and simulate those candidates again with the measured times; the others keep
-    their op sums. Inside a process group every rank measures at once and keeps rank 0's
-    figures."""
+    :data:`CONTENDER_WINDOW` of the fastest; up to ``limit`` splits, ``seconds`` of
+    repeating steps shared among them), each only as its contenders run it (checkpointed
+    or not, split backward or not, their microbatch sizes), and simulate those candidates
+    again with the measured times, and with each half of the samples for their
+    ``spread``; the others keep their op sums. Inside a process group every rank measures
+    at once and keeps rank 0's figures."""
     ranked = sorted(candidates, key=lambda c: (not c.fits, c.step_time))
     fastest = ranked[0].step_time
     contenders: dict[int, list[Candidate]] = {}
@@ -192,17 +201,39 @@ def _measure_contenders(candidates: list[Candidate], measure: Callable[..., Spli
         split.measured = _rank0(measure(
             split, activation_checkpoint=sorted({ac for ac, _ in pairs}),
             split_backward=sorted({sb for _, sb in pairs}), only=pairs,
-            batch_range=(split.batch * batches / max(sizes), split.batch * batches / min(sizes))))
+            batch_range=(split.batch * batches / max(sizes), split.batch * batches / min(sizes)),
+            budget_s=seconds / len(contenders)))
     out = []
     for c in candidates:
         measured = c.split.measured
         if measured is None or not measured.has(c.activation_checkpoint, get_order_spec(c.schedule).split_backward):
             out.append(c)  # its op-sum simulation stands
             continue
-        again = evaluate(c.split, c.schedule, num_ranks, c.n_microbatches, c.activation_checkpoint,
-                         batches / c.n_microbatches, comm, optimizer_state, budget)
-        out.append(again if again is not None else c)
+        simulate_with = functools.partial(evaluate, schedule=c.schedule, num_ranks=num_ranks, m=c.n_microbatches,
+                                          ac=c.activation_checkpoint, scale=batches / c.n_microbatches, comm=comm,
+                                          optimizer_state=optimizer_state, budget=budget)
+        again = simulate_with(c.split)
+        if again is None:
+            out.append(c)
+            continue
+        again.spread = _spread(again, simulate_with)
+        out.append(again)
     return out
+
+
+def _spread(cand: Candidate, simulate_with: Callable[[SplitCosts], Candidate | None]) -> float | None:
+    """How far ``cand``'s predicted step time moves between the two halves of its split's
+    measured samples, relative to it (None without halves)."""
+    measured = cand.split.measured
+    if measured is None or len(measured.halves) != 2:
+        return None
+    times = []
+    for i in (0, 1):
+        half = simulate_with(dataclasses.replace(cand.split, measured=measured.half(i)))
+        if half is None:
+            return None
+        times.append(half.step_time)
+    return abs(times[0] - times[1]) / cand.step_time if cand.step_time > 0 else 0.0
 
 
 def _rank0(value: Any) -> Any:
@@ -229,7 +260,7 @@ def _search(price: Callable[..., SplitCosts], grid: Iterable[tuple[str, int, str
         key = (metric, spr * num_ranks)
         if key not in splits:
             try:
-                splits[key] = price(spr * num_ranks, metric)
+                splits[key] = _unless_priced(price(spr * num_ranks, metric), splits, notes)
             except (SplitError, ValueError) as e:  # too few pieces to cut: note it, try the rest
                 notes.append(f"{spr * num_ranks} stages by {metric}: {e}")
                 splits[key] = None
@@ -242,6 +273,18 @@ def _search(price: Callable[..., SplitCosts], grid: Iterable[tuple[str, int, str
                 seen.add(cand.key)
                 out.append(cand)
     return out
+
+
+def _unless_priced(split: SplitCosts, splits: dict[tuple[str, int], SplitCosts | None],
+                   notes: list[str]) -> SplitCosts | None:
+    """``split``, or None where another metric already cut at the same places (its
+    candidates would be the same rows again)."""
+    same = next((other for other in splits.values() if other is not None and other.positions == split.positions),
+                None)
+    if same is None:
+        return split
+    notes.append(f"{split.num_stages} stages by {split.metric}: the same cuts as by {same.metric}")
+    return None
 
 
 def evaluate(costs: SplitCosts, schedule: str, num_ranks: int, m: int, ac: bool, scale: float, comm: CommModel,

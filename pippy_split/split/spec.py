@@ -85,6 +85,11 @@ class Edge:
 
     For a model input, ``src_stage`` is :data:`MODEL_INPUT` and ``src_output`` is the
     input's index among the model's flattened inputs.
+
+    Example:
+        >>> e = Edge(1, 0, 2, 0, TensorSpec((8, 32), torch.float32, True), "add_4", "blocks.1")
+        >>> e.display_name, str(e)
+        ('blocks.1 (add_4)', '1.out[0] -> 2.in[0] blocks.1 (add_4) (8, 32) float32')
     """
 
     src_stage: int
@@ -94,6 +99,18 @@ class Edge:
     """Input position at ``dst_stage``; ``-1`` on a hand-built stage's route: the next free chain input."""
     spec: TensorSpec
     name: str = ""
+    """The value's node name in the traced graph (``add_4``; a model input's own name), one per value."""
+    label: str = ""
+    """What the value is, in the model's terms: the module call it is the output of (``blocks.1``),
+    else ``add_14 in blocks.1.attn`` for a value computed inside a module, else :attr:`name`.
+    Empty on a hand-built stage's route."""
+
+    @property
+    def display_name(self) -> str:
+        """``label (name)`` where they differ, else whichever there is: the value as tables show it."""
+        if self.label and self.name and self.label != self.name and not self.label.startswith(f"{self.name} in "):
+            return f"{self.label} ({self.name})"
+        return self.label or self.name
 
     @property
     def from_input(self) -> bool:
@@ -111,7 +128,7 @@ class Edge:
 
     def __str__(self) -> str:
         src = f"input[{self.src_output}]" if self.from_input else f"{self.src_stage}.out[{self.src_output}]"
-        return f"{src} -> {self.dst_stage}.in[{self.dst_input}] {self.name} {self.spec.short()}"
+        return f"{src} -> {self.dst_stage}.in[{self.dst_input}] {self.display_name} {self.spec.short()}"
 
 
 @dataclass(frozen=True)

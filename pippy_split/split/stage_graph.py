@@ -15,14 +15,15 @@ from typing import Any, cast
 
 import sympy
 import torch
+from torch.export.graph_signature import TensorArgument
 from torch.fx import GraphModule
 
-from .calls import call_tree
+from .calls import call_stack, call_tree
 from .cost import mutated_args, node_flops
 from .errors import SplitError
 from .grad import infer_requires_grad
 from .markers import is_split_marker
-from .module_calls import call_inputs, parent_of, swap_in_module_calls
+from .module_calls import call_inputs, parent_of, signature_key, swap_in_module_calls
 from .partition import Plan, module_paths
 from .spec import MODEL_INPUT, Edge, InputKind, StageInput, SymbolSource, TensorSpec
 from .trace import Traced, user_module_path
@@ -160,6 +161,8 @@ class _Builder:
         self.output_leaves = list(out_node.args[0])
         self.calls = call_tree(plan.ops)  # module calls, for swapping the user's modules into stages
         self.by_name = {n.name: n for n in self.graph.nodes}
+        self.returned = {key: {o.name for o in sig.outputs if isinstance(o, TensorArgument)}
+                         for key, sig in traced.module_signatures.items()}  # values each module call returns
 
     def _param_tensors(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
@@ -171,6 +174,19 @@ class _Builder:
 
     def stage_of(self, node: torch.fx.Node) -> int | None:
         return self.plan.stage_of.get(node)
+
+    def label(self, v: torch.fx.Node) -> str:
+        """What a value crossing a cut is, in the model's terms (``Edge.label``): the outermost
+        module call returning it (``blocks.1``; ``layer@2`` for a module's third call), else
+        ``add_14 in blocks.1.attn`` inside a module, else its graph name."""
+        inside = ""
+        for key, path in zip(call_stack(v), module_paths(v)):
+            call = self.calls.calls.get(key)
+            name = signature_key(call, path) if call is not None else path
+            if v.name in self.returned.get(name, ()):
+                return name
+            inside = path
+        return f"{v.name} in {inside}" if inside else v.name
 
     def build(self) -> Built:
         stage_ops: list[list[torch.fx.Node]] = [[] for _ in range(self.n)]
@@ -290,14 +306,14 @@ class _Builder:
                 sources.append(StageInput(len(sources), InputKind.MODEL, v.name, model_input=self.input_index[v.name]))
             else:
                 spec = _spec_of(v, self.rg[v], self.known_symbols, self.rename)
-                edge = Edge(MODEL_INPUT, self.input_index[v.name], s, len(sources), spec, v.name)
+                edge = Edge(MODEL_INPUT, self.input_index[v.name], s, len(sources), spec, v.name, v.name)
                 edges.append(edge)
                 sources.append(StageInput(len(sources), InputKind.EDGE, v.name, edge=edge))
         for v in received:
             src = cast(int, self.stage_of(v))  # received from the stage that computes it
             spec = _spec_of(v, self.rg[v], self.known_symbols, self.rename)
             env[v] = g.placeholder(v.name)
-            edge = Edge(src, out_index[src][v], s, len(sources), spec, v.name)
+            edge = Edge(src, out_index[src][v], s, len(sources), spec, v.name, self.label(v))
             edges.append(edge)
             sources.append(StageInput(len(sources), InputKind.EDGE, v.name, edge=edge))
         for v in symbolic:

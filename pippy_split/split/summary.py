@@ -87,7 +87,8 @@ def _peers(pipe: "Pipe", s: int) -> tuple[str, str]:
 
 def pipe_rich(pipe: "Pipe") -> Group:
     """Stages table, edges table and warnings as a rich renderable."""
-    stages = Table(title=f"Pipe of {pipe.model_name}: {pipe.num_stages} stages", title_justify="left")
+    plural = "" if pipe.num_stages == 1 else "s"
+    stages = Table(title=f"Pipe of {pipe.model_name}: {pipe.num_stages} stage{plural}", title_justify="left")
     metric, shares = stage_shares(pipe)
     share_col = f"{metric} share"
     for col in ("stage", "modules", "params", "bytes", "FLOPs/mb", share_col, "receives from", "sends to"):
@@ -106,7 +107,7 @@ def pipe_rich(pipe: "Pipe") -> Group:
     for e in pipe.edges:
         src = "input" if e.from_input else f"stage {e.src_stage}[{e.src_output}]"
         style = "bold yellow" if e.is_skip else None
-        edges.add_row(src, f"stage {e.dst_stage}[{e.dst_input}]" + (" *" if e.is_skip else ""), e.name,
+        edges.add_row(src, f"stage {e.dst_stage}[{e.dst_input}]" + (" *" if e.is_skip else ""), e.display_name,
                       "(" + ", ".join(str(d) for d in e.spec.shape) + ")", str(e.spec.dtype).replace("torch.", ""),
                       "yes" if e.spec.carries_grad else "no", style=style)
     parts: list[Any] = [stages, edges]

@@ -117,7 +117,10 @@ def test_only_the_fastest_candidates_splits_are_measured() -> None:
 
     op_sums, one, default = planned(False), planned(1), planned(True)
     assert not measured_splits(op_sums)
-    assert len({id(c.split) for c in one.candidates}) == 4  # 2 and 4 stages, by time and by params
+    # 2 and 4 stages, by time and by params; a split that cuts where another already did is priced once
+    splits = {id(c.split): c.split for c in one.candidates}.values()
+    assert 2 <= len(splits) == len({tuple(s.positions) for s in splits}) <= 4
+    assert len(splits) == 4 or any("the same cuts as by time" in note for note in one.notes)
     assert len(measured_splits(one)) == 1 and 1 <= len(measured_splits(default)) <= 3
     # the measured split is the one the op sums put first, measured only as its contenders (within
     # 30% of the fastest) run it; the fastest was simulated again

@@ -1,0 +1,105 @@
+"""The small things of the `pippy-split` command: --version, a fast --help, one line for a
+split that cannot be made, a hint when nothing splits the model, no numpy warning.
+
+Most run in this process (``main([...])``); the import checks run in a fresh one.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import pippy_split
+from pippy_split.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_FACTORY = '''
+import torch
+from torch import nn
+
+
+def stack():
+    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), (torch.randn(4, 8),)
+'''
+
+_IMPORTS = """
+import json, sys
+from pippy_split.cli import main
+for argv in (["--help"], ["--version"], ["train", "--help"]):
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+heavy = ("torch", "pippy_split.train", "pippy_split.training.loop", "pippy_split.split", "pippy_split.schedule")
+print(json.dumps({m: m in sys.modules for m in heavy}), file=sys.stderr)
+"""
+
+
+def _python(*args: str, env: dict | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
+                       env=env or dict(os.environ, COLUMNS="160"), cwd=cwd)
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def imported_by_help() -> dict[str, bool]:
+    """Which heavy modules ``--help``, ``--version`` and ``train --help`` import, in a fresh process."""
+    r = _python("-c", _IMPORTS)
+    return json.loads(r.stderr.strip().splitlines()[-1])
+
+
+def test_version_is_the_installed_distributions(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pippy-split {pippy_split.__version__}"
+    assert pippy_split.__version__ == importlib.metadata.version("pippy-split")
+
+
+def test_version_of_a_checkout_that_was_never_installed_comes_from_pyproject(monkeypatch):
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8") as f:
+        stated = next(line.split('"')[1] for line in f if line.startswith("version"))
+    assert pippy_split._version() == stated
+
+
+def test_help_does_not_import_the_training_job(imported_by_help):
+    assert not imported_by_help["pippy_split.train"] and not imported_by_help["pippy_split.training.loop"]
+
+
+@pytest.mark.timeout(120)
+def test_inspect_prints_one_line_for_a_split_error(capsys):
+    assert main(["inspect", "zoo:mlp_stack", "--split", "no.such.module"]) == 1
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [f"pippy-split inspect failed: SplitError: {err.split('SplitError: ', 1)[1].strip()}"]
+    assert "no.such.module" in err and "Traceback" not in out + err
+
+
+@pytest.mark.timeout(120)
+def test_inspect_without_a_split_hints_how_to_split(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_models.py").write_text(_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # module:factory targets put the cwd on it
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["inspect", "my_models:stack"]) == 0
+    out = capsys.readouterr().out
+    assert "Pipe of Sequential: 1 stage" in out  # still shown, as one stage
+    assert "--split" in out and "--stages N" in out and "e.g. --split 2" in out
+
+    assert main(["inspect", "my_models:stack", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["num_stages"] == 1 and "--stages N" in err  # the hint stays out of the JSON
+
+    assert main(["inspect", "my_models:stack", "--stages", "2"]) == 0
+    assert "hint" not in capsys.readouterr().out
+    sys.modules.pop("my_models", None)
