@@ -26,6 +26,11 @@ import torch
 import pippy_split as ps
 from pippy_split import zoo
 
+try:  # a notebook draws a Pipe, a Simulation or a schedule as a table / SVG timeline
+    from IPython.display import display
+except ImportError:  # plain python without IPython: the same objects as text
+    display = print
+
 entry = zoo.get("tiny_gpt")  # a 4-block character GPT and an example batch
 model, (x,), y = entry.model, entry.args, entry.target
 print(tuple(x.shape), "token ids ->", tuple(model(x).shape), "logits")
@@ -41,7 +46,7 @@ print(tuple(x.shape), "token ids ->", tuple(model(x).shape), "logits")
 # %%
 mb = x[:2]  # (2, 32)
 pipe = ps.pipeline(model, ["blocks.1", "blocks.2", "blocks.3"], (mb,))
-print(pipe)
+display(pipe)
 
 # %% [markdown]
 # The first table is the stages: module ranges, parameters, FLOPs per
@@ -115,7 +120,7 @@ torch.manual_seed(0)
 llama = LlamaForCausalLM(cfg).eval()
 ids = torch.randint(0, cfg.vocab_size, (2, 16))  # one microbatch: (2, 16)
 hf_pipe = ps.pipeline(llama, ["model.layers.2"], (ids,))
-print(hf_pipe)
+display(hf_pipe)
 out = hf_pipe(ids)  # the same CausalLMOutputWithPast the model returns
 torch.testing.assert_close(out.logits, llama(ids).logits)
 print(type(out).__name__, tuple(out.logits.shape))

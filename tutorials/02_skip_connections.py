@@ -32,12 +32,17 @@ from torch import nn
 import pippy_split as ps
 from pippy_split import zoo
 
+try:  # a notebook draws a Pipe, a Simulation or a schedule as a table / SVG timeline
+    from IPython.display import display
+except ImportError:  # plain python without IPython: the same objects as text
+    display = print
+
 entry = zoo.get("tiny_unet")  # denoiser: (8, 3, 16, 16) -> (8, 3, 16, 16), MSE loss
 model, (x,), y = entry.model, entry.args, entry.target
 reference = copy.deepcopy(model)  # stage modules share the model's parameters; keep an untouched copy
 
 pipe = ps.pipeline(model, ["down2", "up2", "up1"], (x[:2],))  # trace on one microbatch
-print(pipe)
+display(pipe)
 
 # %% [markdown]
 # Edges marked `*` skip at least one stage. The stem's output (`silu`) *fans out*:
@@ -68,6 +73,7 @@ print("readers of stage 0 output 0:", fan_out[(0, 0)])
 
 # %%
 sched = ps.build_schedule(pipe, "Interleaved1F1B", n_microbatches=4, loss_fn=entry.loss_fn)
+display(sched)  # which stages this rank holds, the placement, and the order's simulated timeline
 sched.step(x, target=y)
 
 ref_loss = entry.loss_fn(reference(x), y)  # mean over the batch == mean over 4 equal microbatches

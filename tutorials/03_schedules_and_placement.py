@@ -22,15 +22,17 @@
 # the actions of one means building mock stages.
 
 # %%
-import os
-import tempfile
-
 import torch
 
 import pippy_split as ps
 from pippy_split import zoo
 from pippy_split.schedule import (ScheduleError, lower, order_from_csv, order_to_csv, rank_to_stages, simulate,
                                   stage_to_rank, validate)
+
+try:  # a notebook draws a Pipe, a Simulation or a schedule as a table / SVG timeline
+    from IPython.display import display
+except ImportError:  # plain python without IPython: the same objects as text
+    display = print
 
 order = ps.get_schedule_class("1F1B").compute_order(num_ranks=2, n_microbatches=4)
 for rank, actions in order.items():
@@ -45,7 +47,7 @@ for rank, actions in order.items():
 # sets activation memory.
 
 # %%
-print(simulate(order))
+display(simulate(order))  # a notebook draws the timeline; a script prints it as text
 
 # %% [markdown]
 # ## Compare the seven schedules
@@ -81,10 +83,7 @@ print("v:   ", rank_to_stages(8, 4, "v"))
 assert stage_to_rank(8, 4, "v")[7] == 0
 
 zbv = simulate(ps.get_schedule_class("ZBVZeroBubble").compute_order(2, 4))
-print(zbv)
-svg = os.path.join(tempfile.gettempdir(), "pippy_split_zbv.svg")
-zbv.to_svg(svg)  # print() gives text; in a notebook, a cell ending in `zbv` (no print) draws this SVG inline
-print("SVG timeline written to", svg)
+display(zbv)  # inline SVG in a notebook (zbv.to_svg("zbv.svg") writes the same picture to a file)
 
 # %% [markdown]
 # ## Lower, save, edit, validate

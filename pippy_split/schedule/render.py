@@ -2,8 +2,9 @@
 
 Sits at the end of the schedule layer, beside the simulator: ``Simulation``'s
 ``__str__``, ``__rich__``, ``to_svg`` and ``_repr_html_`` call the functions
-here, and :class:`~pippy_split.schedule.validate.ScheduleError` prints its
-order with :func:`format_order`. Nothing here computes a schedule; it only
+here, as does a schedule object's ``_repr_html_`` (a table and its timeline),
+and :class:`~pippy_split.schedule.validate.ScheduleError` prints its order with
+:func:`format_order`. Nothing here computes a schedule; it only
 draws one. A simulation is read duck-typed: ``timeline`` ``{rank: [(start,
 end, Action), ...]}``, ``makespan``, ``num_ranks`` and, when present,
 ``bubble_fraction`` and ``peak_activations``.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.measure import Measurement
@@ -21,7 +22,8 @@ from rich.text import Text
 
 from .actions import Action, ActionKind, Order  # noqa: F401 - ActionKind: the doctests use it
 
-__all__ = ["format_order", "render_text", "render_rich", "render_svg", "render_html", "KIND_COLORS"]
+__all__ = ["format_order", "render_text", "render_rich", "render_svg", "render_html", "render_schedule_html",
+           "html_table", "KIND_COLORS"]
 
 KIND_COLORS: dict[str, str] = {
     "F": "#4c8be8",  # forward: blue
@@ -168,8 +170,31 @@ def _label(action: Action | None, span: int) -> str:
     return (short * span)[:span]
 
 
-def _summary(sim: Any) -> str:
-    parts = [f"{sim.num_ranks} ranks", f"makespan {sim.makespan:g}"]
+_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def _time_unit(makespan: float, unit: str | None) -> tuple[float, str]:
+    """``(factor, label)`` that shows times given in ``unit`` ("s", "ms", "us") in the
+    largest unit where ``makespan`` is at least 1; ``(1.0, "")`` for abstract costs (None).
+
+    Example:
+        >>> _time_unit(0.0119, "s"), _time_unit(2.5, "s"), _time_unit(3.0, None)
+        ((1000.0, 'ms'), (1.0, 's'), (1.0, ''))
+    """
+    if unit is None:
+        return 1.0, ""
+    if unit not in _SECONDS:
+        raise ValueError(f"time_unit must be one of {', '.join(map(repr, _SECONDS))} (what the simulation's "
+                         f"times are in) or None for abstract costs; got {unit!r}")
+    seconds = makespan * _SECONDS[unit]
+    label = next((u for u, size in _SECONDS.items() if seconds >= size), "us")
+    return _SECONDS[unit] / _SECONDS[label], label
+
+
+def _summary(sim: Any, unit: tuple[float, str] = (1.0, "")) -> str:
+    factor, label = unit
+    span = f"{sim.makespan * factor:.3g} {label}" if label else f"{sim.makespan:g}"
+    parts = [f"{sim.num_ranks} ranks", f"makespan {span}"]
     if getattr(sim, "bubble_fraction", None) is not None:
         parts.append(f"bubble {sim.bubble_fraction:.1%}")
     return ", ".join(parts)
@@ -319,7 +344,7 @@ _ROW_H, _GAP, _LEFT, _TOP, _CHAR_W, _AXIS_H = 22, 4, 64, 28, 6.6, 22
 
 
 def render_svg(sim: Any, path: str | Path | None = None, *, px_per_unit: float | None = None,
-               title: str | None = None) -> str:
+               title: str | None = None, time_unit: str | None = None) -> str:
     """The timeline as an SVG: one row per rank, a box per action coloured by kind.
 
     Args:
@@ -329,20 +354,26 @@ def render_svg(sim: Any, path: str | Path | None = None, *, px_per_unit: float |
             at most ~1600 px wide).
         title: what the timeline shows (e.g. the schedule's name and sizes), put
             before the summary in the heading.
+        time_unit: what the simulation's times are in ("s", "ms", "us"; a plan's
+            candidates are simulated in seconds): the heading, axis and tooltips show
+            them in the unit that suits the makespan (``makespan 11.9 ms``, axis
+            ``time/ms``). None: abstract costs, shown as plain numbers.
 
     Returns:
         The SVG document text.
 
     Example:
         >>> svg = render_svg(sim, "timeline.svg")  # doctest: +SKIP
+        >>> svg = render_svg(candidate.simulation, title="1F1B, m=8", time_unit="s")  # doctest: +SKIP
     """
     spans = _spans(sim)
     px = px_per_unit or _svg_scale(sim, spans)
+    unit = _time_unit(sim.makespan, time_unit)
     plot_w = max(sim.makespan * px, 1.0)
     width = _LEFT + plot_w + 12
     rows_end = _TOP + len(spans) * (_ROW_H + _GAP)
     height = rows_end + _AXIS_H + 48
-    heading = f"{title}: {_summary(sim)}" if title else _summary(sim)
+    heading = f"{title}: {_summary(sim, unit)}" if title else _summary(sim, unit)
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
         f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="monospace" font-size="11">',
@@ -354,8 +385,8 @@ def render_svg(sim: Any, path: str | Path | None = None, *, px_per_unit: float |
         out.append(
             f'<rect x="{_LEFT}" y="{y}" width="{plot_w:.1f}" height="{_ROW_H}" fill="#f4f4f4" class="idle"/>'
         )
-        out.extend(_svg_box(r, y, start, end, a, px) for start, end, a in entries)
-    out.append(_svg_axis(sim.makespan, px, rows_end))
+        out.extend(_svg_box(r, y, start, end, a, px, unit) for start, end, a in entries)
+    out.append(_svg_axis(sim.makespan, px, rows_end, unit))
     out.append(_svg_legend(rows_end + _AXIS_H + 12))
     out.append("</svg>")
     svg = "\n".join(out)
@@ -373,11 +404,14 @@ def _svg_scale(sim: Any, spans: dict[int, list[tuple[float, float, Action]]]) ->
     return min((label * _CHAR_W + 6) / shortest, 1600 / sim.makespan)
 
 
-def _svg_box(rank: int, y: float, start: float, end: float, action: Action, px: float) -> str:
+def _svg_box(rank: int, y: float, start: float, end: float, action: Action, px: float,
+             unit: tuple[float, str] = (1.0, "")) -> str:
     x, w = _LEFT + start * px, (end - start) * px
     key = _kind_key(action)
     text = str(action)
-    tip = html.escape(f"rank {rank}: {text} [{start:g}, {end:g})")
+    factor, label = unit
+    span = f"[{start * factor:.4g}, {end * factor:.4g}) {label}" if label else f"[{start:g}, {end:g})"
+    tip = html.escape(f"rank {rank}: {text} {span}")
     box = (
         f'<g class="action kind-{key}"><title>{tip}</title>'
         f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{_ROW_H}" fill="{KIND_COLORS[key]}" '
@@ -388,16 +422,18 @@ def _svg_box(rank: int, y: float, start: float, end: float, action: Action, px: 
     return box + "</g>"
 
 
-def _svg_axis(makespan: float, px: float, y: float) -> str:
-    """A time axis under the rows: a line, ticks at round times, their labels, "time"."""
+def _svg_axis(makespan: float, px: float, y: float, unit: tuple[float, str] = (1.0, "")) -> str:
+    """A time axis under the rows: a line, ticks at round times (in the display unit),
+    their labels, "time" and the unit."""
+    factor, label = unit
     parts = [f'<line x1="{_LEFT}" y1="{y}" x2="{_LEFT + makespan * px:.1f}" y2="{y}" stroke="#666"/>']
-    step, t = _tick_step(px, 36), 0.0
-    while t <= makespan + 1e-9:
-        x = _LEFT + t * px
+    step, t = _tick_step(px / factor, 36), 0.0  # t and step in display units
+    while t <= makespan * factor + 1e-9:
+        x = _LEFT + t / factor * px
         parts.append(f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 4}" stroke="#666"/>')
         parts.append(f'<text x="{x:.1f}" y="{y + 15}" text-anchor="middle">{t:g}</text>')
         t += step
-    parts.append(f'<text x="4" y="{y + 15}">time</text>')
+    parts.append(f'<text x="4" y="{y + 15}">{f"time/{label}" if label else "time"}</text>')
     return '<g class="axis">' + "".join(parts) + "</g>"
 
 
@@ -415,3 +451,71 @@ def render_html(sim: Any) -> str:
     peaks = _peaks(sim)
     note = f"<div><small>{html.escape(peaks)}</small></div>" if peaks else ""
     return f'<div class="pippy-split-simulation">{render_svg(sim)}{note}</div>'
+
+
+# -- schedules and tables (notebooks) ---------------------------------------------
+
+_SVG_MAX_ACTIONS = 2000  # a bigger order's timeline is too wide to read inline; the table still shows
+
+
+def html_table(rows: Sequence[tuple[str, str]], header: Sequence[str] | None = None,
+               body: Sequence[Sequence[str]] | None = None, caption: str | None = None) -> str:
+    """A small HTML table: ``rows`` as ``name | value`` lines, or ``header`` over ``body``.
+
+    Every cell is escaped. Used by the notebook reprs (``_repr_html_``) of schedules and plans.
+
+    Example:
+        >>> html_table([("ranks", "2")])
+        '<table><tr><th style="text-align:left">ranks</th><td style="text-align:left">2</td></tr></table>'
+    """
+    left = ' style="text-align:left"'
+    out = ["<table>"]
+    if caption:
+        out.append(f"<caption{left}>{html.escape(caption)}</caption>")
+    if header:
+        out.append("<tr>" + "".join(f"<th{left}>{html.escape(h)}</th>" for h in header) + "</tr>")
+    for cells in body or []:
+        out.append("<tr>" + "".join(f"<td{left}>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    for name, value in rows:
+        out.append(f"<tr><th{left}>{html.escape(name)}</th><td{left}>{html.escape(value)}</td></tr>")
+    return "".join(out) + "</table>"
+
+
+def schedule_rows(sched: Any) -> list[tuple[str, str]]:
+    """``(name, value)`` lines that describe a schedule object: its stages, ranks,
+    microbatches and placement (read duck-typed: ``stages``, ``rank``, ``world``,
+    ``num_stages``, ``n_microbatches``, ``placement``, ``actions``)."""
+    mine = [s.stage_index for s in sched.stages]
+    return [
+        ("schedule", type(sched).__name__),
+        ("this rank", f"{sched.rank} of {sched.world}, holds stages {mine} of {sched.num_stages}"),
+        ("n_microbatches", str(sched.n_microbatches)),
+        ("placement", f"{placement_style(sched)}: "
+                      + ", ".join(f"stage {s} -> rank {r}" for s, r in sorted(sched.placement.items()))),
+        ("actions on this rank", f"{len(sched.actions)}, lowered (with any sends and receives)"),
+    ]
+
+
+def placement_style(sched: Any) -> str:
+    """``"loop"``/``"v"``: the placement a schedule runs under; ``"from order"`` for a
+    hand-written order (:class:`~pippy_split.schedule.ScheduleFromOrder`)."""
+    spec = getattr(sched, "spec", None)
+    return getattr(sched, "_placement_style", None) or (spec.placement if spec is not None else "from order")
+
+
+def render_schedule_html(sched: Any) -> str:
+    """HTML for a schedule object's ``_repr_html_``: a table of what it runs, and the
+    simulated timeline of its whole order (every rank, unit costs) as an SVG.
+
+    Example:
+        >>> sched._repr_html_()[:40]  # doctest: +SKIP
+        '<div class="pippy-split-schedule"><table>'
+    """
+    from .simulate import simulate  # simulate imports this module's functions lazily too
+
+    parts = [html_table(schedule_rows(sched))]
+    if sum(a is not None for acts in sched.order.values() for a in acts) <= _SVG_MAX_ACTIONS:
+        sim = simulate(sched.order, links=sched.links)
+        title = f"{type(sched).__name__}, m={sched.n_microbatches} (unit costs)"
+        parts.append(render_svg(sim, title=title))
+    return f'<div class="pippy-split-schedule">{"".join(parts)}</div>'

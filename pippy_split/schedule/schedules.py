@@ -351,6 +351,25 @@ class PipelineSchedule:
         microbatches, or with ``loss_count`` the loss sum over the batch's item count."""
         return self._loss
 
+    # ---- summaries ---------------------------------------------------------------
+    def __repr__(self) -> str:
+        """One line: class, this rank's stages, ranks, microbatches, placement.
+
+        Example:
+            >>> ps.build_schedule(pipe, "1F1B", n_microbatches=4)  # doctest: +SKIP
+            Schedule1F1B(stages [0] on rank 0 of 2, n_microbatches=4, placement='loop')
+        """
+        from .render import placement_style
+
+        return (f"{type(self).__name__}(stages {[s.stage_index for s in self.stages]} on rank {self.rank} of "
+                f"{self.world}, n_microbatches={self.n_microbatches}, placement={placement_style(self)!r})")
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: a table of the above and the order's simulated timeline (SVG)."""
+        from .render import render_schedule_html
+
+        return render_schedule_html(self)
+
 
 class ActionTiming(NamedTuple):
     """One compute action as :meth:`PipelineSchedule.timed_actions` saw it."""
