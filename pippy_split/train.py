@@ -138,3 +138,7 @@ def _check_options(cfg: TrainConfig, schedules: Any) -> str:
     if cfg.simulate_failure and not re.fullmatch(r"\d+:\d+", cfg.simulate_failure):
         return f"--simulate-failure takes RANK:STEP (e.g. 1:5), got {cfg.simulate_failure!r}"
     return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
