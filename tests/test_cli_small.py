@@ -77,6 +77,28 @@ def test_help_does_not_import_the_training_job(imported_by_help):
     assert not imported_by_help["pippy_split.train"] and not imported_by_help["pippy_split.training.loop"]
 
 
+def test_help_and_version_import_no_torch(imported_by_help):
+    """``import pippy_split`` is lazy (PEP 562): ``--help`` answers without torch's seconds of import."""
+    assert imported_by_help == dict.fromkeys(imported_by_help, False)
+
+
+def test_every_public_name_is_the_defining_modules_object():
+    import pippy_split.microbatch
+    import pippy_split.schedule
+    import pippy_split.split
+    import pippy_split.stage
+
+    assert pippy_split.pipeline is pippy_split.split.pipeline
+    assert pippy_split.Microbatches is pippy_split.microbatch.Microbatches
+    assert pippy_split.Schedule1F1B is pippy_split.schedule.Schedule1F1B
+    assert pippy_split.PipelineStage is pippy_split.stage.PipelineStage
+    assert pippy_split.checkpoint.save.__module__.startswith("pippy_split.checkpoint")
+    assert all(getattr(pippy_split, name) is not None for name in pippy_split.__all__)
+    assert set(pippy_split.__all__) <= set(dir(pippy_split))
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        pippy_split.no_such_name  # noqa: B018
+
+
 @pytest.mark.timeout(120)
 def test_inspect_prints_one_line_for_a_split_error(capsys):
     assert main(["inspect", "zoo:mlp_stack", "--split", "no.such.module"]) == 1
