@@ -4,7 +4,8 @@ Sits between the schedule generators (which emit compute actions F, B, I, W)
 and the lowering pass (which adds SEND_F/RECV_F/SEND_B/RECV_B). Text form is
 ``{stage}{kind}{mb}``: ``2F0`` is the forward of microbatch 0 on stage 2,
 ``1SEND_B3`` sends stage 1's input gradients for microbatch 3. Orders save to
-and load from CSV with one row per rank (an empty cell is an idle step).
+and load from CSV with one row per rank (an empty cell is an idle step), and
+print as a table with :func:`format_order` (what a ``ScheduleError`` shows).
 
 Communication actions move *messages*. A message is everything one stage
 sends one other stage for one microbatch in one direction (one tensor per
@@ -38,8 +39,10 @@ import io
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
-__all__ = ["ActionKind", "Action", "Order", "parse_action", "order_to_csv", "order_from_csv", "comm_batches"]
+__all__ = ["ActionKind", "Action", "Order", "parse_action", "order_to_csv", "order_from_csv", "comm_batches",
+           "format_order"]
 
 
 class ActionKind(str, enum.Enum):
@@ -188,3 +191,71 @@ def order_from_csv(source: str | Path) -> Order:
     for rank, row in enumerate(csv.reader(io.StringIO(str(text)))):
         order[rank] = [parse_action(cell) if cell.strip() else None for cell in row]
     return order
+
+
+def format_order(
+    order: Order,
+    mark: tuple[int, int] | Mapping[int, int] | None = None,
+    *,
+    max_steps: int | None = 24,
+) -> str:
+    """The order as a table, one row per rank; marked cells are shown as ``[0F3]``.
+
+    Args:
+        order: ``{rank: [Action | None, ...]}``; ``None`` (idle) prints as ``.``.
+        mark: a ``(rank, step)`` or ``{rank: step}`` to highlight.
+        max_steps: widest window of steps shown (around the marks, else from
+            step 0); ``None`` shows every step.
+
+    Example:
+        >>> print(format_order({0: [Action(0, ActionKind.F, 0), None]}, mark=(0, 1)))
+        step     0     1
+        rank 0  0F0   [.]
+    """
+    marks = _marks(mark)
+    n_steps = max((len(a) for a in order.values()), default=0)
+    lo, hi = _window(n_steps, marks, max_steps)
+    cells = {
+        r: [_cell(acts, i, marks.get(r) == i) for i in range(lo, hi)] for r, acts in order.items()
+    }
+    width = max([len(str(i)) for i in range(lo, hi)] + [len(c.strip("[]")) + 2 for row in cells.values() for c in row])
+    label_w = len(f"rank {max(order, default=0)}")
+    head = ["…"] if lo > 0 else []
+    tail = ["…"] if hi < n_steps else []
+    lines = [_row("step".ljust(label_w), head + [str(i) for i in range(lo, hi)] + tail, width)]
+    for r in sorted(order):
+        pad_l = [" "] if lo > 0 else []
+        pad_r = [" "] if hi < n_steps else []
+        lines.append(_row(f"rank {r}".ljust(label_w), pad_l + cells[r] + pad_r, width))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _marks(mark: tuple[int, int] | Mapping[int, int] | None) -> dict[int, int]:
+    if mark is None:
+        return {}
+    if isinstance(mark, Mapping):
+        return {r: s for r, s in mark.items() if s is not None}
+    rank, step = mark
+    return {} if rank is None or step is None else {rank: step}
+
+
+def _window(n_steps: int, marks: Mapping[int, int], max_steps: int | None) -> tuple[int, int]:
+    if max_steps is None or n_steps <= max_steps:
+        return 0, n_steps
+    if not marks:
+        return 0, max_steps
+    first, last = min(marks.values()), max(marks.values())
+    lo = max(0, min(first - 6, (first + last - max_steps) // 2))
+    return lo, min(n_steps, lo + max_steps)
+
+
+def _cell(actions: list[Action | None], step: int, marked: bool) -> str:
+    if step >= len(actions):
+        text = "" if not marked else "<end>"
+    else:
+        text = "." if actions[step] is None else str(actions[step])
+    return f"[{text}]" if marked else text
+
+
+def _row(label: str, cells: list[str], width: int) -> str:
+    return label + " " + " ".join(c.center(width) for c in cells)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..stage.errors import PipelineError
 from ..stage.groups import process_group
 from .actions import Order
-from .validate import ScheduleError
+from .errors import ScheduleError
 
 __all__ = ["group_info", "agree_on_order", "gather_links", "shared_item_count", "share_loss",
            "sync_shared_grads"]

@@ -1,7 +1,8 @@
 """The event loop over compute-only orders, on integers: what :func:`.simulate` times
 and :func:`.validate` dry-runs.
 
-Sits under :mod:`.simulate` and :mod:`.validate` in the schedule layer. An order's
+Sits under :mod:`.simulate` and :mod:`.validate` in the schedule layer, and holds the
+one integer encoding of action kinds (:data:`KINDS`, :data:`CODE`) both use. An order's
 compute actions (F, I, W, B) become integer keys ``(code * S + stage) * M + mb``
 (code F=0, I=1, W=2, B=3), and the dependency rule of :mod:`.deps` becomes, per
 ``(code, stage)``, a short list of ``(required key base, latency)`` pairs, the same
@@ -22,16 +23,23 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Callable, Mapping, Sequence, Union
 
-from .actions import ActionKind, Order
+from .actions import Action, ActionKind, Order
 from .deps import DepIndex
 
-__all__ = ["CODE", "KINDS", "DEFAULT_COSTS", "CostSpec", "Encoded", "LoopRun", "encode", "requirement_table",
-           "run_loop", "held_peaks", "stage_cost_table"]
+__all__ = ["CODE", "KINDS", "COMPUTE_KINDS", "DEFAULT_COSTS", "CostSpec", "Encoded", "LoopRun", "encode",
+           "requirement_table", "run_loop", "stopped_at", "held_peaks", "stage_cost_table"]
 
-KINDS = (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B)
-"""Kind of each code: F=0, I=1, W=2, B=3."""
-CODE = {"F": 0, "I": 1, "W": 2, "B": 3}
-_B = 3
+KINDS = (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B,
+         ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
+"""Kind of each integer code, the one encoding of ``schedule/``: the compute kinds F=0, I=1,
+W=2, B=3 (what the loop and its cost tables index), then the comm kinds 4-7."""
+CODE = {k.value: c for c, k in enumerate(KINDS)}
+"""Code of each kind by its value (``CODE["B"] == 3``): hot loops index by ``a.kind._value_``,
+which skips ``Enum.__hash__`` (a Python-level call)."""
+COMPUTE_KINDS = KINDS[:4]
+"""The compute kinds, codes 0-3; a code ``>= len(COMPUTE_KINDS)`` is a comm action."""
+_COMPUTE_CODE = {k.value: CODE[k.value] for k in COMPUTE_KINDS}
+_B = CODE["B"]
 
 
 @dataclass
@@ -56,13 +64,16 @@ class Encoded:
 
 
 def encode(order: Order, num_stages: int | None = None) -> Encoded:
-    """Integer form of a compute-only ``order``; ``KeyError`` on a comm action."""
+    """Integer form of a compute-only ``order``; ``ValueError`` on a comm action."""
     S = num_stages if num_stages is not None else max(
         (a.stage + 1 for acts in order.values() for a in acts if a is not None), default=0)
     M = max((a.mb + 1 for acts in order.values() for a in acts if a is not None), default=1)
-    code = CODE
-    keys = {r: [(code[a.kind._value_] * S + a.stage) * M + a.mb for a in acts if a is not None]
-            for r, acts in order.items()}
+    code = _COMPUTE_CODE
+    try:
+        keys = {r: [(code[a.kind._value_] * S + a.stage) * M + a.mb for a in acts if a is not None]
+                for r, acts in order.items()}
+    except KeyError as e:
+        raise ValueError(f"the compute-only event loop got a communication action ({e.args[0]})") from None
     return Encoded(list(order), keys, S, M)
 
 
@@ -76,7 +87,7 @@ def requirement_table(index: DepIndex, stage_rank: dict[int, int], num_mb: int,
     """
     S = index.num_stages
     table: list[list[tuple[int, float]]] = [[] for _ in range(4 * S)]
-    for code, kind in enumerate(KINDS):
+    for code, kind in enumerate(COMPUTE_KINDS):
         for s in range(S):
             reqs = []
             for ds, dk, _ in index.keys(s, kind, 0):
@@ -180,6 +191,16 @@ def run_loop(enc: Encoded, table: Sequence[Sequence[tuple[int, float]]], cost: S
     return LoopRun(dict(zip(enc.ranks, starts)), dict(zip(enc.ranks, free)), blocked)
 
 
+def stopped_at(enc: Encoded, order: Order, run: LoopRun) -> dict[int, tuple[int, Action]]:
+    """``{rank: (step, awaited action)}`` of every rank ``run`` left stuck: the index in
+    ``order[rank]`` it stopped at and the compute action it waits for."""
+    out = {}
+    for r in sorted(run.blocked):
+        stage, kind, mb = enc.action(run.blocked[r])
+        out[r] = (enc.steps(order, r)[len(run.starts[r])], Action(stage, kind, mb))
+    return out
+
+
 def held_peaks(enc: Encoded, add: Sequence[float], release: Sequence[float],
                extra: Sequence[float] | None = None, scale: Sequence[float] | None = None) -> dict[int, float]:
     """Per rank, the most bytes held at once when each action ``code * S + stage`` adds
@@ -260,7 +281,7 @@ def stage_cost_table(costs: CostSpec, num_stages: int) -> list[float]:
 def kind_summary(table: list[float], num_stages: int) -> dict[str, float]:
     if num_stages == 0:
         table, num_stages = stage_cost_table(None, 1), 1
-    return {k.value: table[c * num_stages] for c, k in enumerate(KINDS)}
+    return {k.value: table[c * num_stages] for c, k in enumerate(COMPUTE_KINDS)}
 
 
 def latency_fn(comm_latency: float | Mapping[tuple[int, int], float]) -> Callable[[int, int], float]:

@@ -26,13 +26,14 @@ per edge between them).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from .actions import Action, ActionKind, Order
-from .deps import Link, chain_links
-from .messages import Message, recv_action, send_action
+from .deps import DepIndex, Link, chain_links
+from .errors import ScheduleError
+from .messages import Message, Peers, peer_table, peers, recv_action, send_action
 from .placement import placement_of_order, resolve_placement
+from .validate import validate
 
 infer_placement = placement_of_order  # the one rule, in placement.py; kept under its lowering-era name
 
@@ -49,71 +50,6 @@ __all__ = [
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 SEND_F, RECV_F = ActionKind.SEND_F, ActionKind.RECV_F
 SEND_B, RECV_B = ActionKind.SEND_B, ActionKind.RECV_B
-
-
-@dataclass(frozen=True)
-class Peers:
-    """The stages on *other* ranks that one stage exchanges tensors with.
-
-    Same-rank stages are left out: they hand values over in memory.
-    """
-
-    recv_f: tuple[int, ...] = ()
-    """Stages whose forward outputs this stage receives (links into it)."""
-    send_f: tuple[int, ...] = ()
-    """Stages this stage sends its forward outputs to (links out of it)."""
-    recv_b: tuple[int, ...] = ()
-    """Stages whose input gradients this stage receives (grad links out of it)."""
-    send_b: tuple[int, ...] = ()
-    """Stages this stage sends its input gradients to (grad links into it)."""
-
-
-def peer_table(num_stages: int, links: Iterable[Link], placement: Mapping[int, int]) -> dict[int, Peers]:
-    """:class:`Peers` of every stage, indexing ``links`` once.
-
-    Args:
-        num_stages: total pipeline stages.
-        links: ``(src_stage, dst_stage, carries_grad)`` triples.
-        placement: ``{stage: rank}`` for every stage.
-
-    Returns:
-        ``{stage: Peers}`` for every stage in ``range(num_stages)``.
-
-    Example:
-        >>> peer_table(3, [(0, 1, True), (1, 2, True), (0, 2, False)], {0: 0, 1: 1, 2: 0})[0]
-        Peers(recv_f=(), send_f=(1,), recv_b=(1,), send_b=())
-    """
-    table: dict[int, dict[str, list[int]]] = {
-        s: {"recv_f": [], "send_f": [], "recv_b": [], "send_b": []} for s in range(num_stages)
-    }
-    for src, dst, carries_grad in links:
-        if not (0 <= src < num_stages and 0 <= dst < num_stages):
-            raise ValueError(f"link ({src} -> {dst}) names a stage outside [0, {num_stages})")
-        if placement[src] == placement[dst]:
-            continue  # local hand-off, no communication
-        _add(table[src]["send_f"], dst)
-        _add(table[dst]["recv_f"], src)
-        if carries_grad:
-            _add(table[dst]["send_b"], src)
-            _add(table[src]["recv_b"], dst)
-    return {s: Peers(**{k: tuple(v) for k, v in d.items()}) for s, d in table.items()}
-
-
-def _add(bucket: list[int], stage: int) -> None:
-    if stage not in bucket:
-        bucket.append(stage)
-
-
-def peers(stage: int, links: Iterable[Link], placement: Mapping[int, int]) -> Peers:
-    """:class:`Peers` of one stage (see :func:`peer_table` for all at once).
-
-    Example:
-        >>> peers(1, [(0, 1, True), (1, 2, True)], {0: 0, 1: 1, 2: 1}).recv_f
-        (0,)
-    """
-    links = list(links)
-    num_stages = max([stage, *placement, *(max(s, d) for s, d, _ in links)]) + 1
-    return peer_table(num_stages, links, placement)[stage]
 
 
 def lower(
@@ -170,8 +106,6 @@ def lower(
                                  "compute-only order")
     lowered = _Lowering(order, link_list, table, where, costs).run()
     if lowered is None:  # the compute order cannot run: let validate say why
-        from .validate import ScheduleError, validate
-
         n_mb = 1 + max((a.mb for acts in order.values() for a in acts if a is not None), default=0)
         validate(order, num_stages, n_mb, links=link_list, placement=where)
         raise ScheduleError("the compute order cannot be run to the end (lowering stalled)")
@@ -195,13 +129,9 @@ class _Lowering:
         self.arrived: set[Message] = set()
         self.seq = 0
         # same-rank producers: handed over in memory, so only their completion counts
-        self.local_preds: dict[int, list[int]] = {}
-        self.local_grad_succs: dict[int, list[int]] = {}
-        for src, dst, carries_grad in links:
-            if where[src] == where[dst]:
-                self.local_preds.setdefault(dst, []).append(src)
-                if carries_grad:
-                    self.local_grad_succs.setdefault(src, []).append(dst)
+        index = DepIndex(links, len(table))
+        self.local_preds = {s: [p for p in index.preds[s] if where[p] == where[s]] for s in table}
+        self.local_grad_succs = {s: [d for d in index.grad_succs[s] if where[d] == where[s]] for s in table}
 
     def run(self) -> Order | None:
         ptr = {r: 0 for r in self.ranks}
@@ -231,27 +161,27 @@ class _Lowering:
         return self.out
 
     def _ready(self, a: Action) -> bool:
-        peers = self.table[a.stage]
+        theirs = self.table[a.stage]
         if a.kind is F:
-            return all(Message("F", src, a.stage, a.mb) in self.arrived for src in peers.recv_f) and all(
+            return all(Message("F", src, a.stage, a.mb) in self.arrived for src in theirs.recv_f) and all(
                 (src, F, a.mb) in self.done for src in self.local_preds.get(a.stage, ()))
         if a.kind is W:
             return (a.stage, I, a.mb) in self.done
         return ((a.stage, F, a.mb) in self.done
-                and all(Message("B", dst, a.stage, a.mb) in self.arrived for dst in peers.recv_b)
+                and all(Message("B", dst, a.stage, a.mb) in self.arrived for dst in theirs.recv_b)
                 and all((dst, I, a.mb) in self.done for dst in self.local_grad_succs.get(a.stage, ())))
 
     def _finish(self, rank: int, a: Action) -> None:
         self.done.add((a.stage, a.kind, a.mb))
         if a.kind is B:
             self.done.add((a.stage, I, a.mb))
-        peers = self.table[a.stage]
+        theirs = self.table[a.stage]
         if a.kind is F:
-            outgoing = [Message("F", a.stage, d, a.mb) for d in peers.send_f]
-            unique_send, unique_recv = len(peers.send_f) == 1, lambda m: len(self.table[m.receiver].recv_f) == 1
+            outgoing = [Message("F", a.stage, d, a.mb) for d in theirs.send_f]
+            unique_send, unique_recv = len(theirs.send_f) == 1, lambda m: len(self.table[m.receiver].recv_f) == 1
         elif a.kind is B or a.kind is I:
-            outgoing = [Message("B", a.stage, src, a.mb) for src in peers.send_b]
-            unique_send, unique_recv = len(peers.send_b) == 1, lambda m: len(self.table[m.receiver].recv_b) == 1
+            outgoing = [Message("B", a.stage, src, a.mb) for src in theirs.send_b]
+            unique_send, unique_recv = len(theirs.send_b) == 1, lambda m: len(self.table[m.receiver].recv_b) == 1
         else:
             return
         for m in sorted(outgoing, key=lambda m: m.receiver):

@@ -1,26 +1,94 @@
-"""Messages: what a comm action moves, and which channel it travels on.
+"""Peers and messages: whom a stage exchanges with across ranks, what a comm action
+moves, and which channel it travels on.
 
-Sits under :mod:`.lower`, :mod:`.validate`, :mod:`.simulate` and the runtime,
-which all need the same answer to "which messages does this SEND/RECV name,
-and in which order". A :class:`Message` is everything one stage sends one
-other stage for one microbatch in one direction; its *channel* is the pair
-(sender rank, receiver rank). NCCL matches the k-th send on a channel with the
-k-th receive on it, so both ends must list a channel's messages in one order.
+Sits under :mod:`.lower`, :mod:`.validate`, :mod:`.simulate` and the runtime (above
+:mod:`.actions` and :mod:`.deps` only), which all need the same answers to "which
+stages on other ranks does this stage send to and receive from" (:class:`Peers`,
+:func:`peer_table`, from the links and the placement) and "which messages does this
+SEND/RECV name, and in which order". A :class:`Message` is everything one stage sends
+one other stage for one microbatch in one direction; its *channel* is the pair (sender
+rank, receiver rank). NCCL matches the k-th send on a channel with the k-th receive on
+it, so both ends must list a channel's messages in one order.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, NamedTuple
+from dataclasses import dataclass
+from typing import Iterable, Mapping, NamedTuple
 
 from .actions import Action, ActionKind
+from .deps import Link
 
-if TYPE_CHECKING:
-    from .lower import Peers
-
-__all__ = ["Message", "Channel", "action_messages", "required_messages", "send_action", "recv_action"]
+__all__ = ["Peers", "peer_table", "peers", "Message", "Channel", "action_messages", "required_messages",
+           "send_action", "recv_action"]
 
 SEND_F, RECV_F = ActionKind.SEND_F, ActionKind.RECV_F
 SEND_B, RECV_B = ActionKind.SEND_B, ActionKind.RECV_B
+
+
+@dataclass(frozen=True)
+class Peers:
+    """The stages on *other* ranks that one stage exchanges tensors with.
+
+    Same-rank stages are left out: they hand values over in memory.
+    """
+
+    recv_f: tuple[int, ...] = ()
+    """Stages whose forward outputs this stage receives (links into it)."""
+    send_f: tuple[int, ...] = ()
+    """Stages this stage sends its forward outputs to (links out of it)."""
+    recv_b: tuple[int, ...] = ()
+    """Stages whose input gradients this stage receives (grad links out of it)."""
+    send_b: tuple[int, ...] = ()
+    """Stages this stage sends its input gradients to (grad links into it)."""
+
+
+def peer_table(num_stages: int, links: Iterable[Link], placement: Mapping[int, int]) -> dict[int, Peers]:
+    """:class:`Peers` of every stage, indexing ``links`` once.
+
+    Args:
+        num_stages: total pipeline stages.
+        links: ``(src_stage, dst_stage, carries_grad)`` triples.
+        placement: ``{stage: rank}`` for every stage.
+
+    Returns:
+        ``{stage: Peers}`` for every stage in ``range(num_stages)``.
+
+    Example:
+        >>> peer_table(3, [(0, 1, True), (1, 2, True), (0, 2, False)], {0: 0, 1: 1, 2: 0})[0]
+        Peers(recv_f=(), send_f=(1,), recv_b=(1,), send_b=())
+    """
+    table: dict[int, dict[str, list[int]]] = {
+        s: {"recv_f": [], "send_f": [], "recv_b": [], "send_b": []} for s in range(num_stages)
+    }
+    for src, dst, carries_grad in links:
+        if not (0 <= src < num_stages and 0 <= dst < num_stages):
+            raise ValueError(f"link ({src} -> {dst}) names a stage outside [0, {num_stages})")
+        if placement[src] == placement[dst]:
+            continue  # local hand-off, no communication
+        _add(table[src]["send_f"], dst)
+        _add(table[dst]["recv_f"], src)
+        if carries_grad:
+            _add(table[dst]["send_b"], src)
+            _add(table[src]["recv_b"], dst)
+    return {s: Peers(**{k: tuple(v) for k, v in d.items()}) for s, d in table.items()}
+
+
+def _add(bucket: list[int], stage: int) -> None:
+    if stage not in bucket:
+        bucket.append(stage)
+
+
+def peers(stage: int, links: Iterable[Link], placement: Mapping[int, int]) -> Peers:
+    """:class:`Peers` of one stage (see :func:`peer_table` for all at once).
+
+    Example:
+        >>> peers(1, [(0, 1, True), (1, 2, True)], {0: 0, 1: 1, 2: 1}).recv_f
+        (0,)
+    """
+    links = list(links)
+    num_stages = max([stage, *placement, *(max(s, d) for s, d, _ in links)]) + 1
+    return peer_table(num_stages, links, placement)[stage]
 
 
 class Message(NamedTuple):
@@ -52,14 +120,14 @@ class Channel(NamedTuple):
 
 
 def _remote_peers(action: Action, table: Mapping[int, Peers]) -> tuple[int, ...]:
-    peers = table[action.stage]
-    return {SEND_F: peers.send_f, RECV_F: peers.recv_f, SEND_B: peers.send_b, RECV_B: peers.recv_b}[action.kind]
+    p = table[action.stage]
+    return {SEND_F: p.send_f, RECV_F: p.recv_f, SEND_B: p.send_b, RECV_B: p.recv_b}[action.kind]
 
 
 def action_messages(action: Action, table: Mapping[int, Peers]) -> list[Message]:
     """The messages a comm action posts, in posting order.
 
-    ``table`` is :func:`~pippy_split.schedule.lower.peer_table`'s result. An
+    ``table`` is :func:`peer_table`'s result. An
     action without a peer covers every remote peer in that direction, in
     ascending stage order.
 
@@ -67,7 +135,6 @@ def action_messages(action: Action, table: Mapping[int, Peers]) -> list[Message]
         ValueError: the action names a peer it does not exchange with (or has none).
 
     Example:
-        >>> from pippy_split.schedule.lower import peer_table
         >>> table = peer_table(3, [(0, 1, True), (0, 2, False)], {0: 0, 1: 1, 2: 1})
         >>> [str(m) for m in action_messages(Action(0, SEND_F, 0), table)]
         ['stage 0 -> stage 1 activations of mb 0', 'stage 0 -> stage 2 activations of mb 0']
@@ -78,19 +145,19 @@ def action_messages(action: Action, table: Mapping[int, Peers]) -> list[Message]
             where = f"one of stages {sorted(remote)}" if remote else "no stage on another rank"
             raise ValueError(f"{action} names peer stage {action.peer}, but in this direction stage {action.stage} "
                              f"exchanges with {where}")
-        peers: tuple[int, ...] = (action.peer,)
+        others: tuple[int, ...] = (action.peer,)
     else:
         if not remote:
             raise ValueError(f"{action} stage has no peer on another rank in this direction")
-        peers = tuple(sorted(remote))
+        others = tuple(sorted(remote))
     s, mb, kind = action.stage, action.mb, action.kind
     if kind is SEND_F:
-        return [Message("F", s, p, mb) for p in peers]
+        return [Message("F", s, p, mb) for p in others]
     if kind is RECV_F:
-        return [Message("F", p, s, mb) for p in peers]
+        return [Message("F", p, s, mb) for p in others]
     if kind is SEND_B:
-        return [Message("B", s, p, mb) for p in peers]
-    return [Message("B", p, s, mb) for p in peers]
+        return [Message("B", s, p, mb) for p in others]
+    return [Message("B", p, s, mb) for p in others]
 
 
 def required_messages(table: Mapping[int, Peers], n_microbatches: int) -> list[Message]:

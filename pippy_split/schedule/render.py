@@ -1,26 +1,28 @@
-"""Pictures of schedules: order tables and simulated timelines, one row per rank.
+"""Pictures of schedules: simulated timelines, one row per rank (text, rich, SVG, HTML).
 
-Sits at the end of the schedule layer, beside the simulator: ``Simulation``'s
-``__str__``, ``__rich__``, ``to_svg`` and ``_repr_html_`` call the functions
-here, as does a schedule object's ``_repr_html_`` (a table and its timeline),
-and :class:`~pippy_split.schedule.validate.ScheduleError` prints its order with
-:func:`format_order`. Nothing here computes a schedule; it only
-draws one. A simulation is read duck-typed: ``timeline`` ``{rank: [(start,
-end, Action), ...]}``, ``makespan``, ``num_ranks`` and, when present,
-``bubble_fraction`` and ``peak_activations``.
+Sits at the end of the schedule layer, above the simulator and the schedule classes,
+which import it only when asked for a picture (it imports ``rich``; nothing else in
+``schedule/`` does): ``Simulation``'s ``__str__``, ``__rich__``, ``to_svg`` and
+``_repr_html_`` call the functions here, as does a schedule object's ``_repr_html_``
+(a table and its timeline). Nothing here computes or simulates a schedule; it only
+draws one. A simulation is read duck-typed: ``timeline`` ``{rank: [(start, end,
+Action), ...]}``, ``makespan``, ``num_ranks`` and, when present, ``bubble_fraction``
+and ``peak_activations``. The order table (:func:`format_order`, what a
+``ScheduleError`` prints) lives with the IR in :mod:`.actions`, without ``rich``, and
+is re-exported here.
 """
 
 from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.measure import Measurement
 from rich.text import Text
 
-from .actions import Action, ActionKind, Order  # noqa: F401 - ActionKind: the doctests use it
+from .actions import Action, format_order
 
 __all__ = ["format_order", "render_text", "render_rich", "render_svg", "render_html", "render_schedule_html",
            "html_table", "KIND_COLORS"]
@@ -47,77 +49,6 @@ Segment = tuple[int, int, "Action | None"]  # (first column, end column, action 
 
 def _kind_key(action: Action) -> str:
     return action.kind.value if action.kind.is_compute else "comm"
-
-
-# -- order tables -------------------------------------------------------------
-
-
-def format_order(
-    order: Order,
-    mark: tuple[int, int] | Mapping[int, int] | None = None,
-    *,
-    max_steps: int | None = 24,
-) -> str:
-    """The order as a table, one row per rank; marked cells are shown as ``[0F3]``.
-
-    Args:
-        order: ``{rank: [Action | None, ...]}``; ``None`` (idle) prints as ``.``.
-        mark: a ``(rank, step)`` or ``{rank: step}`` to highlight.
-        max_steps: widest window of steps shown (around the marks, else from
-            step 0); ``None`` shows every step.
-
-    Example:
-        >>> print(format_order({0: [Action(0, ActionKind.F, 0), None]}, mark=(0, 1)))
-        step     0     1
-        rank 0  0F0   [.]
-    """
-    marks = _marks(mark)
-    n_steps = max((len(a) for a in order.values()), default=0)
-    lo, hi = _window(n_steps, marks, max_steps)
-    cells = {
-        r: [_cell(acts, i, marks.get(r) == i) for i in range(lo, hi)] for r, acts in order.items()
-    }
-    width = max([len(str(i)) for i in range(lo, hi)] + [len(c.strip("[]")) + 2 for row in cells.values() for c in row])
-    label_w = len(f"rank {max(order, default=0)}")
-    head = ["…"] if lo > 0 else []
-    tail = ["…"] if hi < n_steps else []
-    lines = [_row("step".ljust(label_w), head + [str(i) for i in range(lo, hi)] + tail, width)]
-    for r in sorted(order):
-        pad_l = [" "] if lo > 0 else []
-        pad_r = [" "] if hi < n_steps else []
-        lines.append(_row(f"rank {r}".ljust(label_w), pad_l + cells[r] + pad_r, width))
-    return "\n".join(line.rstrip() for line in lines)
-
-
-def _marks(mark: tuple[int, int] | Mapping[int, int] | None) -> dict[int, int]:
-    if mark is None:
-        return {}
-    if isinstance(mark, Mapping):
-        return {r: s for r, s in mark.items() if s is not None}
-    rank, step = mark
-    return {} if rank is None or step is None else {rank: step}
-
-
-def _window(n_steps: int, marks: Mapping[int, int], max_steps: int | None) -> tuple[int, int]:
-    if max_steps is None or n_steps <= max_steps:
-        return 0, n_steps
-    if not marks:
-        return 0, max_steps
-    first, last = min(marks.values()), max(marks.values())
-    lo = max(0, min(first - 6, (first + last - max_steps) // 2))
-    return lo, min(n_steps, lo + max_steps)
-
-
-def _cell(actions: list[Action | None], step: int, marked: bool) -> str:
-    if step >= len(actions):
-        text = "" if not marked else "<end>"
-    else:
-        text = _IDLE if actions[step] is None else str(actions[step])
-    return f"[{text}]" if marked else text
-
-
-def _row(label: str, cells: list[str], width: int) -> str:
-    return label + " " + " ".join(c.center(width) for c in cells)
 
 
 # -- timelines: shared quantisation -------------------------------------------
@@ -455,7 +386,8 @@ def render_html(sim: Any) -> str:
 
 # -- schedules and tables (notebooks) ---------------------------------------------
 
-_SVG_MAX_ACTIONS = 2000  # a bigger order's timeline is too wide to read inline; the table still shows
+SVG_MAX_ACTIONS = 2000
+"""A bigger order's timeline is too wide to read inline; the table still shows."""
 
 
 def html_table(rows: Sequence[tuple[str, str]], header: Sequence[str] | None = None,
@@ -484,38 +416,33 @@ def html_table(rows: Sequence[tuple[str, str]], header: Sequence[str] | None = N
 def schedule_rows(sched: Any) -> list[tuple[str, str]]:
     """``(name, value)`` lines that describe a schedule object: its stages, ranks,
     microbatches and placement (read duck-typed: ``stages``, ``rank``, ``world``,
-    ``num_stages``, ``n_microbatches``, ``placement``, ``actions``)."""
+    ``num_stages``, ``n_microbatches``, ``placement_name``, ``placement``, ``actions``)."""
     mine = [s.stage_index for s in sched.stages]
     return [
         ("schedule", type(sched).__name__),
         ("this rank", f"{sched.rank} of {sched.world}, holds stages {mine} of {sched.num_stages}"),
         ("n_microbatches", str(sched.n_microbatches)),
-        ("placement", f"{placement_style(sched)}: "
+        ("placement", f"{sched.placement_name}: "
                       + ", ".join(f"stage {s} -> rank {r}" for s, r in sorted(sched.placement.items()))),
         ("actions on this rank", f"{len(sched.actions)}, lowered (with any sends and receives)"),
     ]
 
 
-def placement_style(sched: Any) -> str:
-    """``"loop"``/``"v"``: the placement a schedule runs under; ``"from order"`` for a
-    hand-written order (:class:`~pippy_split.schedule.ScheduleFromOrder`)."""
-    spec = getattr(sched, "spec", None)
-    return getattr(sched, "_placement_style", None) or (spec.placement if spec is not None else "from order")
-
-
-def render_schedule_html(sched: Any) -> str:
-    """HTML for a schedule object's ``_repr_html_``: a table of what it runs, and the
-    simulated timeline of its whole order (every rank, unit costs) as an SVG.
+def render_schedule_html(sched: Any, sim: Any | None) -> str:
+    """HTML for a schedule object's ``_repr_html_``: a table of what it runs and, when
+    given, the simulated timeline of its whole order (``sim``) as an SVG.
 
     Example:
         >>> sched._repr_html_()[:40]  # doctest: +SKIP
         '<div class="pippy-split-schedule"><table>'
     """
-    from .simulate import simulate  # simulate imports this module's functions lazily too
-
     parts = [html_table(schedule_rows(sched))]
-    if sum(a is not None for acts in sched.order.values() for a in acts) <= _SVG_MAX_ACTIONS:
-        sim = simulate(sched.order, links=sched.links)
+    if sim is not None:
         title = f"{type(sched).__name__}, m={sched.n_microbatches} (unit costs)"
         parts.append(render_svg(sim, title=title))
     return f'<div class="pippy-split-schedule">{"".join(parts)}</div>'
+
+
+def placement_style(sched: Any) -> str:
+    """The placement a schedule object runs under, by name (its ``placement_name``)."""
+    return sched.placement_name

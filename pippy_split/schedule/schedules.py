@@ -33,12 +33,14 @@ from .collectives import (
     sync_shared_grads,
 )
 from .dynamic_sizes import local_sizes, share_sizes
+from .errors import ScheduleError
 from .lower import lower
 from .orders import ORDERS, get_order_spec
 from .placement import placement_of_order, replace_placement
 from .runtime import Interpreter, StepContext
+from .simulate import simulate
 from .train_mode import refuse_train_mode_graph, train_mode_ops
-from .validate import ScheduleError, validate
+from .validate import validate
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
            "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleFromOrder", "ActionTiming",
@@ -352,6 +354,12 @@ class PipelineSchedule:
         return self._loss
 
     # ---- summaries ---------------------------------------------------------------
+    @property
+    def placement_name(self) -> str:
+        """The placement this schedule runs under, by name: ``"loop"`` or ``"v"`` (its
+        family's, or the ``placement=`` it was given)."""
+        return self._placement_style or self.spec.placement
+
     def __repr__(self) -> str:
         """One line: class, this rank's stages, ranks, microbatches, placement.
 
@@ -359,16 +367,15 @@ class PipelineSchedule:
             >>> ps.build_schedule(pipe, "1F1B", n_microbatches=4)  # doctest: +SKIP
             Schedule1F1B(stages [0] on rank 0 of 2, n_microbatches=4, placement='loop')
         """
-        from .render import placement_style
-
         return (f"{type(self).__name__}(stages {[s.stage_index for s in self.stages]} on rank {self.rank} of "
-                f"{self.world}, n_microbatches={self.n_microbatches}, placement={placement_style(self)!r})")
+                f"{self.world}, n_microbatches={self.n_microbatches}, placement={self.placement_name!r})")
 
     def _repr_html_(self) -> str:
         """A notebook's view: a table of the above and the order's simulated timeline (SVG)."""
-        from .render import render_schedule_html
+        from . import render  # imports rich, which nothing but a picture needs (no cycle: render imports no schedule)
 
-        return render_schedule_html(self)
+        small = sum(a is not None for acts in self.order.values() for a in acts) <= render.SVG_MAX_ACTIONS
+        return render.render_schedule_html(self, simulate(self.order, links=self.links) if small else None)
 
 
 class ActionTiming(NamedTuple):
@@ -430,6 +437,11 @@ class ScheduleFromOrder(PipelineSchedule):
         validate(order, self.num_stages, self.n_microbatches, links=self.links)
         return order, placement_of_order(order)
 
+    @property
+    def placement_name(self) -> str:
+        """``"from order"``: the placement is read off the order."""
+        return "from order"
+
 
 def _make(name: str, order_name: str, doc: str) -> type[PipelineSchedule]:
     spec = ORDERS[order_name]
@@ -455,16 +467,22 @@ ScheduleInterleavedZeroBubble = _make("ScheduleInterleavedZeroBubble", "Interlea
 ScheduleZBVZeroBubble = _make("ScheduleZBVZeroBubble", "ZBVZeroBubble", "ZB-V: V placement, 2 stages per rank.")
 ScheduleDualPipeV = _make("ScheduleDualPipeV", "DualPipeV", "DualPipeV: V placement, 2 stages per rank.")
 
-_CLASSES = {c.order_name.lower(): c for c in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
-                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)}
+_CLASSES: dict[str, type[PipelineSchedule]] = {
+    c.order_name: c for c in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
+                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)}
+"""The class of each family in :data:`.orders.ORDERS`, by the registry's own name."""
 
 
 def get_schedule_class(name: str) -> type[PipelineSchedule]:
-    """The schedule class for a name (case-insensitive): "GPipe", "1F1B", "ZBVZeroBubble", ..."""
-    key = name.lower().removeprefix("schedule")
-    if key not in _CLASSES:
-        raise ValueError(f"unknown schedule {name!r}; valid names: {[c.order_name for c in _CLASSES.values()]}")
-    return _CLASSES[key]
+    """The schedule class for a name (case-insensitive, ``Schedule`` prefix optional):
+    "GPipe", "1F1B", "ZBVZeroBubble", ... The names are those of :data:`.orders.ORDERS`
+    (looked up by :func:`.orders.get_order_spec`).
+
+    Example:
+        >>> get_schedule_class("zbvzerobubble").__name__
+        'ScheduleZBVZeroBubble'
+    """
+    return _CLASSES[get_order_spec(name).name]
 
 
 def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_microbatches: int,

@@ -7,22 +7,25 @@ count per rank without any tensors or process group. Rendering of the result
 
 Model: every rank runs its list in order (``None`` steps are skipped, so idle
 time comes only from waiting); an action starts at ``max(rank free, inputs
-ready)``. Compute-only orders take their inputs from :mod:`.deps`. Lowered
-orders (with SEND/RECV) follow the batch rule of :mod:`.actions`, as NCCL
-runs them: a batch is posted once the rank reaches it and its previous batch
-has completed; it completes once every message in it has its counterpart
-posted (plus ``comm_latency``); a compute action does not wait for a batch
-unless it consumes a message that batch receives.
+ready)``. Compute-only orders take their inputs from :mod:`.deps` and run on
+:mod:`.event_loop`. Lowered orders (with SEND/RECV) follow the batch rule of
+:mod:`.actions`, as NCCL runs them, on :mod:`.batch_loop`: a batch is posted
+once the rank reaches it and its previous batch has completed; it completes once
+every message in it has its counterpart posted (plus ``comm_latency``); a compute
+action does not wait for a batch unless it consumes a message that batch
+receives. ``BatchRun`` and ``run_batches`` are re-exported from there.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .actions import Action, ActionKind, Order
+from .batch_loop import BatchRun, run_batches
 from .deps import DepIndex, Link, chain_links
+from .errors import deadlock_message
 from .event_loop import (
     CODE,
     DEFAULT_COSTS,
@@ -37,16 +40,12 @@ from .event_loop import (
     requirement_table,
     run_loop,
     stage_cost_table,
+    stopped_at,
 )
-from .messages import Message, action_messages, recv_action, send_action
+from .messages import peer_table
 from .placement import placement_of_order
 
 __all__ = ["Simulation", "simulate", "DEFAULT_COSTS", "CostSpec", "stage_cost_table", "BatchRun", "run_batches"]
-
-F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
-
-
-_COMM = frozenset(k for k in ActionKind if k.is_comm)
 
 
 @dataclass
@@ -78,14 +77,10 @@ class Simulation:
         return self._timeline
 
     def __str__(self) -> str:
-        from . import render
-
-        return render.render_text(self)
+        return _render().render_text(self)
 
     def __rich__(self):  # noqa: ANN204 - rich renderable, type depends on render
-        from . import render
-
-        return render.render_rich(self)
+        return _render().render_rich(self)
 
     def to_svg(self, path: str | None = None, title: str | None = None) -> str:
         """SVG timeline, one row per rank, under ``title`` (e.g. the schedule and its sizes)
@@ -94,27 +89,19 @@ class Simulation:
         Example:
             >>> svg = simulate(order).to_svg("zbv.svg", title="ZBVZeroBubble, 4 ranks, 8 mb")  # doctest: +SKIP
         """
-        from . import render
-
-        return render.render_svg(self, path, title=title)
+        return _render().render_svg(self, path, title=title)
 
     def _repr_html_(self) -> str:
-        from . import render
-
-        return render.render_html(self)
+        return _render().render_html(self)
 
 
-def _deadlock_error(order: Order, enc: Encoded, run: LoopRun) -> ValueError:
-    lines = []
-    for rank in sorted(run.blocked):
-        stage, kind, mb = enc.action(run.blocked[rank])
-        step = enc.steps(order, rank)[len(run.starts[rank])]
-        lines.append(f"rank {rank} step {step} ({order[rank][step]}) waits for {stage}{kind.value}{mb}")
-    return ValueError(
-        "schedule deadlocks: no rank can progress; "
-        + "; ".join(lines[:8])
-        + (f"; ... and {len(lines) - 8} more ranks" if len(lines) > 8 else "")
-    )
+def _render() -> ModuleType:
+    """:mod:`.render`, imported when a simulation is first drawn: it imports ``rich``,
+    which nothing that only simulates needs (the import is not there to dodge a cycle:
+    render imports nothing from here)."""
+    from . import render
+
+    return render
 
 
 def simulate(
@@ -174,16 +161,16 @@ def simulate(
     scale = _checked_scale(order, microbatch_scale)
     try:
         enc = encode(order)
-    except KeyError:  # a SEND/RECV: a lowered order, run under the batch rule
+    except ValueError:  # a SEND/RECV: a lowered order, run under the batch rule
         return _simulate_batches(order, costs, links, latency, activation_bytes, workspace_bytes, input_grad_bytes,
                                  scale)
     num_stages = enc.num_stages
     table = stage_cost_table(costs, num_stages)
     link_list = chain_links(num_stages) if links is None else list(links)
-    reqs = requirement_table(DepIndex(link_list, num_stages), placement_of_order(order), enc.num_mb, latency)
-    run = run_loop(enc, reqs, table, scale)
+    where = placement_of_order(order)
+    run = run_loop(enc, requirement_table(DepIndex(link_list, num_stages), where, enc.num_mb, latency), table, scale)
     if run.blocked:
-        raise _deadlock_error(order, enc, run)
+        raise ValueError(deadlock_message(order, stopped_at(enc, order, run), where, short=True))
     makespan = max((run.free[r] for r in enc.ranks if enc.keys[r]), default=0.0)
     M = enc.num_mb
     busy = sum(table[k // M] * (1.0 if scale is None else scale[k % M]) for r in enc.ranks for k in enc.keys[r])
@@ -251,8 +238,6 @@ def _simulate_batches(order: Order, costs: CostSpec, links: Iterable[Link] | Non
                       latency: Callable[[int, int], float], activation_bytes: Any, workspace_bytes: Any,
                       input_grad_bytes: Any, scale: list[float] | None = None) -> Simulation:
     """A lowered order under the batch rule (see the module docstring)."""
-    from .lower import peer_table
-
     num_stages = max((a.stage + 1 for acts in order.values() for a in acts if a is not None), default=0)
     table = stage_cost_table(costs, num_stages)
     links = chain_links(num_stages) if links is None else list(links)
@@ -261,152 +246,13 @@ def _simulate_batches(order: Order, costs: CostSpec, links: Iterable[Link] | Non
     def cost(stage: int, kind: ActionKind) -> float:
         return table[CODE[kind._value_] * S + stage]
 
-    run = run_batches(order, peer_table(num_stages, links, placement_of_order(order)), cost, latency, scale)
+    where = placement_of_order(order)
+    run = run_batches(order, peer_table(num_stages, links, where), cost, latency, scale)
     if run.blocked:
-        lines = []
-        for r in sorted(run.blocked):
-            m, by_sender = run.blocked[r]
-            other = send_action(m, True) if by_sender else recv_action(m, True)
-            lines.append(f"rank {r} step {run.ptr[r]} ({order[r][run.ptr[r]]}) waits for {other}")
-        raise ValueError("schedule deadlocks: no rank can progress; " + "; ".join(lines[:8])
-                         + (f"; ... and {len(lines) - 8} more ranks" if len(lines) > 8 else ""))
+        raise ValueError(deadlock_message(order, run.stuck(), where, short=True))
     compute = {r: [a if a is not None and a.kind.is_compute else None for a in acts] for r, acts in order.items()}
     enc = encode(compute, num_stages)
     makespan = max((t[-1][1] for t in run.timeline.values() if t), default=0.0)
     busy = sum(end - start for t in run.timeline.values() for start, end, _ in t)
     return _finish(order, enc, makespan, busy, table, activation_bytes, workspace_bytes, input_grad_bytes,
                    lambda: run.timeline, scale)
-
-
-@dataclass
-class BatchRun:
-    """How far every rank got under the batch rule (see :func:`run_batches`)."""
-
-    timeline: dict[int, list[tuple[float, float, Action]]]
-    """Per rank, ``(start, end, action)`` of what ran."""
-    ptr: dict[int, int]
-    """Per rank, the step it stopped at (``len`` of its list when it finished)."""
-    blocked: dict[int, tuple[Message, bool]]
-    """Per stuck rank, the message side it waits for: ``(message, posted by its sender?)``."""
-    posts: dict[tuple[int, int], list[Message]]
-    """``(rank, step) -> messages`` each comm action posts, in posting order."""
-
-
-def run_batches(order: Order, table: dict,
-                cost: Mapping[ActionKind, float] | Callable[[int, ActionKind], float] | None = None,
-                latency: float | Callable[[int, int], float] = 0.0,
-                scale: Sequence[float] | None = None) -> BatchRun:
-    """Run a lowered order under NCCL's batch rule, the one event loop that ``simulate``
-    (times) and ``validate`` (deadlocks) share: a rank posts a batch once it reaches it
-    and its previous batch completed; a batch completes once every message in it has its
-    counterpart posted (plus ``latency``); a compute action waits only for the batches
-    that receive what it consumes. Ranks that can never go on are left in ``blocked``.
-    ``cost`` is per kind or ``f(stage, kind)``; ``latency`` one number or
-    ``f(src_stage, dst_stage)`` per message; ``scale[mb]`` multiplies both for microbatch ``mb``.
-
-    Raises:
-        ValueError: a comm action names a peer it does not exchange with (from
-            :func:`~pippy_split.schedule.messages.action_messages`).
-    """
-    if not callable(cost):
-        by_kind = dict(cost or {})
-        cost = lambda stage, kind: by_kind.get(kind, 0.0)  # noqa: E731
-    lat = latency if callable(latency) else (lambda src, dst, value=float(latency): value)
-    loop = _BatchLoop(order, table, cost, lat, scale)
-    queue = deque(sorted(order))
-    while queue:
-        queue.extend(loop.advance(queue.popleft()))
-    return BatchRun(loop.timeline, loop.ptr, loop.blocked, loop.posts)
-
-
-Op = tuple[Message, bool]  # a message and which end posts it (True: its sender)
-
-
-class _BatchLoop:
-    """The state of :func:`run_batches`: per rank, how far it got and when it is free."""
-
-    def __init__(self, order: Order, table: dict, cost: Callable[[int, ActionKind], float],
-                 lat: Callable[[int, int], float], scale: Sequence[float] | None = None) -> None:
-        self.order, self.table, self.cost, self.lat = order, table, cost, lat
-        self.scale = scale
-        self.posted: dict[Op, float] = {}  # -> time posted
-        self.waiting: dict[Op, list[int]] = {}  # ranks waiting for an op to be posted
-        self.arrival: dict[Message, float] = {}  # completion time of the batch that receives it
-        self.posts: dict[tuple[int, int], list[Message]] = {}
-        self.ptr = {r: 0 for r in order}
-        self.free = {r: 0.0 for r in order}  # when the rank's compute is free
-        self.stream = {r: 0.0 for r in order}  # when the rank's previous batch completed
-        self.timeline: dict[int, list[tuple[float, float, Action]]] = {r: [] for r in order}
-        self.blocked: dict[int, Op] = {}
-
-    def advance(self, rank: int) -> list[int]:
-        """Run ``rank`` until it ends or waits for a counterpart; the ranks its posts woke."""
-        acts, pos = self.order[rank], self.ptr[rank]
-        woken: list[int] = []
-        self.blocked.pop(rank, None)
-        while pos < len(acts):
-            a = acts[pos]
-            if a is None or a.kind.is_compute:
-                if a is not None:
-                    self._compute(rank, a)
-                pos += 1
-                continue
-            end, ops = self._batch(rank, pos)
-            t_post = max(self.free[rank], self.stream[rank])
-            for op in ops:
-                if op not in self.posted:
-                    self.posted[op] = t_post
-                    woken.extend(self.waiting.pop(op, ()))
-            missing = next(((m, not side) for m, side in ops if (m, not side) not in self.posted), None)
-            if missing is not None:
-                self.waiting.setdefault(missing, []).append(rank)
-                self.blocked[rank] = missing
-                break
-            self._complete(rank, ops, t_post, [x for x in acts[pos:end] if x is not None])
-            pos = end
-        self.ptr[rank] = pos
-        return woken
-
-    def _compute(self, rank: int, a: Action) -> None:
-        start = self.free[rank]
-        for m in _consumed(a, self.table):
-            start = max(start, self.arrival.get(m, start))
-        self.free[rank] = start + self.cost(a.stage, a.kind) * (1.0 if self.scale is None else self.scale[a.mb])
-        self.timeline[rank].append((start, self.free[rank], a))
-
-    def _batch(self, rank: int, pos: int) -> tuple[int, list[Op]]:
-        """The batch starting at ``pos``: where it ends and the ops it posts."""
-        acts, end = self.order[rank], pos
-        ops: list[Op] = []
-        while end < len(acts):
-            a = acts[end]
-            if a is not None and not a.kind.is_comm:
-                break
-            if a is not None:
-                msgs = self.posts.get((rank, end))
-                if msgs is None:
-                    msgs = self.posts[(rank, end)] = action_messages(a, self.table)
-                ops += [(m, a.is_send) for m in msgs]
-            end += 1
-        return end, ops
-
-    def _complete(self, rank: int, ops: list[Op], t_post: float, comms: list[Action]) -> None:
-        f = (lambda mb: 1.0) if self.scale is None else self.scale.__getitem__
-        done = max((max(t_post, self.posted[(m, not side)]) + self.lat(m.sender, m.receiver) * f(m.mb)
-                    for m, side in ops),
-                   default=t_post + self.lat(-1, -1))
-        for m, side in ops:
-            if not side:
-                self.arrival[m] = done
-        self.stream[rank] = done
-        self.timeline[rank].extend((t_post, t_post, a) for a in comms)
-
-
-def _consumed(a: Action, table: dict) -> list[Message]:
-    """Remote messages compute action ``a`` reads: activations for F, gradients for B/I."""
-    peers = table[a.stage]
-    if a.kind is F:
-        return [Message("F", src, a.stage, a.mb) for src in peers.recv_f]
-    if a.kind is B or a.kind is I:
-        return [Message("B", dst, a.stage, a.mb) for dst in peers.recv_b]
-    return []

@@ -1,8 +1,10 @@
-"""Checking an order before anything runs it: :func:`validate` and :class:`ScheduleError`.
+"""Checking an order before anything runs it: :func:`validate` (raising :class:`ScheduleError`,
+which lives in :mod:`.errors` and is importable from here too).
 
-Sits after the order generators and :mod:`~pippy_split.schedule.lower` and
-before the runtime. It takes a compute-only order (F, B, I, W) or a lowered
-one (with SEND/RECV), checks it statically, then dry-runs every rank together:
+Sits after the order generators and before the runtime; :mod:`.lower` calls it to say
+why a compute order cannot be lowered, and the schedule classes on every lowered order.
+It takes a compute-only order (F, B, I, W) or a lowered one (with SEND/RECV), checks it
+statically, then dry-runs every rank together (:mod:`.event_loop`, :mod:`.batch_loop`):
 
 * in a compute-only order, a compute action waits for its
   :func:`~pippy_split.schedule.deps.compute_deps`: a same-rank producer must
@@ -23,67 +25,21 @@ from __future__ import annotations
 from typing import Iterable, Mapping, NoReturn, cast
 
 from .actions import Action, ActionKind, Order
-from .deps import Link, chain_links, deps_function
-from .lower import Peers, peer_table
-from .messages import Channel, Message, action_messages, recv_action, required_messages, send_action
+from .batch_loop import run_batches
+from .deps import DepIndex, Link, chain_links, deps_function
+from .errors import Awaited, ScheduleError, deadlock_message
+from .event_loop import CODE, COMPUTE_KINDS, KINDS, encode, requirement_table, run_loop, stopped_at
+from .messages import Channel, Message, Peers, action_messages, peer_table, recv_action, required_messages, send_action
 from .placement import PlacementConflict, resolve_placement
-from .render import format_order
 
-__all__ = ["ScheduleError", "validate"]
+__all__ = ["ScheduleError", "validate"]  # ScheduleError lives in .errors; importable from here as before
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
-SEND_F, RECV_F = ActionKind.SEND_F, ActionKind.RECV_F
-SEND_B, RECV_B = ActionKind.SEND_B, ActionKind.RECV_B
 
-# Integer codes keep the hot loops off Enum.__hash__ (a Python-level call).
-_KINDS = (F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B)
-_CODE = {k.value: c for c, k in enumerate(_KINDS)}
-_F, _B, _I, _W, _SEND_F, _RECV_F, _SEND_B, _RECV_B = range(8)
+# The one integer encoding of action kinds (.event_loop): keys off Enum.__hash__ in the hot loops.
+_F, _I, _W, _B, _SEND_F = CODE["F"], CODE["I"], CODE["W"], CODE["B"], CODE["SEND_F"]
 
 Pos = tuple[int, int]  # (rank, step)
-
-
-class ScheduleError(ValueError):
-    """An order that is incomplete, mis-ordered, or would deadlock.
-
-    Attributes:
-        rank: the rank at fault (``None`` when no rank holds the stage at all).
-        step: index in that rank's list (``None`` for an action that is missing).
-        action: the action at fault (or the missing one).
-        reason: the message without the location and the table.
-    """
-
-    def __init__(
-        self,
-        reason: str,
-        *,
-        rank: int | None = None,
-        step: int | None = None,
-        action: Action | None = None,
-        order: Order | None = None,
-        marks: Mapping[int, int] | None = None,
-    ) -> None:
-        self.reason = reason
-        self.rank = rank
-        self.step = step
-        self.action = action
-        where = f"rank {'?' if rank is None else rank}, step {'-' if step is None else step}"
-        message = f"{where}, action {action}: {reason}"
-        if order is not None:
-            if marks is None and rank is not None and step is not None:
-                marks = {rank: step}
-            message += "\n" + format_order(order, mark=marks)
-        super().__init__(message)
-
-    def __reduce__(self):  # keep rank/step/action across processes (pickling)
-        return (_rebuild_error, (str(self), self.reason, self.rank, self.step, self.action))
-
-
-def _rebuild_error(message: str, reason: str, rank, step, action) -> ScheduleError:
-    err = ScheduleError.__new__(ScheduleError)
-    ValueError.__init__(err, message)
-    err.reason, err.rank, err.step, err.action = reason, rank, step, action
-    return err
 
 
 def validate(
@@ -119,7 +75,7 @@ def validate(
         >>> validate({0: [Action(0, B, 0), Action(0, F, 0)]}, 1, 1)
         Traceback (most recent call last):
         ...
-        pippy_split.schedule.validate.ScheduleError: rank 0, step 0, action 0B0: ...
+        pippy_split.schedule.errors.ScheduleError: rank 0, step 0, action 0B0: ...
     """
     if num_stages < 1 or n_microbatches < 1:
         raise ValueError(f"need num_stages >= 1 and n_microbatches >= 1, got {num_stages}, {n_microbatches}")
@@ -156,7 +112,7 @@ class _Checker:
         self.S, self.M = num_stages, n_microbatches
         self.links = links
         self.where: dict[int, int] = dict(placement)
-        self.pos: list[Pos | None] = [None] * (len(_KINDS) * num_stages * n_microbatches)
+        self.pos: list[Pos | None] = [None] * (len(COMPUTE_KINDS) * num_stages * n_microbatches)  # compute only
         self.comms: list[tuple[int, int, Action]] = []  # (rank, step, comm action)
         self.lowered = False
         self.table: dict[int, Peers] = {}
@@ -168,7 +124,7 @@ class _Checker:
     def unkey(self, key: int) -> Action:
         rest, mb = divmod(key, self.M)
         code, stage = divmod(rest, self.S)
-        return Action(stage, _KINDS[code], mb)
+        return Action(stage, KINDS[code], mb)
 
     def fail(self, reason: str, at: Pos | None, action: Action, marks: Mapping[int, int] | None = None) -> NoReturn:
         rank, step = at if at is not None else (self.where.get(action.stage), None)
@@ -177,7 +133,7 @@ class _Checker:
     # -- pass 1: ids, placement, duplicates ------------------------------------
     def scan(self) -> None:
         S, M, where, pos = self.S, self.M, self.where, self.pos
-        comms, code_of = self.comms, _CODE
+        comms, code_of = self.comms, CODE
         for rank in sorted(self.order):
             for step, a in enumerate(self.order[rank]):
                 if a is None:
@@ -282,7 +238,7 @@ class _Checker:
         send, recv = self.sent.get(m), self.received.get(m)
         if send is None and recv is None:
             consumer = self._consumer(m)
-            at = pos[self.key(_CODE[consumer.kind.value], consumer.stage, consumer.mb)] if consumer else None
+            at = pos[self.key(CODE[consumer.kind.value], consumer.stage, consumer.mb)] if consumer else None
             what = "activations" if m.direction == "F" else "output gradients"
             self.fail(f"{consumer} needs {what} from stage {m.sender} (rank {self.where[m.sender]}) but no "
                       f"{recv_action(m, True)} comes before it", at, consumer)
@@ -299,7 +255,7 @@ class _Checker:
         if producer is None or producer[1] > s_step:
             self.fail(f"{s_act} comes before the action that produces it", (s_rank, s_step), s_act)
         consumer = self._consumer(m)
-        at = pos[self.key(_CODE[consumer.kind.value], consumer.stage, consumer.mb)]
+        at = pos[self.key(CODE[consumer.kind.value], consumer.stage, consumer.mb)]
         assert at is not None  # completeness() found every F and every B or I
         if recv[1] > at[1]:
             what = "activations" if m.direction == "F" else "output gradients"
@@ -332,37 +288,29 @@ class _Checker:
         if self.lowered:
             self._dry_run_batches()
             return
-        from .deps import DepIndex
-        from .event_loop import encode, requirement_table, run_loop
-
         enc = encode(self.order, self.S)
         table = requirement_table(DepIndex(self.links, self.S), self.where, enc.num_mb, lambda src, dst: 0.0)
-        run = run_loop(enc, table, [0.0] * (4 * self.S))
+        run = run_loop(enc, table, [0.0] * (len(COMPUTE_KINDS) * self.S))
         if not run.blocked:
             return
-        ptr, blocked = {}, {}
-        for r in sorted(run.blocked):
-            stage, kind, mb = enc.action(run.blocked[r])
-            step = enc.steps(self.order, r)[len(run.starts[r])]
-            key = self.key(_CODE[kind.value], stage, mb)
-            if self.where.get(stage) == r:  # it can only come later on this very rank
+        stuck = stopped_at(enc, self.order, run)
+        for r, (step, dep) in stuck.items():
+            if self.where.get(dep.stage) == r:  # it can only come later on this very rank
+                key = self.key(CODE[dep.kind.value], dep.stage, dep.mb)
                 self._runs_later(cast(Action, self.order[r][step]), (r, step), key)  # a blocked rank is at an action
-            ptr[r], blocked[r] = step, key
-        self._deadlock(ptr, blocked)
+        self._deadlock(dict(stuck))
 
     def _dry_run_batches(self) -> None:
-        """Lowered orders under NCCL's rule (:func:`~pippy_split.schedule.simulate.run_batches`):
+        """Lowered orders under NCCL's rule (:func:`~pippy_split.schedule.batch_loop.run_batches`):
         a rank posts a batch (a run of comm actions) and goes on only once every message in
         it has its counterpart posted. Compute actions take remote inputs from earlier
         receives (checked in pass 3); same-rank producers must already have run."""
-        from .simulate import run_batches
-
         order, templates, S, M = self.order, self._dep_templates(), self.S, self.M
         for rank in sorted(order):  # same-rank producers come earlier in the list
             for i, a in enumerate(order[rank]):
                 if a is None or a.kind.is_comm:
                     continue
-                code = _CODE[a.kind.value]
+                code = CODE[a.kind.value]
                 for dcode, ds, local in templates[a.stage * 4 + code]:
                     k = (dcode * S + ds) * M + a.mb
                     if local and not self.done[k]:
@@ -372,19 +320,8 @@ class _Checker:
                     self.done[(_I * S + a.stage) * M + a.mb] = 1
         run = run_batches(order, self.table)
         if run.blocked:
-            stuck = sorted(run.blocked)
-            lines = []
-            for r in stuck:
-                m, by_sender = run.blocked[r]
-                other = send_action(m, True) if by_sender else recv_action(m, True)
-                peer = self.where[m.sender if by_sender else m.receiver]
-                lines.append(f"  rank {r} at step {run.ptr[r]} ({order[r][run.ptr[r]]}) waits for {other} from rank "
-                             f"{peer} ({m})")
-            first = stuck[0]
-            reason = (f"deadlock: no rank can advance once a batch of sends/receives waits for its counterparts "
-                      f"(NCCL's rule); {len(stuck)} rank(s) stuck:\n" + "\n".join(lines))
-            self.fail(reason, (first, run.ptr[first]), cast(Action, order[first][run.ptr[first]]),
-                      marks={r: run.ptr[r] for r in stuck})
+            self._deadlock(dict(run.stuck()),
+                           " once a batch of sends/receives waits for its counterparts (NCCL's rule)")
 
     def _dep_templates(self) -> dict[int, list[tuple[int, int, bool]]]:
         """``compute_deps`` per (stage, compute kind), for mb 0: deps keep the mb."""
@@ -392,14 +329,9 @@ class _Checker:
         templates = {}
         for s in range(self.S):
             for code in (_F, _B, _I, _W):
-                reqs = deps(Action(s, _KINDS[code], 0))
-                templates[s * 4 + code] = [(_CODE[d.kind.value], d.stage, where[d.stage] == where[s]) for d in reqs]
+                reqs = deps(Action(s, KINDS[code], 0))
+                templates[s * 4 + code] = [(CODE[d.kind.value], d.stage, where[d.stage] == where[s]) for d in reqs]
         return templates
-
-    def _event(self, key: int) -> str:
-        """An awaited event in words: ``0SEND_F3 from rank 0`` or ``1I0 on rank 1``."""
-        a = self.unkey(key)
-        return f"{a} {'on' if a.kind.is_compute else 'from'} rank {self.where[a.stage]}"
 
     def _runs_later(self, a: Action, at: Pos, k: int) -> None:
         dep = self.unkey(k)
@@ -410,12 +342,9 @@ class _Checker:
         step = "" if later is None else f" only at step {later[1]}"
         self.fail(f"{a} needs {dep}, which rank {at[0]} runs{step}, after it", at, a)
 
-    def _deadlock(self, ptr: dict[int, int], blocked: dict[int, int]) -> None:
-        stuck = sorted(blocked)
-        lines = [
-            f"  rank {r} at step {ptr[r]} ({self.order[r][ptr[r]]}) waits for {self._event(blocked[r])}"
-            for r in stuck
-        ]
-        first = stuck[0]
-        reason = f"deadlock: no rank can advance; {len(stuck)} rank(s) stuck:\n" + "\n".join(lines)
-        self.fail(reason, (first, ptr[first]), cast(Action, self.order[first][ptr[first]]), marks={r: ptr[r] for r in stuck})
+    def _deadlock(self, stuck: dict[int, tuple[int, Awaited]], rule: str = "") -> NoReturn:
+        """No rank can advance: a :class:`ScheduleError` at the first stuck rank, every stuck step marked."""
+        first = min(stuck)
+        step = stuck[first][0]
+        self.fail(deadlock_message(self.order, stuck, self.where, rule=rule), (first, step),
+                  cast(Action, self.order[first][step]), marks={r: s for r, (s, _) in stuck.items()})

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pippy_split.zoo import ZooEntry, layer_split
+from pippy_split.zoo.entry import ZooEntry, layer_split
 
 __all__ = ["TinyGPT", "generate", "lm_loss", "text_batch", "tied_lm", "tiny_gpt", "TEXT"]
 

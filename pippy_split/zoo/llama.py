@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pippy_split.zoo import ZooEntry, layer_split
+from pippy_split.zoo.entry import ZooEntry, layer_split
 from pippy_split.zoo.gpt import lm_loss, text_batch
 
 __all__ = ["TinyLlama", "apply_rotary", "precompute_freqs_cis", "tiny_llama"]

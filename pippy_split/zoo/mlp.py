@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pippy_split.zoo import ZooEntry, layer_split
+from pippy_split.zoo.entry import ZooEntry, layer_split
 
 __all__ = ["FanOutSkip", "MLPStack", "fan_out_skip", "mlp_stack"]
 

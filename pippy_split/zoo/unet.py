@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pippy_split.zoo import ZooEntry
+from pippy_split.zoo.entry import ZooEntry
 
 __all__ = ["TinyUNet", "tiny_unet"]
 

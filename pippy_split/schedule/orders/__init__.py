@@ -145,13 +145,18 @@ ORDERS: dict[str, OrderSpec] = {spec.name: spec for spec in _SPECS}
 
 
 def get_order_spec(name: str) -> OrderSpec:
-    """Look up a family by name, case-insensitively.
+    """Look up a family by name, case-insensitively, with or without the schedule class's
+    ``Schedule`` prefix: the one lookup of schedule names (``get_schedule_class`` uses it).
 
     Raises:
         ValueError: for an unknown name, listing the valid ones.
+
+    Example:
+        >>> get_order_spec("ScheduleZBVZeroBubble").name
+        'ZBVZeroBubble'
     """
     by_lower = {key.lower(): spec for key, spec in ORDERS.items()}
-    spec = by_lower.get(name.lower())
+    spec = by_lower.get(name.lower().removeprefix("schedule"))
     if spec is None:
         raise ValueError(f"unknown schedule {name!r}; valid names: {', '.join(ORDERS)}")
     return spec
