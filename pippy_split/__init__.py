@@ -12,6 +12,8 @@ other name below resolve exactly as plain imports would.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 # name -> the module (relative to this package) that defines it
@@ -72,6 +74,20 @@ if TYPE_CHECKING:
     )
     from .split.balance import BalanceReport
     from .stage import PipelineError, PipelineStage, PipelineTimeout
+
+
+class _Package(types.ModuleType):
+    """This package's module type: a submodule named like a public function (``plan``,
+    ``parallelize``) is not bound over the function when it is imported, as the eager
+    ``from .plan import plan`` used to leave it."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and name in _HOMES:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

@@ -41,8 +41,9 @@ from typing import Any
 
 from .testing import free_port
 from .training.config import TrainConfig, build_train_parser, config_from_namespace
+from .training.factory import load_factory, unpack_entry  # noqa: F401  (importable from here, as before)
 from .training.loop import TRAIN_STATE_DIR, worker  # noqa: F401  (importable from here, as before)
-from .training.setup import CHECKPOINT_FILE, SUM_MAX, Prepared, load_factory, parse_split, prepare, unpack_entry  # noqa: F401
+from .training.setup import CHECKPOINT_FILE, SUM_MAX, Prepared, parse_split, prepare  # noqa: F401
 
 __all__ = ["build_parser", "main", "run", "worker", "load_factory", "failure_line", "DEFAULT_CHECKPOINT",
            "TrainConfig"]
@@ -130,11 +131,16 @@ def _check_options(cfg: TrainConfig, schedules: Any) -> str:
         return f"--lr-schedule is cosine, linear or constant, got {cfg.lr_schedule!r}"
     if cfg.model and cfg.model.startswith("hf:") and not cfg.data:
         return "--model hf:... trains on --data FILE (a text file)"
-    if cfg.data and cfg.model and not cfg.model.startswith("hf:"):
-        return (f"--data is read for the built-in TinyGPT and --model hf:...; {cfg.model} trains on its own "
-                "example batch, so --data would be ignored")
+    if cfg.data and cfg.model and cfg.model.startswith("zoo:"):
+        return (f"--data trains a language model (the built-in TinyGPT, hf:..., or module:factory); {cfg.model} "
+                "trains on its own example batch, so --data would be ignored")
     if cfg.pack and (not cfg.data or cfg.model):
         return "--pack packs the lines of a --data text file for the built-in TinyGPT (not with --model)"
+    if cfg.dp < 1 or cfg.tp < 1 or cfg.ranks % (cfg.dp * cfg.tp):
+        return f"--ranks {cfg.ranks} must be a multiple of --dp {cfg.dp} x --tp {cfg.tp} (the pipeline gets the rest)"
+    if cfg.dp > 1 and (cfg.pack or (cfg.model and not cfg.data and not cfg.model.startswith("hf:"))):
+        return ("--dp splits each step's rows over the replicas: it trains on --data windows or the built-in sums, "
+                "not with --pack or a factory's own batch")
     if cfg.simulate_failure and not re.fullmatch(r"\d+:\d+", cfg.simulate_failure):
         return f"--simulate-failure takes RANK:STEP (e.g. 1:5), got {cfg.simulate_failure!r}"
     return ""

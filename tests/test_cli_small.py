@@ -93,6 +93,11 @@ def test_every_public_name_is_the_defining_modules_object():
     assert pippy_split.Schedule1F1B is pippy_split.schedule.Schedule1F1B
     assert pippy_split.PipelineStage is pippy_split.stage.PipelineStage
     assert pippy_split.checkpoint.save.__module__.startswith("pippy_split.checkpoint")
+    import pippy_split.parallelize
+    import pippy_split.plan  # submodules named like the functions: importing them rebinds nothing
+
+    assert callable(pippy_split.plan) and pippy_split.plan.__module__ == "pippy_split.plan.search"
+    assert callable(pippy_split.parallelize) and pippy_split.parallelize.__module__ == "pippy_split.parallelize"
     assert all(getattr(pippy_split, name) is not None for name in pippy_split.__all__)
     assert set(pippy_split.__all__) <= set(dir(pippy_split))
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):

@@ -17,30 +17,39 @@ import torch
 from ..microbatch import Microbatches
 from ..packing import pack_documents, step_inputs
 from .config import TrainConfig
+from .nd import Layout
 from .setup import Prepared, pack_budget
 
 __all__ = ["train_batch", "heldout_batch", "to_device", "count_tokens"]
 
 
-def train_batch(cfg: TrainConfig, prep: Prepared, gen: torch.Generator) -> tuple[tuple, dict, Any]:
-    """``(args, kwargs, target)`` of one pipeline step."""
+def train_batch(cfg: TrainConfig, prep: Prepared, gen: torch.Generator,
+                layout: Layout | None = None) -> tuple[tuple, dict, Any]:
+    """``(args, kwargs, target)`` of one pipeline step: with ``--dp``, this replica's slice of the step's rows."""
     if prep.corpus is None:
         return prep.args, prep.kwargs, prep.target
     if prep.documents is not None:
         return _packed(cfg, prep.documents, gen)
-    x, y = prep.corpus.batch(prep.batch_size, cfg.seq_len, gen)
+    return _windows(prep.corpus, prep.batch_size, cfg.seq_len, gen, layout)
+
+
+def _windows(corpus: Any, batch: int, seq_len: int, gen: torch.Generator, layout: Layout | None) -> tuple:
+    dp = 1 if layout is None else layout.dp
+    x, y = corpus.batch(batch * dp, seq_len, gen)
+    if layout is not None and dp > 1:
+        rows = layout.replica_rows(batch)
+        x, y = x[rows], y[rows]
     return (x,), {}, y
 
 
-def heldout_batch(cfg: TrainConfig, prep: Prepared) -> tuple[tuple, dict, Any] | None:
-    """The same held-out batch at every evaluation (None without held-out data)."""
+def heldout_batch(cfg: TrainConfig, prep: Prepared, layout: Layout | None = None) -> tuple[tuple, dict, Any] | None:
+    """The same held-out batch at every evaluation (None without held-out data); each replica its slice."""
     gen = torch.Generator().manual_seed(cfg.seed + 7)
     if prep.heldout_documents is not None:
         return _packed(cfg, prep.heldout_documents, gen)
     if prep.heldout is None:
         return None
-    x, y = prep.heldout.batch(prep.batch_size, cfg.seq_len, gen)
-    return (x,), {}, y
+    return _windows(prep.heldout, prep.batch_size, cfg.seq_len, gen, layout)
 
 
 def _packed(cfg: TrainConfig, documents: list[torch.Tensor], gen: torch.Generator) -> tuple:

@@ -30,15 +30,22 @@ class TrainConfig:
     """One training run. Defaults train a character-level TinyGPT on written-out sums."""
 
     model: str | None = None
-    """module:factory returning a ZooEntry or (model, args[, kwargs]); zoo:NAME; or hf:CONFIG (a config.json,
-    or a directory holding one: a Hugging Face causal LM trained on --data). Default: a TinyGPT on --data or
+    """module:factory returning an nn.Module, (model, args[, kwargs]) or an object with fields model, args, loss_fn,
+    target; zoo:NAME; or hf:CONFIG (a config.json, or a directory holding one, with safetensors weights or not: a
+    Hugging Face causal LM). With --data a factory's model is a language model called as model(input_ids), its loss
+    the factory's loss_fn or, when its forward takes labels=, the causal LM loss. Default: a TinyGPT on --data or
     the built-in addition corpus."""
     split: str | None = None
     """comma-separated FQNs to split at (the beginning of each); default: balanced over the stages"""
     schedule: str = "ZBVZeroBubble"
     """schedule name (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)"""
     ranks: int = 2
-    """local ranks to launch (ignored under torchrun)"""
+    """local ranks to launch (ignored under torchrun): pipeline ranks x --dp x --tp"""
+    dp: int = 1
+    """data-parallel replicas of the pipeline, each sharding its stages' blocks with FSDP2 (ps.parallelize) and
+    training on its --batch-size rows of a dp x batch-size row step"""
+    tp: int = 1
+    """tensor-parallel ranks per stage (Llama-family blocks; the built-in TinyGPT's MLPs)"""
     microbatches: int = 4
     """microbatches per step"""
     steps: int = 400
@@ -68,9 +75,13 @@ class TrainConfig:
     resume: bool = False
     """continue from --checkpoint: weights and AdamW state"""
     data: str | None = None
-    """train on this text file (vocabulary: its characters)"""
+    """train on this text: a text file (a document per line), a .jsonl file, or a directory saved by datasets'
+    save_to_disk; the built-in TinyGPT's vocabulary is its characters, other models read tokens (--tokenizer)"""
+    data_field: str = "text"
+    """--data .jsonl or dataset: the field holding each document's text"""
     tokenizer: str | None = None
-    """with --model hf:...: a local tokenizer directory for --data (default: the text's UTF-8 bytes as ids)"""
+    """with --model hf:... or module:factory: a local tokenizer directory for --data (default: the text's UTF-8 bytes
+    as ids)"""
     export_hf: str | None = None
     """write the trained model here as a Hugging Face directory (config.json, safetensors shards and index)
     that AutoModelForCausalLM.from_pretrained loads (with --model hf:...)"""
@@ -86,6 +97,9 @@ class TrainConfig:
     """a plain log line every N steps when the output is not a terminal (every step goes to metrics.jsonl)"""
     tensorboard: bool = True
     """also write TensorBoard scalars to <checkpoint>/tensorboard when tensorboard is installed"""
+    plan: str | None = field(default=None, metadata={"metavar": "MEMORY"})
+    """choose --schedule, --microbatches, --split and --activation-checkpoint with ps.plan under this memory budget
+    per rank (e.g. 2GB) before training; every rank takes rank 0's plan"""
     samples: int = 8
     """lines to sample at the end"""
     activation_checkpoint: str | None = field(default=None, metadata={"nargs": "?", "const": "full",

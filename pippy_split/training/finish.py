@@ -55,8 +55,9 @@ def finish(cfg: TrainConfig, prep: Prepared, dcp_dir: str, losses: list[float], 
     if prep.gpt_cfg is not None:  # the built-in TinyGPT on characters
         sample(cfg, fresh, prep.corpus, log)
     if cfg.export_hf:
-        if not is_hf(cfg):
-            log("[yellow]--export-hf writes Hugging Face models (--model hf:...): skipped")
+        if not (is_hf(cfg) or hasattr(fresh, "save_pretrained")):
+            log(f"[yellow]--export-hf writes Hugging Face models (save_pretrained); {type(fresh).__name__} has none: "
+                "skipped")
         else:
             log(f"Hugging Face directory written to {export_hf(fresh, cfg.export_hf, cfg.tokenizer, cfg.export_shard_size)}")
     pipe = prep.pipe
@@ -74,7 +75,7 @@ def finish(cfg: TrainConfig, prep: Prepared, dcp_dir: str, losses: list[float], 
 def _data_description(cfg: TrainConfig, prep: Prepared) -> str:
     if cfg.data:
         return cfg.data + (" (lines packed per microbatch)" if cfg.pack else "")
-    if prep.corpus is not None:
+    if prep.gpt_cfg is not None:
         return "additions (operands padded, answers reversed)"
     return f"{cfg.model}'s example batch"
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .config import TrainConfig
 
-__all__ = ["TokenCorpus", "hf_model", "hf_corpora", "causal_lm_loss", "export_hf", "is_hf", "SafetensorsStateDict",
+__all__ = ["hf_model", "load_tokenizer", "causal_lm_loss", "export_hf", "is_hf", "SafetensorsStateDict",
            "tied_aliases", "pretrained_dir"]
 
 
@@ -69,47 +68,9 @@ def hf_model(cfg: TrainConfig, meta: bool = False) -> Any:
         return t.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
-@dataclass
-class TokenCorpus:
-    """Token ids of a text (``ids``, int64) with :meth:`batch` drawing next-token windows."""
-
-    ids: torch.Tensor
-    text: str = field(default="", repr=False)
-
-    def batch(self, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Random windows ``(x, y)``, both ``(batch_size, seq_len)``, y is x shifted left by one."""
-        if seq_len + 1 > len(self.ids):
-            raise ValueError(f"seq_len={seq_len} needs more than {seq_len + 1} tokens, the text has {len(self.ids)}")
-        starts = torch.randint(0, len(self.ids) - seq_len, (batch_size,), generator=generator)
-        windows = self.ids[starts[:, None] + torch.arange(seq_len + 1)]
-        return windows[:, :-1].contiguous(), windows[:, 1:].clone()
-
-
-def _tokenize(cfg: TrainConfig, text: str, vocab_size: int) -> torch.Tensor:
-    if cfg.tokenizer:
-        tok = _transformers().AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-    else:
-        ids = list(text.encode("utf-8"))
-    out = torch.tensor(ids, dtype=torch.int64)
-    if len(out) and int(out.max()) >= vocab_size:
-        how = "its tokenizer" if cfg.tokenizer else "UTF-8 bytes (ids up to 255; pass --tokenizer DIR)"
-        raise SystemExit(f"--data {cfg.data} tokenized by {how} has id {int(out.max())}, beyond the model's "
-                         f"vocab_size {vocab_size}")
-    return out
-
-
-def hf_corpora(cfg: TrainConfig, vocab_size: int) -> tuple[TokenCorpus, TokenCorpus | None]:
-    """(training, held-out) token corpora of ``--data``: the last tenth of its lines held out."""
-    if not cfg.data:
-        raise SystemExit("--model hf:... trains on --data FILE (a text file)")
-    with open(cfg.data, encoding="utf-8") as f:
-        lines = f.read().splitlines(keepends=True)
-    cut = len(lines) - len(lines) // 10 if len(lines) >= 10 else len(lines)
-    train_text, held_text = "".join(lines[:cut]), "".join(lines[cut:])
-    train = TokenCorpus(_tokenize(cfg, train_text, vocab_size), train_text)
-    held_ids = _tokenize(cfg, held_text, vocab_size) if held_text else torch.zeros(0, dtype=torch.int64)
-    return train, (TokenCorpus(held_ids, held_text) if len(held_ids) > cfg.seq_len + 1 else None)
+def load_tokenizer(directory: str) -> Any:
+    """A local tokenizer directory (``tokenizer.json`` and its config; nothing is downloaded)."""
+    return _transformers().AutoTokenizer.from_pretrained(directory, local_files_only=True)
 
 
 def causal_lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
@@ -122,7 +83,7 @@ def export_hf(model: Any, directory: str, tokenizer: str | None, shard_size: str
     """``save_pretrained``: config.json, safetensors shards and their index (and the tokenizer's files)."""
     model.save_pretrained(directory, safe_serialization=True, max_shard_size=shard_size)
     if tokenizer:
-        _transformers().AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).save_pretrained(directory)
+        load_tokenizer(tokenizer).save_pretrained(directory)
     return directory
 
 

@@ -25,6 +25,7 @@ import torch
 from .batches import count_tokens, heldout_batch, to_device, train_batch
 from .config import TrainConfig
 from .metrics import METRICS_FILE, RunLog, peak_memory_mib
+from .nd import Layout, parallelize_stages
 from .optim import average_accumulated, lr_at
 from .setup import SUM_MAX, Prepared, pack_budget, prepare
 
@@ -81,25 +82,33 @@ def train_rank(cfg: TrainConfig, prepared: Prepared | None, rank: int, world: in
 
     console = Console(stderr=False)
     log = console.print if rank == 0 else (lambda *a, **k: None)
-    prep = prepared if prepared is not None and prepared.world == world else prepare(cfg, world, log)
-    sched, opt = _build(cfg, prep, device)
+    layout = Layout.of(cfg, world, rank, device)  # --dp / --tp: a (dp, pp, tp) mesh
+    if cfg.plan and prepared is None:
+        from .planned import planned_config
+
+        cfg = planned_config(cfg, layout.pp, log)
+    prep = prepared if prepared is not None and prepared.world == layout.pp else \
+        prepare(cfg, layout.pp, log, layout.pp_rank)
+    sched, opt = _build(cfg, prep, device, layout)
     dcp_dir = os.path.join(cfg.checkpoint, TRAIN_STATE_DIR)
     state = _start(cfg, sched, opt, dcp_dir, log)
-    bubble = _banner(cfg, prep, world, device, log)
-    _loop(cfg, prep, sched, opt, state, rank, device, console, dcp_dir, bubble)
+    bubble = _banner(cfg, prep, layout, device, log)
+    _loop(cfg, prep, sched, opt, state, rank, device, console, dcp_dir, bubble, layout)
     # every rank writes its stages and optimizer state (DCP, original FQNs) for --resume
     ps.checkpoint.save(dcp_dir, sched, opt, extra=state.extra(cfg))
     if rank == 0:
-        finish(cfg, prep, dcp_dir, state.losses, world, log)
+        finish(cfg, prep, dcp_dir, state.losses, layout.pp, log)
 
 
-def _build(cfg: TrainConfig, prep: Prepared, device: torch.device) -> tuple[Any, torch.optim.Optimizer]:
+def _build(cfg: TrainConfig, prep: Prepared, device: torch.device,
+           layout: Layout) -> tuple[Any, torch.optim.Optimizer]:
     import pippy_split as ps
 
     sched = ps.build_schedule(prep.pipe, cfg.schedule, cfg.microbatches, loss_fn=prep.loss_fn, device=device,
-                              loss_count=prep.loss_count, state_dict=prep.state_dict,
+                              loss_count=prep.loss_count, state_dict=prep.state_dict, group=layout.pp_group,
                               activation_checkpoint=checkpoint_setting(cfg.activation_checkpoint),
                               mixed_precision=torch.bfloat16 if cfg.bf16 else None, compile=cfg.compile)
+    parallelize_stages(cfg, sched, prep.model, layout)  # before the optimizer: FSDP2/TP replace the parameters
     params = list({id(p): p for st in sched.stages for p in st.module.parameters()}.values())
     return sched, torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
 
@@ -171,18 +180,23 @@ def _ours(cfg: TrainConfig, dcp_dir: str) -> bool:
             and extra.get("seed") == cfg.seed and extra.get("run_id") == os.environ.get("TORCHELASTIC_RUN_ID"))
 
 
-def _banner(cfg: TrainConfig, prep: Prepared, world: int, device: torch.device,
+def _banner(cfg: TrainConfig, prep: Prepared, layout: Layout, device: torch.device,
             log: Callable[..., None]) -> float:
     import pippy_split as ps
 
     from ..schedule import simulate
 
-    pipe, M = prep.pipe, cfg.microbatches
+    pipe, M, world = prep.pipe, cfg.microbatches, layout.pp
     order = ps.get_schedule_class(cfg.schedule).compute_order(world, M, pipe.num_stages // world)
     bubble = simulate(order).bubble_fraction
     log(f"[bold]pippy-split train[/]: {type(prep.model).__name__}, {pipe.num_stages} stages on {world} ranks "
         f"({'nccl' if device.type == 'cuda' else 'gloo'}), schedule {cfg.schedule}, {M} microbatches, "
         f"{sum(s.num_params for s in pipe.stages):,} params, simulated bubble {bubble:.1%}")
+    if layout.mesh is not None:
+        parts = [f"{layout.dp} pipeline replicas, each on its {cfg.batch_size} rows of a "
+                 f"{layout.dp * cfg.batch_size}-row step, blocks sharded by FSDP2"] if layout.dp > 1 else []
+        parts += [f"each stage split over {layout.tp} tensor-parallel ranks"] if layout.tp > 1 else []
+        log(f"mesh (dp={layout.dp}, pp={layout.pp}, tp={layout.tp}): {'; '.join(parts)}")
     if prep.documents is not None:
         log(f"data: the {len(prep.documents)} lines of {cfg.data} packed whole into one row per microbatch of up "
             f"to {pack_budget(cfg)} characters (each microbatch its own length); loss: mean over the step's "
@@ -202,7 +216,7 @@ def _maybe_fail(cfg: TrainConfig, rank: int, step: int) -> None:
 
 
 def _loop(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimizer, state: RunState,
-          rank: int, device: torch.device, console: Any, dcp_dir: str, bubble: float) -> None:
+          rank: int, device: torch.device, console: Any, dcp_dir: str, bubble: float, layout: Layout) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     import pippy_split as ps
@@ -217,9 +231,11 @@ def _loop(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimiz
                      append=state.step > 0 or cfg.resume) if rank == 0 else None
     if run_log is not None and run_log.tensorboard_missing:
         console.print("tensorboard is not installed: metrics go to metrics.jsonl only")
-    heldout = heldout_batch(cfg, prep) if cfg.eval_every else None
-    if cfg.eval_every and heldout is None:
-        console.print("--eval-every: no held-out data (--data under 10 lines, or --model): not evaluating")
+    heldout = heldout_batch(cfg, prep, layout) if cfg.eval_every else None
+    evaluates = bool(cfg.eval_every) and _rank0_says(heldout is not None, device)  # ranks without data agree
+    if cfg.eval_every and not evaluates and rank == 0:
+        console.print("--eval-every: no held-out data (--data under 10 documents, or a factory's own batch): "
+                      "not evaluating")
     tokens, t0 = 0, time.perf_counter()
     with progress:
         task = progress.add_task("train", total=cfg.steps, completed=state.step, loss="-", tps="-",
@@ -232,18 +248,18 @@ def _loop(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimiz
             torch.manual_seed(cfg.seed + 1_000_003 * (state.step + 1))  # the same draws on a resumed step
             loss = 0.0
             for _ in range(cfg.grad_accum):  # gradients add up over the pipeline steps, then are averaged
-                a, k, y = train_batch(cfg, prep, state.data_gen)
+                a, k, y = train_batch(cfg, prep, state.data_gen, layout)
                 sched.step(*(to_device(t, device) for t in a), target=to_device(y, device), **k)
-                loss += float(sched.loss) / cfg.grad_accum  # the step's loss, on every rank
-                tokens += count_tokens(a[0])
+                loss += layout.mean_over_replicas(float(sched.loss), device) / cfg.grad_accum  # every rank
+                tokens += (count_tokens(a[0]) if a else 0) * layout.dp
             average_accumulated(sched, cfg.grad_accum)
             max_norm = cfg.clip_grad_norm if cfg.clip_grad_norm is not None else float("inf")
             grad_norm = float(ps.clip_grad_norm_(sched, max_norm))  # every rank: one all-reduce
             opt.step()
             opt.zero_grad(set_to_none=True)
             state.step += 1
-            if heldout is not None and (state.step % cfg.eval_every == 0 or state.step == cfg.steps):
-                held_loss = evaluate(sched, heldout, prep, device)
+            if evaluates and (state.step % cfg.eval_every == 0 or state.step == cfg.steps):
+                held_loss = evaluate(sched, heldout or ((), {}, None), prep, device)
                 if run_log is not None:
                     run_log.eval(state.step, held_loss)
             if run_log is not None:
@@ -262,6 +278,17 @@ def _loop(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimiz
             f"{time.perf_counter() - t0:.1f} s; per step: {os.path.join(cfg.checkpoint, METRICS_FILE)})")
 
 
+def _rank0_says(flag: bool, device: torch.device) -> bool:
+    """Rank 0's ``flag`` on every rank (rank 0 holds the first stage, so it always reads the data)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    value = torch.tensor([int(flag)], device=device)
+    dist.broadcast(value, src=0)
+    return bool(value.item())
+
+
 def evaluate(sched: Any, batch: tuple[tuple, dict, Any], prep: Prepared, device: torch.device) -> float:
     """The held-out loss (forward only, no gradients), the same value on every rank: the last
     stage's rank computes it and broadcasts it."""
@@ -278,6 +305,7 @@ def evaluate(sched: Any, batch: tuple[tuple, dict, Any], prep: Prepared, device:
                 value.fill_(total / max(1.0, float(sum(float(prep.loss_count(t)) for t in y))))
             else:
                 value.fill_(float(prep.loss_fn(out, y)))
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast(value, src=sched.placement[sched.num_stages - 1])
+    if dist.is_available() and dist.is_initialized():  # within this replica's pipeline
+        group, last = sched.group, sched.placement[sched.num_stages - 1]
+        dist.broadcast(value, src=last if group is None else dist.get_global_rank(group, last), group=group)
     return float(value)

@@ -8,18 +8,18 @@ the launcher's spawned ranks.
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from .config import TrainConfig
-from .hf import SafetensorsStateDict, causal_lm_loss, hf_corpora, hf_model, is_hf, pretrained_dir, tied_aliases
+from .factory import data_example, factory_loss, load_factory, unpack_entry, vocab_size_of
+from .hf import SafetensorsStateDict, causal_lm_loss, hf_model, is_hf, pretrained_dir, tied_aliases
+from .text import read_documents, token_corpora
 
-__all__ = ["Prepared", "prepare", "load_factory", "unpack_entry", "parse_split", "SUM_MAX", "CHECKPOINT_FILE"]
+__all__ = ["Prepared", "prepare", "load_factory", "unpack_entry", "parse_split", "data_ranks", "SUM_MAX", "CHECKPOINT_FILE"]
 
 SUM_MAX = 99  # operands of the built-in sums: 0..SUM_MAX
 CHECKPOINT_FILE = "model.pt"
@@ -53,48 +53,17 @@ class Prepared:
     documents: list[torch.Tensor] | None = None
     """``--pack``: the text's lines, encoded; each step packs them into microbatches."""
     loss_count: Callable | None = None
-
-
-def load_factory(spec: str) -> Callable[[], Any]:
-    """``module:factory`` or ``zoo:NAME`` -> a zero-argument callable.
-
-    Example:
-        >>> load_factory("zoo:mlp_stack")().model.__class__.__name__
-        'MLPStack'
-    """
-    if spec.startswith("zoo:"):
-        from .. import zoo
-
-        name = spec[4:]
-        return lambda: zoo.get(name)
-    if ":" not in spec:
-        raise ValueError(f"expected module:factory or zoo:NAME, got {spec!r}")
-    mod_name, attr = spec.split(":", 1)
-    sys.path.insert(0, os.getcwd())
-    obj: Any = importlib.import_module(mod_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def unpack_entry(entry: Any) -> tuple[torch.nn.Module, tuple, dict, Any, Any, Any]:
-    """(model, args, kwargs, split_spec, loss_fn, target) from a ZooEntry-like or a tuple."""
-    if hasattr(entry, "model") and hasattr(entry, "args"):
-        return (entry.model, tuple(entry.args), dict(getattr(entry, "kwargs", None) or {}),
-                getattr(entry, "split_spec", None), getattr(entry, "loss_fn", None), getattr(entry, "target", None))
-    if isinstance(entry, tuple) and len(entry) in (2, 3) and isinstance(entry[0], torch.nn.Module):
-        args = entry[1] if isinstance(entry[1], tuple) else (entry[1],)
-        kwargs = entry[2] if len(entry) == 3 else {}
-        return entry[0], args, dict(kwargs or {}), None, None, None
-    raise TypeError("factory must return a ZooEntry-like object (model, args, kwargs, ...) or a tuple "
-                    f"(model, args[, kwargs]); got {type(entry).__name__}")
+    vocab_size: int | None = None
+    """A token model trained on --data (hf: or a factory): its vocabulary, for the tokens' check."""
+    reads_data: bool = True
+    """False on a rank whose stages read no model input and hold no loss: it never reads --data."""
 
 
 def parse_split(split: str | None) -> list[str] | None:
     return [s.strip() for s in split.split(",") if s.strip()] if split else None
 
 
-def _stages_per_rank(schedule: str) -> int:
+def stages_per_rank(schedule: str) -> int:
     from ..schedule.orders import ORDERS
 
     return ORDERS[schedule].default_stages_per_rank()
@@ -131,23 +100,14 @@ def heldout_of(cfg: TrainConfig, chars: str) -> Any:
                       prompt_end="=")
 
 
-def _read(cfg: TrainConfig) -> str:
-    assert cfg.data is not None
-    with open(cfg.data, encoding="utf-8") as f:
-        return f.read()
-
-
 def _text_chars(cfg: TrainConfig) -> str:
-    return "".join(sorted(set(_read(cfg))))
+    return "".join(sorted(set("".join(d for part in read_documents(cfg) for d in part))))
 
 
 def _split_text(cfg: TrainConfig) -> tuple[str, str]:
-    """(training text, held-out text): the last tenth of the lines held out, from 10 lines on."""
-    lines = _read(cfg).splitlines(keepends=True)
-    if len(lines) < 10:
-        return "".join(lines), ""
-    cut = len(lines) - len(lines) // 10
-    return "".join(lines[:cut]), "".join(lines[cut:])
+    """(training text, held-out text) of --data's documents (:mod:`.text`)."""
+    train, held = read_documents(cfg)
+    return "".join(train), "".join(held)
 
 
 def load_model_file(path: str) -> dict:
@@ -162,29 +122,26 @@ def fresh_model(cfg: TrainConfig, prep: Prepared) -> torch.nn.Module:
 
     if is_hf(cfg):
         return hf_model(cfg)
-    if prep.corpus is not None:
-        assert prep.gpt_cfg is not None  # set together with a character corpus
+    if prep.gpt_cfg is not None:  # the built-in model
         return TinyGPT(**prep.gpt_cfg)
     torch.manual_seed(cfg.seed)
-    assert cfg.model is not None  # no corpus: a factory's model
+    assert cfg.model is not None
     return unpack_entry(load_factory(cfg.model)())[0]
 
 
-def prepare(cfg: TrainConfig, world: int, log: Callable[..., None]) -> Prepared:
-    """Data, model and the traced, split Pipe: the same on every rank (same seed)."""
+def prepare(cfg: TrainConfig, world: int, log: Callable[..., None], rank: int | None = None) -> Prepared:
+    """Data, model and the traced, split Pipe: the same on every rank (same seed).
+
+    ``rank``: this rank in the pipeline group; a token model's ``--data`` is read only where
+    a stage of the rank reads a model input or computes the loss (None: read it)."""
     import pippy_split as ps
 
-    num_stages = world * _stages_per_rank(cfg.schedule)
+    num_stages = world * stages_per_rank(cfg.schedule)
     M, B = cfg.microbatches, cfg.batch_size
     if B % M:
         raise SystemExit(f"--batch-size {B} is not divisible by --microbatches {M}")
     resume_state = load_model_file(cfg.checkpoint) if cfg.resume else None
-    if cfg.model is None:
-        prep, split_spec, ex_args, ex_kwargs = _builtin(cfg, num_stages, resume_state)
-    elif is_hf(cfg):
-        prep, split_spec, ex_args, ex_kwargs = _hf(cfg, num_stages)
-    else:
-        prep, split_spec, ex_args, ex_kwargs = _factory(cfg, num_stages)
+    prep, split_spec, ex_args, ex_kwargs = model_source(cfg, num_stages, resume_state)
     if resume_state is not None and prep.state_dict is not None:  # a meta model: the stages read model.pt
         prep.state_dict = resume_state["state_dict"]
         log(f"[green]resumed[/] from {os.path.join(cfg.checkpoint, CHECKPOINT_FILE)}")
@@ -198,7 +155,35 @@ def prepare(cfg: TrainConfig, world: int, log: Callable[..., None]) -> Prepared:
     prep.pipe = ps.pipeline(prep.model, split_spec, ex_args, ex_kwargs, dynamic_shapes=prep.dynamic_shapes)
     if prep.pipe.num_stages % world:
         raise SystemExit(f"{prep.pipe.num_stages} stages cannot be spread over {world} ranks")
+    if prep.vocab_size is not None:  # a token model on --data: the text is read where it is used
+        prep.reads_data = rank is None or rank in data_ranks(prep.pipe, cfg.schedule, world)
+        if prep.reads_data:
+            prep.corpus, prep.heldout = token_corpora(cfg, prep.vocab_size)
     return prep
+
+
+def model_source(cfg: TrainConfig, num_stages: int, resume_state: dict | None = None) -> tuple:
+    """``(prep, split_spec, example_args, example_kwargs)`` of the run's model (no Pipe yet): the built-in
+    TinyGPT, ``hf:``, or a factory; the example is one microbatch."""
+    if cfg.model is None:
+        return _builtin(cfg, num_stages, resume_state)
+    if is_hf(cfg):
+        return _hf(cfg, num_stages)
+    return _factory(cfg, num_stages)
+
+
+def data_ranks(pipe: Any, schedule: str, world: int) -> set[int]:
+    """The ranks holding a stage that reads a model input, or the last stage (which needs the target).
+
+    Example:
+        >>> sorted(data_ranks(ps.pipeline(zoo.get("tiny_gpt").model, 4, x), "1F1B", 4))  # doctest: +SKIP
+        [0, 3]
+    """
+    from ..schedule.orders import ORDERS
+
+    where = ORDERS[schedule].stage_placement(pipe.num_stages, world)
+    reading = {st.index for st in pipe.stages if any(i.kind == "input" for i in st.inputs)}
+    return {where[s] for s in reading | {pipe.num_stages - 1}}
 
 
 def _builtin(cfg: TrainConfig, num_stages: int, resume_state: dict | None) -> tuple:
@@ -259,27 +244,35 @@ def _hf(cfg: TrainConfig, num_stages: int) -> tuple:
     """--model hf:CONFIG: the causal LM on --data's tokens, split over its decoder layers."""
     pretrained = pretrained_dir(cfg)
     model = hf_model(cfg, meta=pretrained is not None)  # pretrained: each rank fills only its stages
-    corpus, heldout = hf_corpora(cfg, model.config.vocab_size)
-    B, M = cfg.batch_size, cfg.microbatches
-    x0, _ = corpus.batch(B, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1))
     split_spec = parse_split(cfg.split) or num_stages
-    prep = Prepared(world=0, corpus=corpus, gpt_cfg=None, model=model, loss_fn=causal_lm_loss, args=(), kwargs={},
-                    target=None, batch_size=B, pipe=None, heldout=heldout,
+    prep = Prepared(world=0, corpus=None, gpt_cfg=None, model=model, loss_fn=causal_lm_loss, args=(), kwargs={},
+                    target=None, batch_size=cfg.batch_size, pipe=None, vocab_size=model.config.vocab_size,
                     state_dict=None if pretrained is None else SafetensorsStateDict(pretrained, tied_aliases(model)))
-    return prep, split_spec, (x0[: B // M],), {}
+    return prep, split_spec, (torch.zeros(cfg.batch_size // cfg.microbatches, cfg.seq_len, dtype=torch.long),), {}
 
 
 def _factory(cfg: TrainConfig, num_stages: int) -> tuple:
+    """--model module:factory (:mod:`.factory`): its own batch, or a language model on --data's tokens."""
     assert cfg.model is not None
     torch.manual_seed(cfg.seed)
     model, args, kwargs, spec, loss_fn, target = unpack_entry(load_factory(cfg.model)())
     split_spec = parse_split(cfg.split) or spec or num_stages
-    if loss_fn is None or target is None:
-        raise SystemExit(f"{cfg.model} gives no loss_fn/target; train needs a ZooEntry-like with both")
+    example = data_example(cfg, model, args, kwargs) if cfg.data else None
+    loss = factory_loss(cfg, model, loss_fn, target)
+    if example is not None:
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "use_cache"):
+            config.use_cache = False  # no cache objects in the traced output
+        prep = Prepared(world=0, corpus=None, gpt_cfg=None, model=model, loss_fn=loss, args=(), kwargs={},
+                        target=None, batch_size=cfg.batch_size, pipe=None, vocab_size=vocab_size_of(model))
+        return prep, split_spec, (example,), {}
+    if not args:
+        raise SystemExit(f"--model {cfg.model} returns a module without an example batch: pass --data FILE, or "
+                         "return (model, args) with loss_fn and target")
     B, M = args[0].shape[0], cfg.microbatches
     if B % M:
         raise SystemExit(f"the factory's batch ({B}) is not divisible by --microbatches {M}")
     ex_args = tuple(a[: B // M] if isinstance(a, torch.Tensor) else a for a in args)
-    prep = Prepared(world=0, corpus=None, gpt_cfg=None, model=model, loss_fn=loss_fn, args=args, kwargs=kwargs,
+    prep = Prepared(world=0, corpus=None, gpt_cfg=None, model=model, loss_fn=loss, args=args, kwargs=kwargs,
                     target=target, batch_size=B, pipe=None)
     return prep, split_spec, ex_args, kwargs
