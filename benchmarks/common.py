@@ -299,7 +299,7 @@ def expected_traffic(pipe: ps.Pipe, placement: dict[int, int], n_mb: int, world:
 
 def our_placement(schedule: str, num_stages: int, world: int) -> dict[int, int]:
     """``{stage: rank}`` that ``ps.build_schedule`` uses for this schedule."""
-    return stage_to_rank(num_stages, world, get_schedule_class(schedule).placement)
+    return stage_to_rank(num_stages, world, get_schedule_class(schedule).placement_style)
 
 
 # ---- memory ------------------------------------------------------------------------

@@ -65,7 +65,7 @@ for name in ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBu
     spr = 1 if name in ("GPipe", "1F1B") else 2
     c = 1 / spr
     sim = simulate(cls.compute_order(4, 8, spr), costs={"F": c, "I": c, "W": c})
-    print(f"{name:22} {cls.placement:9} {sim.makespan:8.1f} {sim.bubble_fraction:7.1%}  {sim.peak_activations}")
+    print(f"{name:22} {cls.placement_style:9} {sim.makespan:8.1f} {sim.bubble_fraction:7.1%}  {sim.peak_activations}")
 
 # %% [markdown]
 # ## Loop or V placement

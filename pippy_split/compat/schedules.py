@@ -195,15 +195,11 @@ class PipelineScheduleMulti(_core.PipelineSchedule):
         return dict(self.placement)
 
 
-# The core schedule classes are made at run time (schedule.schedules._make): mypy cannot
-# see them as classes, so each subclass line below says so.
-
-
-class ScheduleGPipe(PipelineScheduleSingle, _core.ScheduleGPipe):  # type: ignore[valid-type, misc]
+class ScheduleGPipe(PipelineScheduleSingle, _core.ScheduleGPipe):
     """GPipe: all forwards, then all backwards; one stage per rank."""
 
 
-class Schedule1F1B(PipelineScheduleSingle, _core.Schedule1F1B):  # type: ignore[valid-type, misc]
+class Schedule1F1B(PipelineScheduleSingle, _core.Schedule1F1B):
     """1F1B (PipeDream-Flush); one stage per rank."""
 
 
@@ -218,7 +214,7 @@ def _multi_init(self: PipelineScheduleMulti, stages: list[PipelineStage], n_micr
                                    output_merge_spec, scale_grads=scale_grads)
 
 
-class ScheduleLoopedBFS(PipelineScheduleMulti, _core.ScheduleLoopedBFS):  # type: ignore[valid-type, misc]
+class ScheduleLoopedBFS(PipelineScheduleMulti, _core.ScheduleLoopedBFS):
     """Breadth-first looped schedule; any number of stages per rank (rank r holds r, r+p, ...)."""
 
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
@@ -228,25 +224,25 @@ class ScheduleLoopedBFS(PipelineScheduleMulti, _core.ScheduleLoopedBFS):  # type
                                        scale_grads=scale_grads)
 
 
-class ScheduleInterleavedZeroBubble(PipelineScheduleMulti, _core.ScheduleInterleavedZeroBubble):  # type: ignore[valid-type, misc]
+class ScheduleInterleavedZeroBubble(PipelineScheduleMulti, _core.ScheduleInterleavedZeroBubble):
     """Zero bubble (ZB-H1) on looped placement, backward split into I and W; any stages per rank."""
 
     __init__ = _multi_init
 
 
-class ScheduleZBVZeroBubble(PipelineScheduleMulti, _core.ScheduleZBVZeroBubble):  # type: ignore[valid-type, misc]
+class ScheduleZBVZeroBubble(PipelineScheduleMulti, _core.ScheduleZBVZeroBubble):
     """ZB-V: V placement, exactly 2 stages per rank (rank r holds r and 2p - 1 - r)."""
 
     __init__ = _multi_init
 
 
-class ScheduleDualPipeV(PipelineScheduleMulti, _core.ScheduleDualPipeV):  # type: ignore[valid-type, misc]
+class ScheduleDualPipeV(PipelineScheduleMulti, _core.ScheduleDualPipeV):
     """DualPipeV: V placement, exactly 2 stages per rank, n_microbatches >= 2p - 1."""
 
     __init__ = _multi_init
 
 
-class ScheduleInterleaved1F1B(PipelineScheduleMulti, _core.ScheduleInterleaved1F1B):  # type: ignore[valid-type, misc]
+class ScheduleInterleaved1F1B(PipelineScheduleMulti, _core.ScheduleInterleaved1F1B):
     """Interleaved 1F1B on looped placement (rank r holds r, r+p, ...); with one
     stage per rank it is 1F1B."""
 

@@ -16,11 +16,14 @@ one rule serves orders with and without a split backward.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from .actions import Action, ActionKind
 
-__all__ = ["Link", "DepIndex", "chain_links", "compute_deps", "deps_function", "satisfies"]
+if TYPE_CHECKING:
+    from ..split.spec import Edge
+
+__all__ = ["Link", "DepIndex", "chain_links", "edge_links", "compute_deps", "deps_function", "satisfies"]
 
 Link = tuple[int, int, bool]
 
@@ -35,6 +38,16 @@ def chain_links(num_stages: int) -> list[Link]:
         [(0, 1, True), (1, 2, True)]
     """
     return [(s, s + 1, True) for s in range(num_stages - 1)]
+
+
+def edge_links(edges: Iterable[Edge]) -> list[Link]:
+    """The links of a Pipe's edges: one per (sending stage, receiving stage), carrying a
+    gradient when any edge between the two does (a model input sent on carries none)."""
+    out: dict[tuple[int, int], bool] = {}
+    for e in edges:
+        key = (e.sender_stage, e.dst_stage)
+        out[key] = out.get(key, False) or (e.spec.carries_grad and not e.from_input)
+    return [(s, d, g) for (s, d), g in sorted(out.items())]
 
 
 class DepIndex:

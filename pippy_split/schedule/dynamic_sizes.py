@@ -20,10 +20,11 @@ import sympy
 import torch
 import torch.distributed as dist
 
+from ..microbatch import split_args_kwargs
 from ..split.spec import SymbolSource
 from ..stage.errors import PipelineError
 
-__all__ = ["local_sizes", "share_sizes", "message_bytes"]
+__all__ = ["local_sizes", "inputs_given_anyway", "share_sizes", "message_bytes"]
 
 Bindings = dict[sympy.Symbol, int]
 
@@ -51,6 +52,22 @@ def local_sizes(symbols: Sequence[SymbolSource], flat_inputs: list[list[Any]] | 
                                     f"Dim whose min/max cover it (dynamic_shapes= in pipeline())")
             values[mb, j] = size
     return values
+
+
+def inputs_given_anyway(pipe: Any, args: tuple, kwargs: dict, n: int, args_chunk_spec: Any = None,
+                        kwargs_chunk_spec: Any = None) -> list | None:
+    """A rank that reads no model input but was given them (every rank loading the same batch,
+    the usual torchrun script) still reports their sizes, so ranks whose data differ (an
+    unseeded loader) are caught before any message; inputs it cannot split are ignored.
+    Returns each microbatch's flat inputs (for :func:`local_sizes`), or ``None``."""
+    if not args and not kwargs:
+        return None
+    try:
+        mbs = split_args_kwargs(tuple(args), dict(kwargs), n, args_chunk_spec, kwargs_chunk_spec,
+                                names=pipe.arg_names)
+        return [pipe.flatten_inputs(a, k) for a, k in mbs]
+    except (TypeError, ValueError):
+        return None
 
 
 def share_sizes(symbols: Sequence[SymbolSource], mine: torch.Tensor, group: Any, world: int,

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
 from ..split.spec import Edge, InputKind, StageInput, TensorSpec
 from ..stage.data_parallel import holds_sharded_state
@@ -25,7 +26,7 @@ from ..stage.errors import PipelineError
 from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
 
-__all__ = ["infer_manual_shapes"]
+__all__ = ["infer_manual_shapes", "refuse_unequal_microbatches"]
 
 
 def infer_manual_shapes(stages: Mapping[int, PipelineStage], stage_rank: Mapping[int, int], rank: int,
@@ -185,3 +186,18 @@ def _manual_routes(stage: PipelineStage, outs: tuple) -> list[Edge]:
             routes.append(Edge(stage.stage_index, i, dst, dst_in,
                                TensorSpec(tuple(out.shape), out.dtype, bool(out.requires_grad))))
     return routes
+
+
+def refuse_unequal_microbatches(mb_args: list[tuple], mb_kwargs: list[dict]) -> None:
+    """Hand-built stages learn one set of shapes on the first step, so every microbatch must have them."""
+    def shapes(a: tuple, k: dict) -> list:
+        return [tuple(x.shape) for x in pytree.tree_leaves((a, k)) if isinstance(x, torch.Tensor)]
+
+    first = shapes(mb_args[0], mb_kwargs[0] if mb_kwargs else {})
+    for mb in range(1, len(mb_args)):
+        got = shapes(mb_args[mb], mb_kwargs[mb] if mb_kwargs else {})
+        if got != first:
+            raise PipelineError(f"microbatch {mb} has input shapes {got}, microbatch 0 {first}: hand-built stages "
+                                "learn one set of shapes on the first step, so their microbatches must agree; for "
+                                "microbatches of different lengths trace the model with ps.pipeline(..., "
+                                "dynamic_shapes=...) and build the stages from the pipe")

@@ -1,45 +1,31 @@
-"""Schedule classes: a stage (or this rank's stages) + an order → ``step()``.
+"""The schedule classes, written out: one per order family, plus ``ScheduleFromOrder``.
 
-Thin wrappers: each class names an order family from :data:`.orders.ORDERS`;
-the order is lowered with the stages' edges and the family's placement, checked
-by ``validate``, and run by the one :class:`.runtime.Interpreter`.
+Sits at the top of the schedule layer, over :class:`~.pipeline_schedule.PipelineSchedule`
+(which does the work). Each class names its family in :data:`.orders.ORDERS`
+(``order_name``) and the placement that family needs (``placement_style``); its
+docstring cites the paper and shows the timeline the family produces on 2 ranks (unit
+costs, ``B`` = ``I`` + ``W`` = 2). :func:`get_schedule_class` finds a class by the
+registry's names; :func:`build_schedule` builds this rank's stages of a Pipe for one.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils import _pytree as pytree
 
-from ..chunking import any_per_microbatch
-from ..microbatch import MicrobatchError, Microbatches, merge_chunks, split_args_kwargs
-from ..split.spec import InputKind
-from ..stage.errors import PipelineError
 from ..stage.groups import process_group
-from ..stage.stage import LossRule, PipelineStage
-from ..stage.transport import P2P
-from .actions import Action, ActionKind, Order, order_from_csv
-from .agree import agree_before_step
-from .collectives import (
-    agree_on_order,
-    gather_links,
-    group_info,
-    share_loss,
-    shared_item_count,
-    sync_shared_grads,
-)
-from .dynamic_sizes import local_sizes, share_sizes
+from ..stage.stage import PipelineStage
+from .actions import Order, order_from_csv
+from .collectives import group_info
 from .errors import ScheduleError
-from .lower import lower
-from .orders import ORDERS, get_order_spec
+from .orders import get_order_spec
+from .pipeline_schedule import PipelineSchedule
 from .placement import placement_of_order, replace_placement
-from .runtime import Interpreter, StepContext
-from .simulate import simulate
-from .train_mode import refuse_train_mode_graph, train_mode_ops
+from .simulate import simulate  # noqa: F401 - the class docstrings' timelines run it
+from .timing import ActionTiming
+from .train_mode import train_mode_ops
 from .validate import validate
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
@@ -47,370 +33,137 @@ __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterle
            "replace_placement", "train_mode_ops", "get_schedule_class", "build_schedule"]
 
 
-class PipelineSchedule:
-    """Base of every schedule class; subclasses only set ``order_name``.
+class ScheduleGPipe(PipelineSchedule):
+    """GPipe: every microbatch's forward, then every backward; each rank holds all
+    ``n_microbatches`` activations at its peak.
 
-    Args:
-        stage_or_stages: this rank's stage, or its stages (any order).
-        n_microbatches: microbatches per step.
-        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage.
-        scale_grads: divide each microbatch's loss by ``n_microbatches`` so gradients
-            equal those of a mean loss over the whole batch (turn off for sum losses).
-        loss_count: ``loss_count(target_mb) -> number of items`` (e.g. valid tokens,
-            ``lambda t: (t != -100).sum()``). With it, ``loss_fn`` returns each
-            microbatch's loss *sum*, and the step's loss is the sum over all
-            microbatches divided by the items of the whole batch (counted before the
-            first backward), so gradients equal the unsplit model's mean over all
-            items even when microbatches hold different numbers of them. Gradients
-            of several ``step()`` calls without ``zero_grad`` add up (each step
-            normalised by its own count), as with ``loss.backward()`` per batch.
-        timeout: seconds any blocking wait may take before a named error.
-        args_chunk_spec / kwargs_chunk_spec: how to split ``step()``'s inputs.
-        output_merge_spec: how to merge the last stage's outputs.
-        on_nonfinite: what a NaN/inf loss does: "warn" (default; names stage and
-            microbatch), "raise" (a PipelineError), or "ignore".
-        placement: "loop" or "v" to run the family's order on the other placement
-            (each rank keeps its sequence of stage chunks); checked by ``validate``.
+    Stages: exactly 1 stage per rank (stages = ranks); loop placement. From Huang et al.
+    2019, GPipe (NeurIPS).
+
+        >>> print(simulate(ScheduleGPipe.compute_order(2, 3)))
+        2 ranks, makespan 12, bubble 25.0%
+                0       2       4       6       8       10      12
+        rank 0 |0F0 0F1 0F2 ............0B0     0B1     0B2     |
+        rank 1 |....1F0 1F1 1F2 1B0     1B1     1B2     ........|
+        peak activations: r0=3 r1=3
     """
 
-    order_name = ""
-    compute_order: ClassVar[Callable[..., Order]]  # the generated classes' order generator (see _make)
-
-    def __init__(self, stage_or_stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
-                 loss_fn: Callable | None = None, *, scale_grads: bool = True, timeout: float = 300.0,
-                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None, output_merge_spec: Any = None,
-                 on_nonfinite: str = "warn", placement: str | None = None,
-                 loss_count: Callable[[Any], Any] | None = None) -> None:
-        self._placement_style = placement
-        self.loss_count = loss_count
-        self.loss_scale = 1.0  # the loss is multiplied by this in backward (set by PipelineGradScaler)
-        if on_nonfinite not in ("warn", "raise", "ignore"):
-            raise ValueError(f"on_nonfinite must be 'warn', 'raise' or 'ignore', got {on_nonfinite!r}")
-        stages = [stage_or_stages] if isinstance(stage_or_stages, PipelineStage) else list(stage_or_stages)
-        if not stages:
-            raise ValueError("a schedule needs at least one stage")
-        self.stages = sorted(stages, key=lambda s: s.stage_index)
-        self.n_microbatches = int(n_microbatches)
-        self.loss_fn = loss_fn
-        self.on_nonfinite = on_nonfinite  # handed to the last stage with each step (LossRule)
-        self.scale_grads = scale_grads
-        self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
-        self.output_merge_spec = output_merge_spec
-        self.group = self.stages[0].group
-        self.rank, self.world = group_info(self.group)
-        self.num_stages = self.stages[0].num_stages
-        if len({s.stage_index for s in self.stages}) != len(self.stages):
-            raise ValueError(f"{type(self).__name__}: the same stage was given twice: "
-                             f"{[s.stage_index for s in self.stages]}")
-        if self.n_microbatches < 1:
-            raise ValueError(f"{type(self).__name__}: n_microbatches must be >= 1, got {self.n_microbatches}")
-        self.links = self._links()
-        order, self.placement = self._plan()
-        for st in self.stages:
-            if self.placement.get(st.stage_index) != self.rank:
-                mine = sorted(s for s, r in self.placement.items() if r == self.rank)
-                raise ValueError(f"{type(self).__name__}: stage {st.stage_index} belongs on rank "
-                                 f"{self.placement.get(st.stage_index)}, not rank {self.rank}; this rank should hold "
-                                 f"stages {mine}")
-        self._splits_backward = any(a is not None and a.kind in (ActionKind.I, ActionKind.W)
-                                    for acts in order.values() for a in acts)
-        if self._splits_backward:
-            for st in self.stages:
-                st.enable_split_backward()
-        given_lowered = any(a is not None and a.kind.is_comm for acts in order.values() for a in acts)
-        lowered = order if given_lowered else lower(order, self.links, self.placement)
-        validate(lowered, self.num_stages, self.n_microbatches, links=self.links, placement=self.placement)
-        self.order: Order = order
-        self.lowered: Order = lowered
-        self.actions: list[Action] = [a for a in lowered[self.rank] if a is not None]
-        self._eval_actions = self._forward_only(self.n_microbatches)
-        self._runtime = Interpreter({s.stage_index: s for s in self.stages}, self.placement, self.rank,
-                                    P2P(self.group, timeout) if self.world > 1 else None, self.links)
-        if self.world > 1:
-            agree_on_order(type(self).__name__, self.lowered, self.n_microbatches, self.num_stages, self.links,
-                           self.group, self.world, self.rank, self.stages[0].device)
-        self._loss: torch.Tensor | None = None
-
-    # ---- set-up checks ----------------------------------------------------------
-    def _plan(self) -> tuple[Order, dict[int, int]]:
-        """The compute order and the placement it needs (the family's generator)."""
-        self.spec = get_order_spec(self.order_name)
-        self._check_stages()
-        order = self.spec.compute_order(self.world, self.n_microbatches, len(self.stages))
-        style = self._placement_style or self.spec.placement
-        if style != self.spec.placement:
-            order = replace_placement(order, self.num_stages, self.world, self.spec.placement, style)
-            try:
-                validate(order, self.num_stages, self.n_microbatches, links=self.links)
-            except ScheduleError as e:
-                raise ScheduleError(f"{type(self).__name__}'s order does not run under {style!r} placement: "
-                                    f"{e.reason}", rank=e.rank, step=e.step, action=e.action) from e
-        return order, self.stage_placement(self.num_stages, self.world, style)
-
-    @classmethod
-    def stage_placement(cls, num_stages: int, num_ranks: int, placement: str | None = None) -> dict[int, int]:
-        """``{stage: rank}`` this schedule class runs ``num_stages`` stages under: its family's
-        placement, or ``placement`` (an override). The one rule ``build_schedule`` and the
-        constructor both use (from :mod:`.placement`).
-
-        Example:
-            >>> ScheduleZBVZeroBubble.stage_placement(4, 2)
-            {0: 0, 1: 1, 2: 1, 3: 0}
-        """
-        return get_order_spec(cls.order_name).stage_placement(num_stages, num_ranks, placement)
-
-    def _check_stages(self) -> None:
-        name = type(self).__name__
-        per_rank = len(self.stages)
-        rule, instead = self.spec.stage_rule(), self.spec.nearest(self.num_stages, self.world)
-        if self.spec.stages_per_rank is not None and per_rank != self.spec.stages_per_rank:
-            raise ValueError(f"{name} needs {rule}; this rank was given {per_rank} (stages "
-                             f"{[s.stage_index for s in self.stages]}). What would work: {instead}")
-        if per_rank < self.spec.min_stages_per_rank:
-            raise ValueError(f"{name} needs {rule}; got {per_rank}. What would work: {instead}")
-        if self.num_stages != per_rank * self.world:
-            raise ValueError(f"{name}: {self.num_stages} stages do not match {self.world} ranks x {per_rank} stages "
-                             f"per rank = {self.world * per_rank} ({name} needs {rule}). What would work: {instead}")
-
-    def _links(self) -> list[tuple[int, int, bool]]:
-        pipe = self.stages[0].pipe
-        if pipe is not None:
-            out: dict[tuple[int, int], bool] = {}
-            for e in pipe.edges:
-                key = (e.sender_stage, e.dst_stage)
-                out[key] = out.get(key, False) or (e.spec.carries_grad and not e.from_input)
-            return [(s, d, g) for (s, d), g in sorted(out.items())]
-        return gather_links([link for st in self.stages for link in st.links()], self.group, self.world, self.rank)
-
-    def _forward_only(self, n: int) -> list[Action]:
-        # Stage-major forward order is a valid forward-only schedule for any placement.
-        order: Order = {r: [Action(s, ActionKind.F, mb) for s in sorted(self.placement) if self.placement[s] == r
-                            for mb in range(n)] for r in range(self.world)}
-        return [a for a in lower(order, self.links, self.placement)[self.rank] if a is not None]
-
-    # ---- running ---------------------------------------------------------------------
-    def _has(self, pred: Callable[[PipelineStage], bool]) -> PipelineStage | None:
-        return next((s for s in self.stages if pred(s)), None)
-
-    def _context(self, args: tuple, kwargs: dict, target: Any, train: bool, n: int) -> StepContext:
-        """This step's inputs: first every check this rank can make alone, then (once every
-        rank knows they all passed, :func:`.agree.agree_before_step`) what needs messages."""
-        ctx = StepContext(n_microbatches=n, train=train,
-                          loss=None if self.loss_fn is None else LossRule(self.loss_fn, self.on_nonfinite))
-        error: Exception | None = None
-        try:
-            sizes = self._local_context(ctx, args, kwargs, target, train)
-        except Exception as e:  # raised on every rank alike below, before any rank waits for a message
-            error = e
-        agree_before_step(error, self.group, self.world, self.rank, self.stages[0].device,
-                          "step()" if train else "eval()")
-        last = self._has(lambda s: s.is_last)
-        if train and self.loss_count is not None:
-            ctx.loss_divisor = shared_item_count(self.loss_count, ctx.targets if last is not None else None, self.group,
-                                                 self.world, self.stages[0].device, self.num_stages - 1,
-                                                 self.placement[self.num_stages - 1])
-        pipe = self.stages[0].pipe
-        if pipe is not None and pipe.symbols:
-            ctx.bindings = share_sizes(pipe.symbols, sizes, self.group, self.world, self.stages[0].device)
-        return ctx
-
-    def _local_context(self, ctx: StepContext, args: tuple, kwargs: dict, target: Any, train: bool) -> Any:
-        """Split this rank's inputs and targets into ``ctx``; no communication. Returns the
-        dynamic sizes this rank read off its inputs (a tensor, zeros where it has none)."""
-        n = ctx.n_microbatches
-        first = self._has(lambda s: s.is_first)
-        last = self._has(lambda s: s.is_last)
-        needs_inputs = first is not None or any(
-            s.pipe is not None and any(sl.kind is InputKind.MODEL for sl in s.in_slots or []) for s in self.stages)
-        pipe = self.stages[0].pipe
-        if needs_inputs:
-            if not args and not kwargs:
-                raise PipelineError(f"rank {self.rank} holds stage {first.stage_index if first else '?'} which reads "
-                                    "the model inputs, but step() was called without inputs")
-            names = pipe.arg_names if pipe is not None else None
-            mbs = split_args_kwargs(tuple(args), dict(kwargs), n, self.args_chunk_spec, self.kwargs_chunk_spec,
-                                    names=names)
-            if pipe is not None:
-                ctx.flat_inputs = [_flat_microbatch(pipe, mb, a, k) for mb, (a, k) in enumerate(mbs)]
-            ctx.mb_args = [a for a, _ in mbs]
-            ctx.mb_kwargs = [k for _, k in mbs]
-        if last is not None and train:
-            if self.loss_fn is None:
-                raise PipelineError(f"rank {self.rank} holds the last stage ({last.stage_index}) but the schedule has "
-                                    "no loss_fn: pass loss_fn= to the schedule (or use eval() for forward only)")
-            if target is None:
-                raise PipelineError(f"rank {self.rank} holds the last stage ({last.stage_index}) and needs target= in "
-                                    "step()")
-            ctx.targets = [t[0][0] for t in split_args_kwargs((target,), {}, n, names=["target"])]
-        if last is not None and train and self.loss_count is None:
-            ctx.loss_divisor = float(self.n_microbatches) if self.scale_grads else 1.0
-        ctx.loss_scale = self.loss_scale
-        if self._splits_backward and train:  # a wrapper (fully_shard) applied after construction: I runs it whole
-            for st in self.stages:
-                st.check_split_backward()
-        ctx.per_microbatch = any_per_microbatch(args, kwargs, target)
-        if pipe is None and ctx.mb_args is not None:
-            _refuse_unequal_for_hand_built(ctx.mb_args, ctx.mb_kwargs or [])
-        if pipe is None or not pipe.symbols:
-            return None
-        flat = ctx.flat_inputs if needs_inputs else _inputs_given_anyway(pipe, args, kwargs, n, self)
-        return local_sizes(pipe.symbols, flat, n, pipe.input_names)
-
-    def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
-        """One training step over ``n_microbatches``; the same call on every rank.
-
-        Returns the merged model outputs where the last stage lives (None elsewhere);
-        ``losses`` (a list) is replaced by this step's per-microbatch losses there;
-        ``self.loss`` is the step's mean loss on every rank.
-        """
-        ctx = self._context(args, kwargs, target, True, self.n_microbatches)
-        for st in self.stages:
-            st.peak_held_microbatches = 0
-        self._run(self.actions, ctx)
-        sync_shared_grads(self.stages[0].pipe, self.stages, self.group, self.world, self.stages[0].device)
-        for st in self.stages:
-            st.sync_data_parallel()
-        last = self._has(lambda s: s.is_last)
-        mb_losses = [last.loss_of(mb) for mb in range(self.n_microbatches)] if last else []
-        for st in self.stages:
-            st.clear()
-        if last is not None and losses is not None:
-            losses[:] = mb_losses  # replaced, not appended: a list reused every step holds this step's
-        self._loss = share_loss(mb_losses, ctx.loss_divisor if self.loss_count is not None else None, self.group,
-                                self.world, self.stages[0].device, self.placement[self.num_stages - 1])
-        return self._merge(ctx) if last is not None else None
-
-    def eval(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward only, no gradients; works before the first ``step()``.
-
-        The stages run the graph they were traced with: a pipe traced in train mode
-        whose graph uses dropout or batch statistics is refused here (on every rank),
-        since it would not give the model's eval behaviour; trace an eval pipe with
-        ``ps.pipeline(model.eval(), ...)`` for it.
-        """
-        refuse_train_mode_graph(self.stages[0].pipe)
-        ctx = self._context(args, kwargs, None, False, self.n_microbatches)
-        with torch.no_grad():
-            self._run(self._eval_actions, ctx)
-        return self._merge(ctx) if self._has(lambda s: s.is_last) else None
-
-    @contextlib.contextmanager
-    def timed_actions(self, probe: Callable[[], Any] | None = None) -> Iterator[list[ActionTiming]]:
-        """Record every compute action this rank runs inside the block: its start and end
-        (``time.perf_counter()`` seconds) and, with ``probe``, what ``probe()`` returns right
-        before and right after it (e.g. ``torch.cuda.memory_allocated``). A time includes
-        waiting for the action's received inputs; on an accelerator the device is
-        synchronised around each action (which slows the run: for measuring, not training).
-
-        Example:
-            >>> with sched.timed_actions() as times:  # doctest: +SKIP
-            ...     sched.step(x, target=y)
-            >>> [(str(t.action), round(t.seconds, 4)) for t in times][:2]  # doctest: +SKIP
-            [('0F0', 0.0123), ('0F1', 0.0119)]
-        """
-        recorder = _ActionRecorder(self.stages[0].device, probe)
-        previous, self._runtime.observer = self._runtime.observer, recorder
-        try:
-            yield recorder.times
-        finally:
-            self._runtime.observer = previous
-
-    def _run(self, actions: list[Action], ctx: StepContext) -> None:
-        try:
-            self._runtime.run(actions, ctx)
-        except Exception:
-            self._runtime.reset()
-            raise
-
-    def _merge(self, ctx: StepContext) -> Any:
-        if ctx.per_microbatch:  # given Microbatches: unequal shapes do not concatenate
-            return Microbatches(ctx.outputs[mb] for mb in range(ctx.n_microbatches))
-        return merge_chunks([ctx.outputs[mb] for mb in range(ctx.n_microbatches)], self.output_merge_spec)
-
-    @property
-    def release_sent_outputs(self) -> bool | None:
-        """Free the memory of a forward output once it is sent to another rank.
-
-        Backward needs only the output's autograd node and shape, so its values are
-        dropped unless autograd saved them. ``None`` (default): on accelerators
-        (CUDA's caching allocator makes it free), not on CPU, where handing the pages
-        back costs more time than it saves (see README, performance). ``True`` /
-        ``False`` force it.
-
-        Example:
-            >>> sched.release_sent_outputs = True   # also on CPU: less memory, slower steps  # doctest: +SKIP
-        """
-        return self._runtime.release_sent
-
-    @release_sent_outputs.setter
-    def release_sent_outputs(self, on: bool | None) -> None:
-        self._runtime.release_sent = None if on is None else bool(on)
-        self._runtime.track_sent_outputs()
-
-    @property
-    def loss(self) -> torch.Tensor | None:
-        """The last step's loss, on every rank (None before the first step): the mean over
-        microbatches, or with ``loss_count`` the loss sum over the batch's item count."""
-        return self._loss
-
-    # ---- summaries ---------------------------------------------------------------
-    @property
-    def placement_name(self) -> str:
-        """The placement this schedule runs under, by name: ``"loop"`` or ``"v"`` (its
-        family's, or the ``placement=`` it was given)."""
-        return self._placement_style or self.spec.placement
-
-    def __repr__(self) -> str:
-        """One line: class, this rank's stages, ranks, microbatches, placement.
-
-        Example:
-            >>> ps.build_schedule(pipe, "1F1B", n_microbatches=4)  # doctest: +SKIP
-            Schedule1F1B(stages [0] on rank 0 of 2, n_microbatches=4, placement='loop')
-        """
-        return (f"{type(self).__name__}(stages {[s.stage_index for s in self.stages]} on rank {self.rank} of "
-                f"{self.world}, n_microbatches={self.n_microbatches}, placement={self.placement_name!r})")
-
-    def _repr_html_(self) -> str:
-        """A notebook's view: a table of the above and the order's simulated timeline (SVG)."""
-        from . import render  # imports rich, which nothing but a picture needs (no cycle: render imports no schedule)
-
-        small = sum(a is not None for acts in self.order.values() for a in acts) <= render.SVG_MAX_ACTIONS
-        return render.render_schedule_html(self, simulate(self.order, links=self.links) if small else None)
+    order_name = "GPipe"
+    placement_style = "loop"
 
 
-class ActionTiming(NamedTuple):
-    """One compute action as :meth:`PipelineSchedule.timed_actions` saw it."""
+class Schedule1F1B(PipelineSchedule):
+    """1F1B: after a warm-up of forwards each rank alternates one forward and one backward,
+    so rank ``r`` of ``p`` holds at most ``p - r`` activations.
 
-    action: Action
-    start: float
-    end: float
-    before: Any = None
-    after: Any = None
+    Stages: exactly 1 stage per rank (stages = ranks); loop placement. From Narayanan et
+    al. 2021, PipeDream-Flush (ICML).
 
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
+        >>> print(simulate(Schedule1F1B.compute_order(2, 3)))
+        2 ranks, makespan 12, bubble 25.0%
+                0       2       4       6       8       10      12
+        rank 0 |0F0 0F1 ........0B0     0F2 0B1     ....0B2     |
+        rank 1 |....1F0 1B0     1F1 1B1     1F2 1B2     ........|
+        peak activations: r0=2 r1=1
+    """
+
+    order_name = "1F1B"
+    placement_style = "loop"
 
 
-class _ActionRecorder:
-    def __init__(self, device: torch.device, probe: Callable[[], Any] | None) -> None:
-        self.times: list[ActionTiming] = []
-        self.sync = device.type != "cpu"
-        self.probe = probe
-        self._open: tuple[float, Any] = (0.0, None)
+class ScheduleInterleaved1F1B(PipelineSchedule):
+    """Interleaved 1F1B: 1F1B over several stage chunks per rank (rank ``r`` holds ``r, r +
+    p, ...``): the warm-up bubble shrinks with the number of chunks, for more messages.
 
-    def before(self, action: Action) -> None:
-        probed = self.probe() if self.probe is not None else None  # before the clock starts: not timed
-        if self.sync:
-            torch.accelerator.synchronize()  # what ran before (the probe's kernels included) is not timed
-        self._open = (time.perf_counter(), probed)
+    Stages: 2 or more stages per rank, the same on every rank (stages a multiple of ranks);
+    loop placement. From Narayanan et al. 2021, Megatron-LM (SC).
 
-    def after(self, action: Action) -> None:
-        if self.sync:
-            torch.accelerator.synchronize()
-        end = time.perf_counter()
-        self.times.append(ActionTiming(action, self._open[0], end, self._open[1],
-                                       self.probe() if self.probe is not None else None))
+        >>> print(simulate(ScheduleInterleaved1F1B.compute_order(2, 2)))
+        2 ranks, makespan 15, bubble 20.0%
+                0       2       4       6       8       10      12      14
+        rank 0 |0F0 0F1 2F0 2F1 ........2B0     ....2B1     0B0     0B1     |
+        rank 1 |....1F0 1F1 3F0 3B0     3F1 3B1     1B0     1B1     ........|
+        peak activations: r0=4 r1=3
+    """
+
+    order_name = "Interleaved1F1B"
+    placement_style = "loop"
+
+
+class ScheduleLoopedBFS(PipelineSchedule):
+    """Breadth-first looped: each chunk runs every microbatch's forward before the next
+    chunk does, the backwards in reverse.
+
+    Stages: 1 or more stages per rank, the same on every rank (stages a multiple of ranks);
+    loop placement. From Lamy-Poirier 2023, Breadth-First Pipeline Parallelism.
+
+        >>> print(simulate(ScheduleLoopedBFS.compute_order(2, 2, 2)))
+        2 ranks, makespan 15, bubble 20.0%
+                0       2       4       6       8       10      12      14
+        rank 0 |0F0 0F1 2F0 2F1 ............2B1     2B0     0B1     0B0     |
+        rank 1 |....1F0 1F1 3F0 3F1 3B1     3B0     1B1     1B0     ........|
+        peak activations: r0=4 r1=4
+    """
+
+    order_name = "LoopedBFS"
+    placement_style = "loop"
+
+
+class ScheduleInterleavedZeroBubble(PipelineSchedule):
+    """Zero bubble (ZB-H1): each backward is split into I (the input gradient, which the
+    previous stage waits for) and W (the weight gradient, which fills the bubbles).
+
+    Stages: 1 or more stages per rank, the same on every rank (stages a multiple of ranks);
+    loop placement. From Qi et al. 2024, Zero Bubble Pipeline Parallelism (ICLR), ZB-H1.
+
+        >>> print(simulate(ScheduleInterleavedZeroBubble.compute_order(2, 3)))
+        2 ranks, makespan 10, bubble 10.0%
+                0       2       4       6       8       10
+        rank 0 |0F0 0F1 ....0I0 0W0 0F2 0I1 0W1 0I2 0W2 |
+        rank 1 |....1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2 |
+        peak activations: r0=2 r1=2
+    """
+
+    order_name = "InterleavedZeroBubble"
+    placement_style = "loop"
+
+
+class ScheduleZBVZeroBubble(PipelineSchedule):
+    """ZB-V: rank ``r`` of ``p`` holds stages ``r`` and ``2p - 1 - r`` (the first and the
+    last stage share rank 0), each backward split into I and W.
+
+    Stages: exactly 2 stages per rank (stages = 2 x ranks); v placement. From Qi et al.
+    2024, Zero Bubble Pipeline Parallelism (ICLR), ZB-V.
+
+        >>> print(simulate(ScheduleZBVZeroBubble.compute_order(2, 2)))
+        2 ranks, makespan 13, bubble 7.7%
+                0       2       4       6       8       10      12
+        rank 0 |0F0 0F1 ....3F0 3I0 3F1 3I1 0I0 3W0 0I1 3W1 0W0 0W1 |
+        rank 1 |....1F0 2F0 1F1 2F1 2I0 1I0 2I1 1I1 2W0 1W0 2W1 1W1 |
+        peak activations: r0=4 r1=4
+    """
+
+    order_name = "ZBVZeroBubble"
+    placement_style = "v"
+
+
+class ScheduleDualPipeV(PipelineSchedule):
+    """DualPipeV: DualPipe folded onto the V: the forward of one microbatch runs beside the
+    full backward of another, and the last backwards split into I and W to fill the tail.
+
+    Stages: exactly 2 stages per rank (stages = 2 x ranks); v placement. From DeepSeek-AI
+    2024, DeepSeek-V3 Technical Report (DualPipe).
+
+        >>> print(simulate(ScheduleDualPipeV.compute_order(2, 3)))
+        2 ranks, makespan 19, bubble 5.3%
+                0       2       4       6       8       10      12      14      16      18
+        rank 0 |0F0 0F1 0F2 3F0 3I0 3W0 3F1 3B1     3F2 ....0B0     3B2     0I1 0W1 0I2 0W2 |
+        rank 1 |....1F0 2F0 1F1 2F1 1F2 2B0     2F2 1B0     2B1     1B1     2I2 1I2 2W2 1W2 |
+        peak activations: r0=4 r1=5
+    """
+
+    order_name = "DualPipeV"
+    placement_style = "v"
 
 
 class ScheduleFromOrder(PipelineSchedule):
@@ -442,30 +195,6 @@ class ScheduleFromOrder(PipelineSchedule):
         """``"from order"``: the placement is read off the order."""
         return "from order"
 
-
-def _make(name: str, order_name: str, doc: str) -> type[PipelineSchedule]:
-    spec = ORDERS[order_name]
-    doc = (f"{doc}\n\n    Stages: {spec.stage_rule()}; {spec.placement} placement. From {spec.paper}.\n\n"
-           f"    Example:\n        >>> sched = ps.build_schedule(pipe, {order_name!r}, n_microbatches=8, loss_fn=loss_fn)  # doctest: +SKIP\n")
-    cls = type(name, (PipelineSchedule,), {"order_name": order_name, "__doc__": doc})
-
-    def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int | None = None) -> Order:
-        spec = get_order_spec(order_name)
-        return spec.compute_order(num_ranks, n_microbatches, stages_per_rank or spec.default_stages_per_rank())
-
-    setattr(cls, "compute_order", staticmethod(compute_order))  # noqa: B010 - a class made at run time
-    setattr(cls, "placement", ORDERS[order_name].placement)  # noqa: B010
-    return cls
-
-
-ScheduleGPipe = _make("ScheduleGPipe", "GPipe", "GPipe: all forwards, then all backwards (loop placement).")
-Schedule1F1B = _make("Schedule1F1B", "1F1B", "1F1B (PipeDream-Flush), one stage per rank.")
-ScheduleInterleaved1F1B = _make("ScheduleInterleaved1F1B", "Interleaved1F1B", "Interleaved 1F1B, looped placement.")
-ScheduleLoopedBFS = _make("ScheduleLoopedBFS", "LoopedBFS", "Breadth-first looped schedule.")
-ScheduleInterleavedZeroBubble = _make("ScheduleInterleavedZeroBubble", "InterleavedZeroBubble",
-                                      "Zero-bubble (ZB-H1 style) on looped placement; splits backward into I and W.")
-ScheduleZBVZeroBubble = _make("ScheduleZBVZeroBubble", "ZBVZeroBubble", "ZB-V: V placement, 2 stages per rank.")
-ScheduleDualPipeV = _make("ScheduleDualPipeV", "DualPipeV", "DualPipeV: V placement, 2 stages per rank.")
 
 _CLASSES: dict[str, type[PipelineSchedule]] = {
     c.order_name: c for c in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
@@ -518,42 +247,3 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
     stages = [pipe.build_stage(s, device, group, state_dict=state_dict, activation_checkpoint=activation_checkpoint,
                                mixed_precision=mixed_precision, compile=compile) for s in mine]
     return cls(stages, n_microbatches, loss_fn, **kwargs)
-
-
-def _flat_microbatch(pipe: Any, mb: int, args: tuple, kwargs: dict) -> list[Any]:
-    """One microbatch's model inputs, flat; a shape the trace cannot take names the microbatch."""
-    try:
-        return pipe.flatten_inputs(args, kwargs)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, MicrobatchError):
-            raise
-        raise type(e)(f"microbatch {mb}: {e}") from e
-
-
-def _inputs_given_anyway(pipe: Any, args: tuple, kwargs: dict, n: int, sched: PipelineSchedule) -> list | None:
-    """A rank that reads no model input but was given them (every rank loading the same batch,
-    the usual torchrun script) still reports their sizes, so ranks whose data differ (an
-    unseeded loader) are caught before any message; inputs it cannot split are ignored."""
-    if not args and not kwargs:
-        return None
-    try:
-        mbs = split_args_kwargs(tuple(args), dict(kwargs), n, sched.args_chunk_spec, sched.kwargs_chunk_spec,
-                                names=pipe.arg_names)
-        return [pipe.flatten_inputs(a, k) for a, k in mbs]
-    except (TypeError, ValueError):
-        return None
-
-
-def _refuse_unequal_for_hand_built(mb_args: list[tuple], mb_kwargs: list[dict]) -> None:
-    """Hand-built stages learn one set of shapes on the first step, so every microbatch must have them."""
-    def shapes(a: tuple, k: dict) -> list:
-        return [tuple(x.shape) for x in pytree.tree_leaves((a, k)) if isinstance(x, torch.Tensor)]
-
-    first = shapes(mb_args[0], mb_kwargs[0] if mb_kwargs else {})
-    for mb in range(1, len(mb_args)):
-        got = shapes(mb_args[mb], mb_kwargs[mb] if mb_kwargs else {})
-        if got != first:
-            raise PipelineError(f"microbatch {mb} has input shapes {got}, microbatch 0 {first}: hand-built stages "
-                                "learn one set of shapes on the first step, so their microbatches must agree; for "
-                                "microbatches of different lengths trace the model with ps.pipeline(..., "
-                                "dynamic_shapes=...) and build the stages from the pipe")

@@ -98,6 +98,25 @@ class OrderSpec:
             return per_rank == self.stages_per_rank
         return per_rank >= self.min_stages_per_rank
 
+    def check_stages(self, name: str, mine: list[int], num_stages: int, num_ranks: int) -> None:
+        """Refuse, in words, a rank given stages ``mine`` (of ``num_stages`` on ``num_ranks``)
+        that the family cannot run; ``name`` is the schedule class.
+
+        Raises:
+            ValueError: the count on this rank, or the total, breaks :meth:`stage_rule`;
+                the message says what would work (:meth:`nearest`).
+        """
+        per_rank = len(mine)
+        rule, instead = self.stage_rule(), self.nearest(num_stages, num_ranks)
+        if self.stages_per_rank is not None and per_rank != self.stages_per_rank:
+            raise ValueError(f"{name} needs {rule}; this rank was given {per_rank} (stages "
+                             f"{mine}). What would work: {instead}")
+        if per_rank < self.min_stages_per_rank:
+            raise ValueError(f"{name} needs {rule}; got {per_rank}. What would work: {instead}")
+        if num_stages != per_rank * num_ranks:
+            raise ValueError(f"{name}: {num_stages} stages do not match {num_ranks} ranks x {per_rank} stages "
+                             f"per rank = {num_ranks * per_rank} ({name} needs {rule}). What would work: {instead}")
+
     def nearest(self, num_stages: int, num_ranks: int) -> str:
         """What would work instead of ``num_stages`` stages on ``num_ranks`` ranks, in words."""
         per = self.default_stages_per_rank()

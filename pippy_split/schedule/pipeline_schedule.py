@@ -1,0 +1,400 @@
+"""The base of every schedule class, :class:`PipelineSchedule`: this rank's stages + an order -> ``step()``.
+
+Sits at the top of the schedule layer, under the written-out classes of
+:mod:`.schedules`. At construction the family's compute order (:mod:`.orders`) is
+generated for the stages' placement (:mod:`.placement`), lowered with their links
+(:mod:`.lower`), checked (:mod:`.validate`) and agreed on by every rank
+(:mod:`.collectives`); each ``step()`` splits the inputs into microbatches, shares what
+the ranks need to know before any message (:mod:`.agree`, :mod:`.dynamic_sizes`), and
+runs this rank's actions on the one :class:`.runtime.Interpreter`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ClassVar, Iterator, Sequence, overload
+
+import torch
+
+from ..chunking import any_per_microbatch
+from ..microbatch import MicrobatchError, Microbatches, merge_chunks, split_args_kwargs
+from ..split.spec import InputKind
+from ..stage.errors import PipelineError
+from ..stage.stage import LossRule, PipelineStage
+from ..stage.transport import P2P
+from .actions import Action, ActionKind, Order
+from .agree import agree_before_step
+from .collectives import agree_on_order, gather_links, group_info, share_loss, shared_item_count, sync_shared_grads
+from .deps import edge_links
+from .dynamic_sizes import inputs_given_anyway, local_sizes, share_sizes
+from .errors import ScheduleError
+from .lower import lower
+from .manual_shapes import refuse_unequal_microbatches
+from .orders import get_order_spec
+from .placement import replace_placement
+from .runtime import Interpreter, StepContext
+from .simulate import simulate
+from .timing import ActionRecorder, ActionTiming
+from .train_mode import refuse_train_mode_graph
+from .validate import validate
+
+__all__ = ["PipelineSchedule"]
+
+
+class _Placement:
+    """A schedule's ``placement``: on an instance, the ``{stage: rank}`` map it runs under;
+    read on the class, its ``placement_style`` (how the style was read before it had a name
+    of its own: ``get_schedule_class("1F1B").placement == "loop"``)."""
+
+    @overload
+    def __get__(self, obj: None, owner: type[PipelineSchedule]) -> str: ...
+
+    @overload
+    def __get__(self, obj: PipelineSchedule, owner: type[PipelineSchedule]) -> dict[int, int]: ...
+
+    def __get__(self, obj: PipelineSchedule | None, owner: type[PipelineSchedule]) -> str | dict[int, int]:
+        if obj is None:
+            return owner.placement_style
+        try:
+            return obj.__dict__["placement"]
+        except KeyError:
+            raise AttributeError(f"{owner.__name__} has no placement before its order is planned") from None
+
+    def __set__(self, obj: PipelineSchedule, where: dict[int, int]) -> None:
+        obj.__dict__["placement"] = where
+
+
+class PipelineSchedule:
+    """Base of every schedule class; a subclass names its family (``order_name``) and the
+    placement that family needs (``placement_style``), nothing else.
+
+    Args:
+        stage_or_stages: this rank's stage, or its stages (any order).
+        n_microbatches: microbatches per step.
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage.
+        scale_grads: divide each microbatch's loss by ``n_microbatches`` so gradients
+            equal those of a mean loss over the whole batch (turn off for sum losses).
+        loss_count: ``loss_count(target_mb) -> number of items`` (e.g. valid tokens,
+            ``lambda t: (t != -100).sum()``). With it, ``loss_fn`` returns each
+            microbatch's loss *sum*, and the step's loss is the sum over all
+            microbatches divided by the items of the whole batch (counted before the
+            first backward), so gradients equal the unsplit model's mean over all
+            items even when microbatches hold different numbers of them. Gradients
+            of several ``step()`` calls without ``zero_grad`` add up (each step
+            normalised by its own count), as with ``loss.backward()`` per batch.
+        timeout: seconds any blocking wait may take before a named error.
+        args_chunk_spec / kwargs_chunk_spec: how to split ``step()``'s inputs.
+        output_merge_spec: how to merge the last stage's outputs.
+        on_nonfinite: what a NaN/inf loss does: "warn" (default; names stage and
+            microbatch), "raise" (a PipelineError), or "ignore".
+        placement: "loop" or "v" to run the family's order on the other placement
+            (each rank keeps its sequence of stage chunks); checked by ``validate``.
+    """
+
+    order_name: str = ""
+    """The order family this class runs, a name in :data:`.orders.ORDERS` ("" for the base
+    and for :class:`~pippy_split.schedule.ScheduleFromOrder`)."""
+    placement_style: ClassVar[str] = ""
+    """Where the family puts stages, by name: ``"loop"`` (stage ``s`` on rank ``s % p``) or
+    ``"v"`` (zig-zag), as :data:`.orders.ORDERS` states it; an instance's ``placement`` is
+    the ``{stage: rank}`` map it runs under."""
+    placement = _Placement()
+
+    def __init__(self, stage_or_stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable | None = None, *, scale_grads: bool = True, timeout: float = 300.0,
+                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None, output_merge_spec: Any = None,
+                 on_nonfinite: str = "warn", placement: str | None = None,
+                 loss_count: Callable[[Any], Any] | None = None) -> None:
+        self._placement_override = placement
+        self.loss_count = loss_count
+        self.loss_scale = 1.0  # the loss is multiplied by this in backward (set by PipelineGradScaler)
+        if on_nonfinite not in ("warn", "raise", "ignore"):
+            raise ValueError(f"on_nonfinite must be 'warn', 'raise' or 'ignore', got {on_nonfinite!r}")
+        stages = [stage_or_stages] if isinstance(stage_or_stages, PipelineStage) else list(stage_or_stages)
+        if not stages:
+            raise ValueError("a schedule needs at least one stage")
+        self.stages = sorted(stages, key=lambda s: s.stage_index)
+        self.n_microbatches = int(n_microbatches)
+        self.loss_fn = loss_fn
+        self.on_nonfinite = on_nonfinite  # handed to the last stage with each step (LossRule)
+        self.scale_grads = scale_grads
+        self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
+        self.output_merge_spec = output_merge_spec
+        self.group = self.stages[0].group
+        self.rank, self.world = group_info(self.group)
+        self.num_stages = self.stages[0].num_stages
+        if len({s.stage_index for s in self.stages}) != len(self.stages):
+            raise ValueError(f"{type(self).__name__}: the same stage was given twice: "
+                             f"{[s.stage_index for s in self.stages]}")
+        if self.n_microbatches < 1:
+            raise ValueError(f"{type(self).__name__}: n_microbatches must be >= 1, got {self.n_microbatches}")
+        self.links = self._links()
+        order, self.placement = self._plan()
+        for st in self.stages:
+            if self.placement.get(st.stage_index) != self.rank:
+                mine = sorted(s for s, r in self.placement.items() if r == self.rank)
+                raise ValueError(f"{type(self).__name__}: stage {st.stage_index} belongs on rank "
+                                 f"{self.placement.get(st.stage_index)}, not rank {self.rank}; this rank should hold "
+                                 f"stages {mine}")
+        self._splits_backward = any(a is not None and a.kind in (ActionKind.I, ActionKind.W)
+                                    for acts in order.values() for a in acts)
+        if self._splits_backward:
+            for st in self.stages:
+                st.enable_split_backward()
+        given_lowered = any(a is not None and a.kind.is_comm for acts in order.values() for a in acts)
+        lowered = order if given_lowered else lower(order, self.links, self.placement)
+        validate(lowered, self.num_stages, self.n_microbatches, links=self.links, placement=self.placement)
+        self.order: Order = order
+        self.lowered: Order = lowered
+        self.actions: list[Action] = [a for a in lowered[self.rank] if a is not None]
+        self._eval_actions = self._forward_only(self.n_microbatches)
+        self._runtime = Interpreter({s.stage_index: s for s in self.stages}, self.placement, self.rank,
+                                    P2P(self.group, timeout) if self.world > 1 else None, self.links)
+        if self.world > 1:
+            agree_on_order(type(self).__name__, self.lowered, self.n_microbatches, self.num_stages, self.links,
+                           self.group, self.world, self.rank, self.stages[0].device)
+        self._loss: torch.Tensor | None = None
+
+    # ---- set-up checks ----------------------------------------------------------
+    def _plan(self) -> tuple[Order, dict[int, int]]:
+        """The compute order and the placement it needs (the family's generator)."""
+        self.spec = get_order_spec(self.order_name)
+        self.spec.check_stages(type(self).__name__, [s.stage_index for s in self.stages], self.num_stages, self.world)
+        order = self.spec.compute_order(self.world, self.n_microbatches, len(self.stages))
+        style = self._placement_override or self.spec.placement
+        if style != self.spec.placement:
+            order = replace_placement(order, self.num_stages, self.world, self.spec.placement, style)
+            try:
+                validate(order, self.num_stages, self.n_microbatches, links=self.links)
+            except ScheduleError as e:
+                raise ScheduleError(f"{type(self).__name__}'s order does not run under {style!r} placement: "
+                                    f"{e.reason}", rank=e.rank, step=e.step, action=e.action) from e
+        return order, self.stage_placement(self.num_stages, self.world, style)
+
+    @classmethod
+    def stage_placement(cls, num_stages: int, num_ranks: int, placement: str | None = None) -> dict[int, int]:
+        """``{stage: rank}`` this schedule class runs ``num_stages`` stages under: its family's
+        placement, or ``placement`` (an override). The one rule ``build_schedule`` and the
+        constructor both use (from :mod:`.placement`), e.g.
+        ``ScheduleZBVZeroBubble.stage_placement(4, 2) == {0: 0, 1: 1, 2: 1, 3: 0}``.
+        """
+        return get_order_spec(cls.order_name).stage_placement(num_stages, num_ranks, placement)
+
+    @classmethod
+    def compute_order(cls, num_ranks: int, n_microbatches: int, stages_per_rank: int | None = None) -> Order:
+        """This family's compute order (F, B, I, W per rank; no process group, no stage):
+        ``stages_per_rank`` defaults to the family's fixed count, else its minimum."""
+        spec = get_order_spec(cls.order_name)
+        return spec.compute_order(num_ranks, n_microbatches, stages_per_rank or spec.default_stages_per_rank())
+
+    def _links(self) -> list[tuple[int, int, bool]]:
+        pipe = self.stages[0].pipe
+        if pipe is not None:
+            return edge_links(pipe.edges)
+        return gather_links([link for st in self.stages for link in st.links()], self.group, self.world, self.rank)
+
+    def _forward_only(self, n: int) -> list[Action]:
+        # Stage-major forward order is a valid forward-only schedule for any placement.
+        order: Order = {r: [Action(s, ActionKind.F, mb) for s in sorted(self.placement) if self.placement[s] == r
+                            for mb in range(n)] for r in range(self.world)}
+        return [a for a in lower(order, self.links, self.placement)[self.rank] if a is not None]
+
+    # ---- running ---------------------------------------------------------------------
+    def _has(self, pred: Callable[[PipelineStage], bool]) -> PipelineStage | None:
+        return next((s for s in self.stages if pred(s)), None)
+
+    def _context(self, args: tuple, kwargs: dict, target: Any, train: bool, n: int) -> StepContext:
+        """This step's inputs: first every check this rank can make alone, then (once every
+        rank knows they all passed, :func:`.agree.agree_before_step`) what needs messages."""
+        ctx = StepContext(n_microbatches=n, train=train,
+                          loss=None if self.loss_fn is None else LossRule(self.loss_fn, self.on_nonfinite))
+        error: Exception | None = None
+        try:
+            sizes = self._local_context(ctx, args, kwargs, target, train)
+        except Exception as e:  # raised on every rank alike below, before any rank waits for a message
+            error = e
+        agree_before_step(error, self.group, self.world, self.rank, self.stages[0].device,
+                          "step()" if train else "eval()")
+        last = self._has(lambda s: s.is_last)
+        if train and self.loss_count is not None:
+            ctx.loss_divisor = shared_item_count(self.loss_count, ctx.targets if last is not None else None, self.group,
+                                                 self.world, self.stages[0].device, self.num_stages - 1,
+                                                 self.placement[self.num_stages - 1])
+        pipe = self.stages[0].pipe
+        if pipe is not None and pipe.symbols:
+            ctx.bindings = share_sizes(pipe.symbols, sizes, self.group, self.world, self.stages[0].device)
+        return ctx
+
+    def _local_context(self, ctx: StepContext, args: tuple, kwargs: dict, target: Any, train: bool) -> Any:
+        """Split this rank's inputs and targets into ``ctx``; no communication. Returns the
+        dynamic sizes this rank read off its inputs (a tensor, zeros where it has none)."""
+        n = ctx.n_microbatches
+        first = self._has(lambda s: s.is_first)
+        last = self._has(lambda s: s.is_last)
+        needs_inputs = first is not None or any(
+            s.pipe is not None and any(sl.kind is InputKind.MODEL for sl in s.in_slots or []) for s in self.stages)
+        pipe = self.stages[0].pipe
+        if needs_inputs:
+            if not args and not kwargs:
+                raise PipelineError(f"rank {self.rank} holds stage {first.stage_index if first else '?'} which reads "
+                                    "the model inputs, but step() was called without inputs")
+            names = pipe.arg_names if pipe is not None else None
+            mbs = split_args_kwargs(tuple(args), dict(kwargs), n, self.args_chunk_spec, self.kwargs_chunk_spec,
+                                    names=names)
+            if pipe is not None:
+                ctx.flat_inputs = [_flat_microbatch(pipe, mb, a, k) for mb, (a, k) in enumerate(mbs)]
+            ctx.mb_args = [a for a, _ in mbs]
+            ctx.mb_kwargs = [k for _, k in mbs]
+        if last is not None and train:
+            if self.loss_fn is None:
+                raise PipelineError(f"rank {self.rank} holds the last stage ({last.stage_index}) but the schedule has "
+                                    "no loss_fn: pass loss_fn= to the schedule (or use eval() for forward only)")
+            if target is None:
+                raise PipelineError(f"rank {self.rank} holds the last stage ({last.stage_index}) and needs target= in "
+                                    "step()")
+            ctx.targets = [t[0][0] for t in split_args_kwargs((target,), {}, n, names=["target"])]
+        if last is not None and train and self.loss_count is None:
+            ctx.loss_divisor = float(self.n_microbatches) if self.scale_grads else 1.0
+        ctx.loss_scale = self.loss_scale
+        if self._splits_backward and train:  # a wrapper (fully_shard) applied after construction: I runs it whole
+            for st in self.stages:
+                st.check_split_backward()
+        ctx.per_microbatch = any_per_microbatch(args, kwargs, target)
+        if pipe is None and ctx.mb_args is not None:
+            refuse_unequal_microbatches(ctx.mb_args, ctx.mb_kwargs or [])
+        if pipe is None or not pipe.symbols:
+            return None
+        flat = ctx.flat_inputs if needs_inputs else inputs_given_anyway(
+            pipe, args, kwargs, n, self.args_chunk_spec, self.kwargs_chunk_spec)
+        return local_sizes(pipe.symbols, flat, n, pipe.input_names)
+
+    def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
+        """One training step over ``n_microbatches``; the same call on every rank.
+
+        Returns the merged model outputs where the last stage lives (None elsewhere);
+        ``losses`` (a list) is replaced by this step's per-microbatch losses there;
+        ``self.loss`` is the step's mean loss on every rank.
+        """
+        ctx = self._context(args, kwargs, target, True, self.n_microbatches)
+        for st in self.stages:
+            st.peak_held_microbatches = 0
+        self._run(self.actions, ctx)
+        sync_shared_grads(self.stages[0].pipe, self.stages, self.group, self.world, self.stages[0].device)
+        for st in self.stages:
+            st.sync_data_parallel()
+        last = self._has(lambda s: s.is_last)
+        mb_losses = [last.loss_of(mb) for mb in range(self.n_microbatches)] if last else []
+        for st in self.stages:
+            st.clear()
+        if last is not None and losses is not None:
+            losses[:] = mb_losses  # replaced, not appended: a list reused every step holds this step's
+        self._loss = share_loss(mb_losses, ctx.loss_divisor if self.loss_count is not None else None, self.group,
+                                self.world, self.stages[0].device, self.placement[self.num_stages - 1])
+        return self._merge(ctx) if last is not None else None
+
+    def eval(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward only, no gradients; works before the first ``step()``.
+
+        The stages run the graph they were traced with: a pipe traced in train mode
+        whose graph uses dropout or batch statistics is refused here (on every rank),
+        since it would not give the model's eval behaviour; trace an eval pipe with
+        ``ps.pipeline(model.eval(), ...)`` for it.
+        """
+        refuse_train_mode_graph(self.stages[0].pipe)
+        ctx = self._context(args, kwargs, None, False, self.n_microbatches)
+        with torch.no_grad():
+            self._run(self._eval_actions, ctx)
+        return self._merge(ctx) if self._has(lambda s: s.is_last) else None
+
+    @contextlib.contextmanager
+    def timed_actions(self, probe: Callable[[], Any] | None = None) -> Iterator[list[ActionTiming]]:
+        """Record every compute action this rank runs inside the block: its start and end
+        (``time.perf_counter()`` seconds) and, with ``probe``, what ``probe()`` returns right
+        before and right after it (e.g. ``torch.cuda.memory_allocated``). A time includes
+        waiting for the action's received inputs; on an accelerator the device is
+        synchronised around each action (which slows the run: for measuring, not training).
+
+        Example:
+            >>> with sched.timed_actions() as times:  # doctest: +SKIP
+            ...     sched.step(x, target=y)
+            >>> [(str(t.action), round(t.seconds, 4)) for t in times][:2]  # doctest: +SKIP
+            [('0F0', 0.0123), ('0F1', 0.0119)]
+        """
+        recorder = ActionRecorder(self.stages[0].device, probe)
+        previous, self._runtime.observer = self._runtime.observer, recorder
+        try:
+            yield recorder.times
+        finally:
+            self._runtime.observer = previous
+
+    def _run(self, actions: list[Action], ctx: StepContext) -> None:
+        try:
+            self._runtime.run(actions, ctx)
+        except Exception:
+            self._runtime.reset()
+            raise
+
+    def _merge(self, ctx: StepContext) -> Any:
+        if ctx.per_microbatch:  # given Microbatches: unequal shapes do not concatenate
+            return Microbatches(ctx.outputs[mb] for mb in range(ctx.n_microbatches))
+        return merge_chunks([ctx.outputs[mb] for mb in range(ctx.n_microbatches)], self.output_merge_spec)
+
+    @property
+    def release_sent_outputs(self) -> bool | None:
+        """Free the memory of a forward output once it is sent to another rank.
+
+        Backward needs only the output's autograd node and shape, so its values are
+        dropped unless autograd saved them. ``None`` (default): on accelerators
+        (CUDA's caching allocator makes it free), not on CPU, where handing the pages
+        back costs more time than it saves (see README, performance). ``True`` /
+        ``False`` force it.
+
+        Example:
+            >>> sched.release_sent_outputs = True   # also on CPU: less memory, slower steps  # doctest: +SKIP
+        """
+        return self._runtime.release_sent
+
+    @release_sent_outputs.setter
+    def release_sent_outputs(self, on: bool | None) -> None:
+        self._runtime.release_sent = None if on is None else bool(on)
+        self._runtime.track_sent_outputs()
+
+    @property
+    def loss(self) -> torch.Tensor | None:
+        """The last step's loss, on every rank (None before the first step): the mean over
+        microbatches, or with ``loss_count`` the loss sum over the batch's item count."""
+        return self._loss
+
+    # ---- summaries ---------------------------------------------------------------
+    @property
+    def placement_name(self) -> str:
+        """The placement this schedule runs under, by name: ``"loop"`` or ``"v"`` (its
+        family's, or the ``placement=`` it was given)."""
+        return self._placement_override or self.placement_style
+
+    def __repr__(self) -> str:
+        """One line: class, this rank's stages, ranks, microbatches, placement.
+
+        Example:
+            >>> ps.build_schedule(pipe, "1F1B", n_microbatches=4)  # doctest: +SKIP
+            Schedule1F1B(stages [0] on rank 0 of 2, n_microbatches=4, placement='loop')
+        """
+        return (f"{type(self).__name__}(stages {[s.stage_index for s in self.stages]} on rank {self.rank} of "
+                f"{self.world}, n_microbatches={self.n_microbatches}, placement={self.placement_name!r})")
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: a table of the above and the order's simulated timeline (SVG)."""
+        from . import render  # imports rich, which nothing but a picture needs (no cycle: render imports no schedule)
+
+        small = sum(a is not None for acts in self.order.values() for a in acts) <= render.SVG_MAX_ACTIONS
+        return render.render_schedule_html(self, simulate(self.order, links=self.links) if small else None)
+
+
+def _flat_microbatch(pipe: Any, mb: int, args: tuple, kwargs: dict) -> list[Any]:
+    """One microbatch's model inputs, flat; a shape the trace cannot take names the microbatch."""
+    try:
+        return pipe.flatten_inputs(args, kwargs)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, MicrobatchError):
+            raise
+        raise type(e)(f"microbatch {mb}: {e}") from e
