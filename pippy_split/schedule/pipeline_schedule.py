@@ -12,7 +12,7 @@ runs this rank's actions on the one :class:`.runtime.Interpreter`.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ClassVar, Iterator, Sequence, overload
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 
@@ -41,30 +41,20 @@ from .validate import validate
 __all__ = ["PipelineSchedule"]
 
 
-class _Placement:
-    """A schedule's ``placement``: on an instance, the ``{stage: rank}`` map it runs under;
-    read on the class, its ``placement_style`` (how the style was read before it had a name
-    of its own: ``get_schedule_class("1F1B").placement == "loop"``)."""
+class _ScheduleClass(type):
+    """The type of the schedule classes. Read on a class, ``placement`` is its
+    ``placement_style`` (how the style was read before it had a name of its own:
+    ``get_schedule_class("1F1B").placement == "loop"``); on an instance ``placement`` is
+    the ``{stage: rank}`` map it runs under, a plain attribute."""
 
-    @overload
-    def __get__(self, obj: None, owner: type[PipelineSchedule]) -> str: ...
+    placement_style: str
 
-    @overload
-    def __get__(self, obj: PipelineSchedule, owner: type[PipelineSchedule]) -> dict[int, int]: ...
-
-    def __get__(self, obj: PipelineSchedule | None, owner: type[PipelineSchedule]) -> str | dict[int, int]:
-        if obj is None:
-            return owner.placement_style
-        try:
-            return obj.__dict__["placement"]
-        except KeyError:
-            raise AttributeError(f"{owner.__name__} has no placement before its order is planned") from None
-
-    def __set__(self, obj: PipelineSchedule, where: dict[int, int]) -> None:
-        obj.__dict__["placement"] = where
+    @property
+    def placement(cls) -> str:
+        return cls.placement_style
 
 
-class PipelineSchedule:
+class PipelineSchedule(metaclass=_ScheduleClass):
     """Base of every schedule class; a subclass names its family (``order_name``) and the
     placement that family needs (``placement_style``), nothing else.
 
@@ -98,7 +88,6 @@ class PipelineSchedule:
     """Where the family puts stages, by name: ``"loop"`` (stage ``s`` on rank ``s % p``) or
     ``"v"`` (zig-zag), as :data:`.orders.ORDERS` states it; an instance's ``placement`` is
     the ``{stage: rank}`` map it runs under."""
-    placement = _Placement()
 
     def __init__(self, stage_or_stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
                  loss_fn: Callable | None = None, *, scale_grads: bool = True, timeout: float = 300.0,
