@@ -1,5 +1,5 @@
-"""How the schedule layer says an order is wrong: :class:`ScheduleError` and the one
-deadlock message.
+"""How the schedule layer says an order is wrong: :class:`ScheduleError`,
+:class:`PlacementConflict` and the one deadlock message.
 
 Sits low in ``schedule/`` (above :mod:`.actions` and :mod:`.messages` only), so that every
 module that checks or runs an order (validate, lower, simulate, the schedule classes,
@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Union
 from .actions import Action, Order, format_order
 from .messages import Message, recv_action, send_action
 
-__all__ = ["ScheduleError", "Awaited", "deadlock_message"]
+__all__ = ["ScheduleError", "PlacementConflict", "Awaited", "deadlock_message"]
 
 
 class ScheduleError(ValueError):
@@ -65,6 +65,15 @@ def _rebuild_error(message: str, reason: str, rank: int | None, step: int | None
     ValueError.__init__(err, message)
     err.reason, err.rank, err.step, err.action = reason, rank, step, action
     return err
+
+
+class PlacementConflict(ValueError):
+    """An order holds actions of one stage on two ranks (``rank``, ``step``: the second one)."""
+
+    def __init__(self, stage: int, home: int, rank: int, step: int, action: object) -> None:
+        super().__init__(f"stage {stage} has actions on rank {home} and rank {rank} "
+                         f"(first seen: {action} on rank {rank}); a stage lives on one rank")
+        self.stage, self.home, self.rank, self.step, self.action = stage, home, rank, step, action
 
 
 Awaited = Union[Action, tuple[Message, bool]]

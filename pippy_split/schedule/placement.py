@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Literal, Mapping, Union
 
 from .actions import Action, Order
+from .errors import PlacementConflict
 
 __all__ = ["Style", "PlacementArg", "stage_to_rank", "rank_to_stages", "local_stages", "placement_of_order",
            "resolve_placement", "replace_placement", "PlacementConflict"]
@@ -98,15 +99,6 @@ def local_stages(num_ranks: int, stages_per_rank: int, style: PlacementArg) -> d
         {0: [0, 3], 1: [1, 2]}
     """
     return rank_to_stages(num_ranks * stages_per_rank, num_ranks, style)
-
-
-class PlacementConflict(ValueError):
-    """An order holds actions of one stage on two ranks (``rank``, ``step``: the second one)."""
-
-    def __init__(self, stage: int, home: int, rank: int, step: int, action: object) -> None:
-        super().__init__(f"stage {stage} has actions on rank {home} and rank {rank} "
-                         f"(first seen: {action} on rank {rank}); a stage lives on one rank")
-        self.stage, self.home, self.rank, self.step, self.action = stage, home, rank, step, action
 
 
 def placement_of_order(order: Order) -> dict[int, int]:
