@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .chunking import Microbatches
+from .microbatch import Microbatches
 
 __all__ = ["TokenBatch", "pack_documents", "bucket_by_length", "step_inputs"]
 

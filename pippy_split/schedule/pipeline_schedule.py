@@ -16,8 +16,8 @@ from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 
-from ..chunking import any_per_microbatch
 from ..microbatch import MicrobatchError, Microbatches, merge_chunks, split_args_kwargs
+from ..microbatch.chunking import any_per_microbatch
 from ..split.spec import InputKind
 from ..stage.errors import PipelineError
 from ..stage.stage import LossRule, PipelineStage

@@ -2,7 +2,7 @@
 
 Part of :mod:`pippy_split.microbatch` (the public home of :func:`merge_chunks`): the
 runtime calls it on the last stage's outputs once every microbatch has come
-through. Chunk specs and the shared helpers are in :mod:`pippy_split.chunking`.
+through. Chunk specs and the shared helpers are in :mod:`pippy_split.microbatch.chunking`.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .chunking import (
-    _REDUCTIONS,
+    REDUCTIONS,
     MicrobatchError,
     Replicate,
-    _check_leaf_spec,
-    _child_specs,
-    _describe,
-    _flatten_one,
-    _is_container,
-    _is_custom,
+    check_leaf_spec,
+    child_specs,
+    describe_value,
+    flatten_one,
+    is_container,
+    is_custom,
 )
 
 __all__ = ["merge_chunks"]
@@ -61,30 +61,30 @@ def merge_chunks(chunks: Sequence[Any], spec: Any = None) -> Any:
 
 
 def _merge(values: list, spec: Any, path: str) -> Any:
-    if _is_container(spec):
+    if is_container(spec):
         if all(v is None for v in values):
             return None
         items, treespec, children = _flatten_all(values, path)
-        specs = _child_specs(values[0], items, spec, path)
+        specs = child_specs(values[0], items, spec, path)
         merged = [_merge(ch, s, p) for (_, p, _), ch, s in zip(items, children, specs)]
         return pytree.tree_unflatten(merged, treespec)
-    _check_leaf_spec(spec, path, allowed=_REDUCTIONS)
-    if _is_custom(spec):
+    check_leaf_spec(spec, path, allowed=REDUCTIONS)
+    if is_custom(spec):
         return spec(values)
     return _merge_tree(values, spec, path)
 
 
 def _flatten_all(values: list, path: str) -> tuple[list, pytree.TreeSpec, list[list]]:
     """Flatten one level of every microbatch's value, checking they share a structure."""
-    items, treespec = _flatten_one(values[0], path)
+    items, treespec = flatten_one(values[0], path)
     per_mb = [[c for _, _, c in items]]
     for i, v in enumerate(values[1:], start=1):
-        if not _is_container(v) or _flatten_one(v, path)[1] != treespec:
+        if not is_container(v) or flatten_one(v, path)[1] != treespec:
             raise MicrobatchError(
-                f"{path}: microbatch {i} produced a {_describe(v)}, but microbatch 0 "
-                f"produced a {_describe(values[0])}"
+                f"{path}: microbatch {i} produced a {describe_value(v)}, but microbatch 0 "
+                f"produced a {describe_value(values[0])}"
             )
-        per_mb.append([c for _, _, c in _flatten_one(v, path)[0]])
+        per_mb.append([c for _, _, c in flatten_one(v, path)[0]])
     children = [list(col) for col in zip(*per_mb)] if items else []
     return items, treespec, children
 
@@ -94,17 +94,17 @@ def _merge_tree(values: list, spec: Any, path: str) -> Any:
     first = values[0]
     if all(v is None for v in values):
         return None
-    if _is_container(first):
+    if is_container(first):
         items, treespec, children = _flatten_all(values, path)
         merged = [_merge_tree(ch, spec, p) for (_, p, _), ch in zip(items, children)]
         return pytree.tree_unflatten(merged, treespec)
     for i, v in enumerate(values):
-        if isinstance(v, torch.Tensor) != isinstance(first, torch.Tensor) or _is_container(v):
+        if isinstance(v, torch.Tensor) != isinstance(first, torch.Tensor) or is_container(v):
             raise MicrobatchError(
-                f"{path}: microbatch {i} produced a {_describe(v)}, but microbatch 0 "
-                f"produced a {_describe(first)}"
+                f"{path}: microbatch {i} produced a {describe_value(v)}, but microbatch 0 "
+                f"produced a {describe_value(first)}"
             )
-    if spec in _REDUCTIONS:
+    if spec in REDUCTIONS:
         return _reduce(values, spec, path)
     if spec is Replicate:
         return _same(values, path)

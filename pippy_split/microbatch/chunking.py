@@ -2,9 +2,10 @@
 helpers splitting and merging share (spec classification, one-level flattening,
 error paths).
 
-Part of :mod:`pippy_split.microbatch` (the public home of these names), which sits
-at the two ends of a pipeline step; :mod:`pippy_split.merging` holds the merging
-half.
+Part of :mod:`pippy_split.microbatch` (the public home of the spec names), which sits
+at the two ends of a pipeline step; ``splitting`` and ``merging`` beside it hold the
+two halves. The shared helpers below are package-internal names: public to
+``splitting`` and ``merging``, not re-exported.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ Replicate = _ReplicateType.Replicate
 """Give every microbatch the same value (not a copy); when merging, require that
 all microbatches produced equal values and return one of them."""
 
-_REDUCTIONS = ("sum", "mean")
+REDUCTIONS = ("sum", "mean")
 
 
 class Microbatches(list):
@@ -87,21 +88,22 @@ def any_per_microbatch(*values: Any) -> bool:
 
 
 # --------------------------------------------------------------------------- #
-# Shared helpers: spec classification, one-level flattening, error paths.
+# Shared with splitting and merging: spec classification, one-level flattening,
+# error paths.
 # --------------------------------------------------------------------------- #
 
 
-def _show(path: str) -> str:
+def show_path(path: str) -> str:
     """Render an argument path for a message: ``'x'``, ``'args[0]'``, ``kwargs['m']``."""
     return path if "'" in path else f"'{path}'"
 
 
-def _is_container(value: Any) -> bool:
+def is_container(value: Any) -> bool:
     # torch.Size is a pytree node, but it unflattens to a plain tuple: keep it whole.
     return not isinstance(value, (torch.Tensor, torch.Size)) and not pytree.tree_is_leaf(value)
 
 
-def _is_custom(spec: Any) -> bool:
+def is_custom(spec: Any) -> bool:
     return callable(spec) and not isinstance(spec, (TensorChunkSpec, _ReplicateType, type))
 
 
@@ -113,7 +115,7 @@ def _raw_key(entry: Any) -> Any:
     return entry
 
 
-def _flatten_one(value: Any, path: str) -> tuple[list[tuple[Any, str, Any]], pytree.TreeSpec]:
+def flatten_one(value: Any, path: str) -> tuple[list[tuple[Any, str, Any]], pytree.TreeSpec]:
     """Flatten exactly one level of a container: ``([(key, path, child)], treespec)``."""
 
     def is_leaf(x: Any) -> bool:
@@ -129,26 +131,26 @@ def _flatten_one(value: Any, path: str) -> tuple[list[tuple[Any, str, Any]], pyt
     return items, spec
 
 
-def _describe(value: Any) -> str:
+def describe_value(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"Tensor of shape {tuple(value.shape)}"
-    if _is_container(value):
-        items, _ = _flatten_one(value, "")
+    if is_container(value):
+        items, _ = flatten_one(value, "")
         return f"{type(value).__name__} with keys {[k for k, _, _ in items]}"
     return type(value).__name__
 
 
-def _child_specs(value: Any, items: list, spec: Any, path: str) -> list:
+def child_specs(value: Any, items: list, spec: Any, path: str) -> list:
     """Align a container spec with the children of ``value`` (pytree prefix match)."""
-    if not _is_container(value):
+    if not is_container(value):
         raise MicrobatchError(
-            f"chunk spec for argument {_show(path)} is a {type(spec).__name__}, "
-            f"but the argument is a {_describe(value)}"
+            f"chunk spec for argument {show_path(path)} is a {type(spec).__name__}, "
+            f"but the argument is a {describe_value(value)}"
         )
     if isinstance(spec, Mapping):
         if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
             raise MicrobatchError(
-                f"chunk spec for argument {_show(path)} is a dict, but the argument is a "
+                f"chunk spec for argument {show_path(path)} is a dict, but the argument is a "
                 f"{type(value).__name__}; give a list/tuple spec"
             )
         # Keys the value lacks are ignored: an optional entry may be absent.
@@ -156,28 +158,28 @@ def _child_specs(value: Any, items: list, spec: Any, path: str) -> list:
     if isinstance(spec, (list, tuple)):
         if not isinstance(value, (list, tuple)):
             raise MicrobatchError(
-                f"chunk spec for argument {_show(path)} is a {type(spec).__name__}, "
-                f"but the argument is a {_describe(value)}"
+                f"chunk spec for argument {show_path(path)} is a {type(spec).__name__}, "
+                f"but the argument is a {describe_value(value)}"
             )
         if len(spec) != len(items):
             raise MicrobatchError(
-                f"chunk spec for argument {_show(path)} has {len(spec)} entries, "
+                f"chunk spec for argument {show_path(path)} has {len(spec)} entries, "
                 f"but the argument has {len(items)}"
             )
         return list(spec)
     # Any other registered container used as a spec must mirror the value's type.
-    spec_items, _ = _flatten_one(spec, path)
+    spec_items, _ = flatten_one(spec, path)
     if type(spec) is not type(value) or len(spec_items) != len(items):
         raise MicrobatchError(
-            f"chunk spec for argument {_show(path)} is a {_describe(spec)}, "
-            f"but the argument is a {_describe(value)}"
+            f"chunk spec for argument {show_path(path)} is a {describe_value(spec)}, "
+            f"but the argument is a {describe_value(value)}"
         )
     return [s for _, _, s in spec_items]
 
 
-def _check_leaf_spec(spec: Any, path: str, allowed: tuple[str, ...] = ()) -> None:
+def check_leaf_spec(spec: Any, path: str, allowed: tuple[str, ...] = ()) -> None:
     if spec is None or spec is Replicate or isinstance(spec, TensorChunkSpec):
         return
-    if spec in allowed or _is_custom(spec):
+    if spec in allowed or is_custom(spec):
         return
-    raise MicrobatchError(f"invalid chunk spec {spec!r} for argument {_show(path)}")
+    raise MicrobatchError(f"invalid chunk spec {spec!r} for argument {show_path(path)}")

@@ -1,26 +1,9 @@
-"""Split a step's inputs into microbatches and merge per-microbatch outputs back.
+"""Splitting one step's inputs into microbatches (the start of a pipeline step).
 
-Sits at the two ends of a pipeline step: the runtime calls
-:func:`split_args_kwargs` on the arguments of ``schedule.step(...)`` before the
-first stage runs, and :func:`merge_chunks` on the last stage's outputs once every
-microbatch has come through.
-
-A *chunk spec* says how one value is split (or merged):
-
-- ``TensorChunkSpec(dim)``: chunk tensors along ``dim`` (merge: concatenate);
-- ``Replicate``: every microbatch gets the same value (merge: all must agree);
-- a callable: custom, ``(value, n) -> list of n values`` for splitting and
-  ``(list of n values) -> value`` for merging;
-- ``None``: the default, i.e. tensors with at least one dimension use dim 0 and
-  everything else is replicated;
-- for merging only, ``"sum"`` or ``"mean"``: reduce elementwise over microbatches.
-
-Specs follow pytree *prefix* rules: a leaf spec placed at a container applies to
-everything inside it, and a container spec (tuple/list/dict, or any class that
-``torch.utils._pytree`` can flatten) is matched against the value's own structure.
-Chunk specs live in :mod:`pippy_split.chunking`, merging in :mod:`pippy_split.merging`;
-every public name is importable from here. Errors name the offending argument by path: ``args[0]``, ``kwargs['mask']``,
-``args[1][0]``, or ``input_ids`` when the model's parameter names are passed.
+Part of :mod:`pippy_split.microbatch` (the public home of :func:`split_args_kwargs`):
+the schedule calls it on the arguments of ``schedule.step(...)`` before the first
+stage runs. Chunk specs and the helpers shared with merging are in
+:mod:`pippy_split.microbatch.chunking`.
 """
 
 from __future__ import annotations
@@ -37,29 +20,15 @@ from .chunking import (
     Microbatches,
     Replicate,
     TensorChunkSpec,
-    _check_leaf_spec,
-    _child_specs,
-    _flatten_one,
-    _is_container,
-    _is_custom,
-    _show,
+    check_leaf_spec,
+    child_specs,
+    flatten_one,
+    is_container,
+    is_custom,
+    show_path,
 )
-from .merging import merge_chunks
 
-__all__ = [
-    "MicrobatchError",
-    "TensorChunkSpec",
-    "Replicate",
-    "Microbatches",
-    "split_args_kwargs",
-    "merge_chunks",
-]
-
-
-
-# --------------------------------------------------------------------------- #
-# Splitting
-# --------------------------------------------------------------------------- #
+__all__ = ["split_args_kwargs"]
 
 
 @dataclass
@@ -144,14 +113,14 @@ def _top_level_arg_specs(args: tuple, spec: Any) -> list:
                 "arguments were given"
             )
         return list(spec)
-    _check_leaf_spec(spec, "args")
+    check_leaf_spec(spec, "args")
     return [spec] * len(args)  # one leaf spec (or None) for every argument
 
 
 def _kwarg_spec(spec: Any, key: str) -> Any:
     if isinstance(spec, Mapping):
         return spec.get(key)
-    _check_leaf_spec(spec, "kwargs")
+    check_leaf_spec(spec, "kwargs")
     return spec
 
 
@@ -159,20 +128,20 @@ def _split(value: Any, spec: Any, path: str, st: _SplitState) -> list:
     """Split one value (and everything inside it) under ``spec`` into ``st.n`` parts."""
     if isinstance(value, Microbatches):
         if len(value) != st.n:
-            raise MicrobatchError(f"argument {_show(path)} is Microbatches of {len(value)} entries, but the step "
+            raise MicrobatchError(f"argument {show_path(path)} is Microbatches of {len(value)} entries, but the step "
                                   f"has {st.n} microbatches: give one entry per microbatch")
         return list(value)
-    if _is_container(spec):
+    if is_container(spec):
         if value is None:
             return [None] * st.n  # an optional argument left out: nothing to split
-        items, treespec = _flatten_one(value, path) if _is_container(value) else ([], None)
-        specs = _child_specs(value, items, spec, path)
+        items, treespec = flatten_one(value, path) if is_container(value) else ([], None)
+        specs = child_specs(value, items, spec, path)
         parts = [_split(c, s, p, st) for (_, p, c), s in zip(items, specs)]
         return [pytree.tree_unflatten([part[i] for part in parts], treespec) for i in range(st.n)]  # type: ignore[arg-type]
-    _check_leaf_spec(spec, path)
+    check_leaf_spec(spec, path)
     if spec is Replicate:
         return [value] * st.n
-    if _is_custom(spec):
+    if is_custom(spec):
         return _split_custom(value, spec, path, st.n)
     return _split_tree(value, spec, path, st)
 
@@ -182,7 +151,7 @@ def _split_custom(value: Any, fn: Callable, path: str, n: int) -> list:
     if not isinstance(parts, Sequence) or len(parts) != n:
         got = f"{len(parts)} values" if isinstance(parts, Sequence) else type(parts).__name__
         raise MicrobatchError(
-            f"custom chunk spec {fn!r} for argument {_show(path)} returned {got}, expected a "
+            f"custom chunk spec {fn!r} for argument {show_path(path)} returned {got}, expected a "
             f"list of {n}"
         )
     return list(parts)
@@ -194,9 +163,9 @@ def _split_tree(value: Any, spec: TensorChunkSpec | None, path: str, st: _SplitS
         if spec is None and value.dim() == 0:
             return [value] * st.n  # a scalar has no batch dimension to chunk
         return _chunk_tensor(value, 0 if spec is None else spec.dim, path, st)
-    if not _is_container(value):
+    if not is_container(value):
         return [value] * st.n
-    items, treespec = _flatten_one(value, path)
+    items, treespec = flatten_one(value, path)
     parts = [_split_tree(c, spec, p, st) for _, p, c in items]
     return [pytree.tree_unflatten([part[i] for part in parts], treespec) for i in range(st.n)]
 
@@ -204,7 +173,7 @@ def _split_tree(value: Any, spec: TensorChunkSpec | None, path: str, st: _SplitS
 def _chunk_tensor(t: torch.Tensor, dim: int, path: str, st: _SplitState) -> list[torch.Tensor]:
     if t.dim() == 0 or not -t.dim() <= dim < t.dim():
         raise MicrobatchError(
-            f"argument {_show(path)} has shape {tuple(t.shape)}, cannot chunk along dim {dim}"
+            f"argument {show_path(path)} has shape {tuple(t.shape)}, cannot chunk along dim {dim}"
         )
     dim = dim % t.dim()
     size = t.shape[dim]
@@ -214,8 +183,8 @@ def _chunk_tensor(t: torch.Tensor, dim: int, path: str, st: _SplitState) -> list
     elif size != st.first[1]:
         other, other_size, other_dim = st.first
         raise MicrobatchError(
-            f"argument {_show(path)} has batch size {size} along dim {dim}, but argument "
-            f"{_show(other)} has batch size {other_size} along dim {other_dim}; chunked "
+            f"argument {show_path(path)} has batch size {size} along dim {dim}, but argument "
+            f"{show_path(other)} has batch size {other_size} along dim {other_dim}; chunked "
             "arguments must agree"
         )
     return list(torch.tensor_split(t, st.n, dim=dim))
@@ -224,11 +193,11 @@ def _chunk_tensor(t: torch.Tensor, dim: int, path: str, st: _SplitState) -> list
 def _check_batch_size(path: str, size: int, dim: int, st: _SplitState) -> None:
     if size < st.n:
         raise MicrobatchError(
-            f"argument {_show(path)} has batch size {size} along dim {dim}, smaller than "
+            f"argument {show_path(path)} has batch size {size} along dim {dim}, smaller than "
             f"{st.n} microbatches"
         )
     if size % st.n and not st.allow_uneven:
         raise MicrobatchError(
-            f"argument {_show(path)} has batch size {size} along dim {dim}, not divisible "
+            f"argument {show_path(path)} has batch size {size} along dim {dim}, not divisible "
             f"into {st.n} microbatches (pass allow_uneven=True to allow unequal chunks)"
         )
