@@ -11,11 +11,12 @@ registry's names; :func:`build_schedule` builds this rank's stages of a Pipe for
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from ..stage.groups import process_group
+from ..stage.options import StageOptions
 from ..stage.stage import PipelineStage
 from .actions import Order, order_from_csv
 from .collectives import group_info
@@ -218,7 +219,7 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
                    loss_fn: Callable | None = None, group: Any = None, device: Any = None, *,
                    activation_checkpoint: str | Sequence[str] | None = None,
                    mixed_precision: torch.dtype | None = None,
-                   compile: Any = False, state_dict: Any = None, **kwargs: Any) -> PipelineSchedule:
+                   compile: bool | Mapping[str, Any] = False, state_dict: Any = None, **kwargs: Any) -> PipelineSchedule:
     """Build this rank's stages of ``pipe`` with the schedule's placement and return the schedule.
 
     ``activation_checkpoint`` (``None``, ``"full"``, or module FQN patterns such as
@@ -244,6 +245,6 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
                          f"{spec.stage_rule()}. What would work: {spec.nearest(pipe.num_stages, world)}")
     where = cls.stage_placement(pipe.num_stages, world, kwargs.get("placement"))
     mine = sorted(s for s, r in where.items() if r == rank)
-    stages = [pipe.build_stage(s, device, group, state_dict=state_dict, activation_checkpoint=activation_checkpoint,
-                               mixed_precision=mixed_precision, compile=compile) for s in mine]
+    options = StageOptions.of(activation_checkpoint, mixed_precision, compile, where="build_schedule")
+    stages = [pipe.build_stage(s, device, group, state_dict=state_dict, options=options) for s in mine]
     return cls(stages, n_microbatches, loss_fn, **kwargs)

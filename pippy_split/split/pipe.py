@@ -9,7 +9,7 @@ module (:meth:`Pipe.fill_stage_module`) and its inputs and edges.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import sympy
 import torch
@@ -24,6 +24,7 @@ from .trace import Traced, trace_model
 
 if TYPE_CHECKING:
     from ..stage import PipelineStage
+    from ..stage.options import StageOptions
 
 __all__ = ["Pipe", "pipeline"]
 
@@ -177,16 +178,18 @@ class Pipe:
 
     # ---- building stages for ranks -------------------------------------------------
     def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: Any = None, *,
-                    state_dict: Any = None, seed: int = 0, activation_checkpoint: Any = None,
-                    mixed_precision: torch.dtype | None = None, compile: Any = False,
-                    strict: bool = True) -> PipelineStage:
+                    state_dict: Any = None, seed: int = 0,
+                    activation_checkpoint: str | Sequence[str] | None = None,
+                    mixed_precision: torch.dtype | None = None, compile: bool | Mapping[str, Any] = False,
+                    strict: bool = True, options: StageOptions | None = None) -> PipelineStage:
         """The :class:`pippy_split.PipelineStage` for one stage, its module moved to ``device``.
 
         ``activation_checkpoint="full"`` recomputes the stage before its backward
         instead of keeping its activations, a list of module FQN patterns
         (``["blocks.*"]``) only the calls of the matching modules; ``mixed_precision=torch.bfloat16`` runs it
         under autocast; ``compile=True`` through ``torch.compile`` (see
-        :class:`pippy_split.PipelineStage`).
+        :class:`pippy_split.PipelineStage`); ``options=`` gives the three as one
+        :class:`~pippy_split.stage.options.StageOptions` instead.
 
         For a model built on the ``meta`` device, only this stage's tensors are
         allocated, filled from ``state_dict`` (original FQNs) or by the owning
@@ -205,7 +208,7 @@ class Pipe:
 
         return PipelineStage.from_pipe(self, stage_index, device=device, group=group, state_dict=state_dict,
                                        seed=seed, strict=strict, activation_checkpoint=activation_checkpoint,
-                                       mixed_precision=mixed_precision, compile=compile)
+                                       mixed_precision=mixed_precision, compile=compile, options=options)
 
     def fill_stage_module(self, stage_index: int, device: torch.device | str | None = None, *,
                           state_dict: Any = None, seed: int = 0, strict: bool = True) -> torch.fx.GraphModule:

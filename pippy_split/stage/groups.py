@@ -10,12 +10,20 @@ typically one named dimension of an N-D mesh: ``mesh["pp"]``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Union
 
-__all__ = ["process_group"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["process_group", "GroupArg"]
+
+GroupArg = Union["ProcessGroup", "DeviceMesh", None]
+"""What a ``group=`` argument takes: a process group, a one-dimensional DeviceMesh
+(``mesh["pp"]``), or None for the default group."""
 
 
-def process_group(group: Any, where: str = "group") -> Any:
+def process_group(group: GroupArg, where: str = "group") -> ProcessGroup | None:
     """``group`` as a process group: a 1-D DeviceMesh (``mesh["pp"]``) becomes its group.
 
     Args:

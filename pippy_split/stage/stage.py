@@ -21,12 +21,12 @@ from .data_parallel import set_grad_sync, sync_data_parallel, unsplittable_backw
 from .errors import PipelineError
 from .groups import process_group
 from .loss import LossRule, microbatch_loss
-from .mixed_precision import autocast_edge_specs, check_mixed_precision
+from .mixed_precision import autocast_edge_specs
+from .options import StageOptions
 from .recompute import (
     RegionRecorder,
     check_patterns_match,
     checkpoint_called_modules,
-    checkpoint_patterns,
     checkpoint_submodules,
     checkpointed_graph_module,
     graph_module_paths,
@@ -91,22 +91,15 @@ class PipelineStage:
                  outputs_to: Mapping[int, Sequence[tuple[int, int]]] | None = None,
                  activation_checkpoint: str | Sequence[str] | None = None,
                  mixed_precision: torch.dtype | None = None,
-                 compile: bool | Mapping[str, Any] = False) -> None:
+                 compile: bool | Mapping[str, Any] = False, *, options: StageOptions | None = None) -> None:
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index {stage_index} out of range for {num_stages} stages")
-        self.activation_checkpoint = checkpoint_patterns(activation_checkpoint, f"stage {stage_index}")
-        if isinstance(self.activation_checkpoint, tuple) and compile:
-            raise ValueError(f"stage {stage_index}: compile=True with selective activation_checkpoint="
-                             f"{list(self.activation_checkpoint)} is not supported (torch.compile does not trace "
-                             "saved-tensor hooks); use activation_checkpoint='full' with compile=True, or compile=False")
-        check_mixed_precision(mixed_precision, f"stage {stage_index}")
-        self.mixed_precision = mixed_precision
+        self.options = _options(options, activation_checkpoint, mixed_precision, compile, f"stage {stage_index}")
         self.module = module
-        # torch.compile'd forward (options dict -> torch.compile's keywords); self.module stays the plain module
-        self._call = module if not compile else torch.compile(module, **({} if compile is True else dict(compile)))
-        # A compiled stage is one autograd node: W could only run its whole backward again
-        # (measured: ZBV 1.70x eager). Its I computes the weight gradients too; W is empty.
-        self.weight_grads_in_input = bool(compile)
+        self._call = self.options.compiled(module)  # self.module stays the plain module
+        # A compiled stage is one autograd node: W could only run its whole backward again.
+        # Its I computes the weight gradients too; W is empty.
+        self.weight_grads_in_input = bool(self.options.compile)
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.device = torch.device(device) if device is not None else module_device(module)
@@ -132,13 +125,23 @@ class PipelineStage:
         # set by the runtime for stages whose outputs go to other ranks (see may_release)
         self.track_saved_storages = False
 
+    @property
+    def activation_checkpoint(self) -> str | tuple[str, ...] | None:
+        """``None``, ``"full"`` or the module patterns of selective checkpointing (:class:`StageOptions`)."""
+        return self.options.activation_checkpoint
+
+    @property
+    def mixed_precision(self) -> torch.dtype | None:
+        """The autocast dtype the stage runs under, or None (:class:`StageOptions`)."""
+        return self.options.mixed_precision
+
     # ---- construction from a Pipe ------------------------------------------------
     @classmethod
     def from_pipe(cls, pipe: Any, stage_index: int, device: Any = None, group: Any = None, *,
                   state_dict: Any = None, seed: int = 0, strict: bool = True,
                   activation_checkpoint: str | Sequence[str] | None = None,
                   mixed_precision: torch.dtype | None = None,
-                  compile: bool | Mapping[str, Any] = False) -> "PipelineStage":
+                  compile: bool | Mapping[str, Any] = False, options: StageOptions | None = None) -> "PipelineStage":
         """The stage ``stage_index`` of ``pipe``, its module filled (``pipe.fill_stage_module``) and
         moved to ``device``, its inputs and outgoing edges from the pipe. ``pipe.build_stage`` is
         the documented entry; the arguments are the same.
@@ -146,18 +149,17 @@ class PipelineStage:
         Example:
             >>> stage = PipelineStage.from_pipe(pipe, 1, "cpu")  # doctest: +SKIP
         """
+        options = _options(options, activation_checkpoint, mixed_precision, compile, f"stage {stage_index}")
+        mixed_precision = options.mixed_precision
         if mixed_precision is not None:  # the split traced under the same autocast: the model's own casts and constants
-            check_mixed_precision(mixed_precision, f"stage {stage_index}")
             pipe = pipe.under_autocast(mixed_precision, torch.device(device).type if device is not None else "cpu")
         module = pipe.fill_stage_module(stage_index, device, state_dict=state_dict, seed=seed, strict=strict)
         if device is not None:
             module = module.to(device)
-        stage = cls(module, stage_index, pipe.num_stages, device=device, group=group,
-                    activation_checkpoint=activation_checkpoint, mixed_precision=mixed_precision,
-                    compile=compile)
+        stage = cls(module, stage_index, pipe.num_stages, device=device, group=group, options=options)
         stage.pipe = pipe
-        if isinstance(stage.activation_checkpoint, tuple):
-            check_patterns_match(stage.activation_checkpoint,
+        if options.selective is not None:
+            check_patterns_match(options.selective,
                                  {p for st in pipe.stages for p in graph_module_paths(st.module)},
                                  f"stage {stage_index}")
         specs = None if mixed_precision is None else autocast_edge_specs(pipe, mixed_precision, stage.device.type)
@@ -497,3 +499,13 @@ class PipelineStage:
 
     def __repr__(self) -> str:
         return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, device={self.device})"
+
+
+def _options(options: StageOptions | None, activation_checkpoint: Any, mixed_precision: Any, compile: Any,
+             where: str) -> StageOptions:
+    """``options=``, or the three keywords checked into one :class:`StageOptions` (not both)."""
+    if options is None:
+        return StageOptions.of(activation_checkpoint, mixed_precision, compile, where=where)
+    if activation_checkpoint is not None or mixed_precision is not None or compile:
+        raise ValueError(f"{where}: pass options= or activation_checkpoint=/mixed_precision=/compile=, not both")
+    return options
