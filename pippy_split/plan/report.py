@@ -250,7 +250,7 @@ class Candidate:
             >>> plan.best.to_svg("plan.svg")[:4]  # doctest: +SKIP
             '<svg'
         """
-        from ..schedule.render import render_svg
+        from ..schedule.render_web import render_svg
 
         return render_svg(self.simulation, path, title=f"predicted: {self.title}", time_unit="s")
 
@@ -268,7 +268,7 @@ class Candidate:
 
     def _repr_html_(self) -> str:
         """A notebook's view: this candidate's prediction as a table, then its timeline (SVG)."""
-        from ..schedule.render import html_table
+        from ..schedule.render_web import html_table
 
         rows = [("schedule", f"{self.schedule}, {self.stages_per_rank} stage(s) per rank"),
                 ("split", self.split_label), ("microbatches", f"{self.n_microbatches} of {self.microbatch_size} samples"),
@@ -422,7 +422,7 @@ class Plan:
     def _repr_html_(self, top: int = 10) -> str:
         """A notebook's view: :attr:`noise_message`, the ``top`` fitting candidates as an HTML
         table, the Python that builds the best, and its predicted timeline (SVG)."""
-        from ..schedule.render import html_table
+        from ..schedule.render_web import html_table
 
         shared = collections.Counter(c.rank for c in self.fitting)
         body = [(f"{c.rank}{'=' if shared[c.rank] > 1 else ''}", c.schedule, c.split.cut_label, str(c.n_microbatches),
