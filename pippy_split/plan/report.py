@@ -21,6 +21,8 @@ from rich.text import Text
 
 from ..schedule.simulate import Simulation
 from .costs import CommModel, SplitCosts
+from .ranking import rank_with_ties, ties
+from .units import human_bytes, human_time, percent, short_bytes
 
 __all__ = ["Candidate", "Plan", "PlanError", "human_bytes", "human_time", "rank_with_ties", "ties", "TOO_NOISY"]
 
@@ -29,81 +31,9 @@ TOO_NOISY = 0.05
 (:attr:`Candidate.spread`) is too noisy to rank: :attr:`Plan.too_noisy`."""
 
 
-def rank_with_ties(candidates: list[Candidate], resolution: float, spreads: bool = True) -> list[Candidate]:
-    """Fitting candidates first, by predicted step time; each run of consecutive candidates
-    that :func:`ties` with the run's fastest shares its ``rank`` (the order stays by time).
-
-    Example:
-        >>> [(c.schedule, c.rank) for c in rank_with_ties(cands, 0.01)]  # doctest: +SKIP
-        [('ZBVZeroBubble', 1), ('DualPipeV', 1), ('1F1B', 2)]
-    """
-    by_time = sorted(candidates, key=lambda c: (not c.fits, c.step_time, c.peak))
-    out: list[Candidate] = []
-    place = 0
-    while by_time:
-        head = by_time[0]
-        size = next((k for k, c in enumerate(by_time) if c.fits != head.fits or not ties(head, c, resolution, spreads)),
-                    len(by_time))
-        place += 1
-        for c in by_time[:size]:
-            c.rank = place if c.fits else 0
-            out.append(c)
-        by_time = by_time[size:]
-    return out
-
-
-def ties(head: Candidate, other: Candidate, resolution: float, spreads: bool = True) -> bool:
-    """Whether ``other`` (no faster than ``head``) cannot be told from ``head``: within
-    ``resolution`` of it, or, with ``spreads``, where their predictions' own spreads
-    overlap (``head.step_time x (1 + head.spread)`` reaches ``other.step_time x (1 -
-    other.spread)``; a candidate simulated from op sums has none).
-
-    Example:
-        >>> a = Candidate("1F1B", 1, None, 4, 4, False, 1.00, {0: 1}, 0.0, True, None, spread=0.02)
-        >>> b = Candidate("GPipe", 1, None, 4, 4, False, 1.03, {0: 1}, 0.0, True, None, spread=0.02)
-        >>> ties(a, b, 0.01), ties(a, b, 0.01, spreads=False)
-        (True, False)
-    """
-    margin = head.step_time * resolution
-    if spreads:
-        margin = max(margin, head.step_time * (head.spread or 0.0) + other.step_time * (other.spread or 0.0))
-    return other.step_time - head.step_time <= margin
-
-
 class PlanError(ValueError):
     """No candidate fits the memory budget (or none could be built); the message says
     the smallest predicted peak and what to change."""
-
-
-def human_bytes(n: float) -> str:
-    """``1.5e9`` -> ``"1.50 GB"``."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.3g} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
-
-
-def _short_bytes(n: float) -> str:
-    for unit in ("B", "K", "M", "G"):
-        if abs(n) < 1000:
-            return f"{n:.3g}{unit}"
-        n /= 1000
-    return f"{n:.3g}T"
-
-
-def _percent(x: float) -> str:
-    """``0.034`` -> ``"3%"``, ``0.004`` -> ``"0.4%"``."""
-    return f"{x:.0%}" if x >= 0.01 or x == 0 else f"{x:.1%}"
-
-
-def human_time(t: float) -> str:
-    """``0.0123`` -> ``"12.3 ms"``."""
-    if t >= 1:
-        return f"{t:.3g} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.3g} ms"
-    return f"{t * 1e6:.3g} us"
 
 
 @dataclass
@@ -256,7 +186,7 @@ class Candidate:
 
     def step_label(self) -> str:
         """``"7.95 ms"``, with ``" ±3%"`` where the step time was measured (:attr:`spread`)."""
-        return human_time(self.step_time) + (f" ±{_percent(self.spread)}" if self.spread is not None else "")
+        return human_time(self.step_time) + (f" ±{percent(self.spread)}" if self.spread is not None else "")
 
     def __str__(self) -> str:
         return (f"{self.schedule} x{self.stages_per_rank}/rank, split {self.split_label}, m={self.n_microbatches}, "
@@ -333,10 +263,10 @@ class Plan:
         seconds = sum({id(m): m.seconds for m in measured}.values())
         passes = min((m.passes for m in measured), default=0)
         return (f"too noisy to rank: the fastest candidates' predicted step times moved by up to "
-                f"{_percent(self.noisiest)} between two halves of the timing samples, after {passes} steps of "
-                f"each and {seconds:.0f} s of measuring (a ranking needs at most {_percent(self.noise_limit)}); "
+                f"{percent(self.noisiest)} between two halves of the timing samples, after {passes} steps of "
+                f"each and {seconds:.0f} s of measuring (a ranking needs at most {percent(self.noise_limit)}); "
                 "other work on this machine slows the measured steps unevenly. The order below is by least "
-                f"times and '=' marks only differences under {_percent(self.resolution)}: do not trust it. Plan "
+                f"times and '=' marks only differences under {percent(self.resolution)}: do not trust it. Plan "
                 "again on an idle machine, or measure longer (ps.plan(..., measure_budget=60), "
                 "pippy-split plan --measure-budget 60).")
 
@@ -372,7 +302,7 @@ class Plan:
                          overflow="fold" if col == "split at" else "ellipsis")  # an FQN folds, never cut short
         shared = collections.Counter(c.rank for c in self.fitting)
         for c in self.fitting[:top]:
-            peaks = " ".join(_short_bytes(c.peak_bytes[r]) for r in sorted(c.peak_bytes))
+            peaks = " ".join(short_bytes(c.peak_bytes[r]) for r in sorted(c.peak_bytes))
             t.add_row(f"{c.rank}{'=' if shared[c.rank] > 1 else ''}", c.schedule, c.split.cut_label,
                       str(c.n_microbatches), "full" if c.activation_checkpoint else "off", c.step_label(), peaks,
                       f"{c.bubble:.0%}")
@@ -390,8 +320,8 @@ class Plan:
 
     def _tie_note(self) -> str:
         if self.too_noisy:
-            return f"'=': within {_percent(self.resolution)} of each other (too noisy to tell more, see above)"
-        return (f"'=': a tie, within {_percent(self.resolution)} of each other or within their step times' "
+            return f"'=': within {percent(self.resolution)} of each other (too noisy to tell more, see above)"
+        return (f"'=': a tie, within {percent(self.resolution)} of each other or within their step times' "
                 "spreads (±: how far the prediction moved between two halves of the timing samples)")
 
     def how_to_run(self) -> str:
@@ -441,7 +371,7 @@ class Plan:
 
 def _peaks_text(peak_bytes: dict[int, float]) -> str:
     """Per-rank peaks in rank order, as in the table: ``"1.2G 1.1G"``."""
-    return " ".join(_short_bytes(peak_bytes[r]) for r in sorted(peak_bytes))
+    return " ".join(short_bytes(peak_bytes[r]) for r in sorted(peak_bytes))
 
 
 def _indent(text: str) -> str:
