@@ -26,6 +26,7 @@ from .markers import is_split_marker
 from .module_calls import call_inputs, parent_of, signature_key, swap_in_module_calls
 from .partition import Plan, module_paths
 from .spec import MODEL_INPUT, Edge, InputKind, StageInput, SymbolSource, TensorSpec
+from .symbols import spec_of, symbol_sources, user_symbol_names
 from .trace import Traced, user_module_path
 
 __all__ = ["StageInfo", "Built", "build_stages"]
@@ -62,76 +63,6 @@ class Built:
     shared_parameters: dict[str, list[tuple[int, list[str]]]]
 
 
-def _user_symbol_names(placeholders: dict[str, torch.fx.Node]) -> dict[sympy.Symbol, sympy.Symbol]:
-    """Export's symbols (``s75``) renamed after the user's ``Dim`` names (``T``) where unambiguous."""
-    raw_to_name: dict[sympy.Symbol, str] = {}
-    for node in placeholders.values():
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            continue
-        for d in val.shape:
-            if not isinstance(d, torch.SymInt) or not isinstance(d.node.expr, sympy.Symbol):
-                continue
-            env = d.node.shape_env
-            debug = getattr(env, "source_name_to_debug_name", {}) or {}
-            for source in env.var_to_sources.get(d.node.expr, []):
-                name = debug.get(source.name() if callable(source.name) else source.name)
-                if name:
-                    raw_to_name[d.node.expr] = name
-                    break
-    names = list(raw_to_name.values())
-    return {raw: sympy.Symbol(name, integer=True, positive=True) for raw, name in raw_to_name.items()
-            if names.count(name) == 1}
-
-
-def _spec_of(node: torch.fx.Node, requires_grad: bool, known: set, rename: dict | None = None) -> TensorSpec:
-    val: Any = node.meta.get("val")
-    dims = []
-    for d in val.shape:
-        if isinstance(d, torch.SymInt):
-            expr = sympy.sympify(d.node.expr)
-            if expr.is_number:
-                dims.append(int(expr))
-                continue
-            unknown = expr.free_symbols - known
-            if unknown:
-                raise SplitError(
-                    f"value {node.name!r} of shape {tuple(val.shape)} crosses a stage boundary but its size "
-                    f"depends on data ({sorted(map(str, unknown))}), not on input shapes; move the split point "
-                    "so that this value stays inside one stage"
-                )
-            dims.append(expr.xreplace(rename) if rename else expr)
-        else:
-            dims.append(int(d))
-    return TensorSpec(tuple(dims), val.dtype, requires_grad)
-
-
-def _symbol_sources(traced: Traced, placeholders: dict[str, torch.fx.Node]) -> list[SymbolSource]:
-    out: list[SymbolSource] = []
-    seen: set[sympy.Symbol] = set()
-    for idx, name in enumerate(traced.user_inputs):
-        val = placeholders[name].meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            continue
-        for dim, d in enumerate(val.shape):
-            if isinstance(d, torch.SymInt):
-                expr = d.node.expr
-                if isinstance(expr, sympy.Symbol) and expr not in seen:
-                    seen.add(expr)
-                    out.append(SymbolSource(expr, idx, dim, *_traced_range(traced, expr)))
-    return out
-
-
-def _traced_range(traced: Traced, symbol: sympy.Symbol) -> tuple[int, int | None]:
-    """The range export traced ``symbol`` for: its ``Dim(min=, max=)`` (bounds export refined included)."""
-    vr = traced.ep.range_constraints.get(symbol)
-    if vr is None:
-        return 0, None
-    lower = int(vr.lower) if vr.lower.is_finite else 0
-    upper = int(vr.upper) if vr.upper.is_finite else None
-    return lower, upper
-
-
 def _install(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool, persistent: bool = True) -> None:
     mod, leaf = parent_of(root, fqn)
     if buffer:
@@ -149,9 +80,9 @@ class _Builder:
         seed = {name: p.requires_grad for name, p in self._param_tensors().items()}
         seed.update(traced.requires_grad_inputs)
         self.rg = infer_requires_grad(self.graph, seed)
-        raw_symbols = _symbol_sources(traced, self.placeholders)
+        raw_symbols = symbol_sources(traced, self.placeholders)
         self.known_symbols = {s.symbol for s in raw_symbols}  # export's own symbols
-        self.rename = _user_symbol_names(self.placeholders)  # shown and bound under the user's Dim names
+        self.rename = user_symbol_names(self.placeholders)  # shown and bound under the user's Dim names
         self.symbols = [SymbolSource(self.rename.get(s.symbol, s.symbol), s.input_index, s.dim, s.lower, s.upper)
                         for s in raw_symbols]
         self.position = {n: i for i, n in enumerate(self.graph.nodes)}
@@ -281,7 +212,7 @@ class _Builder:
                 if f"{fqn}.{name}" not in param_fqns:
                     param_fqns.append(f"{fqn}.{name}")
         out_specs = [
-            _spec_of(v, self.rg[v], self.known_symbols, self.rename) if isinstance(v.meta.get("val"), torch.Tensor) else None
+            spec_of(v, self.rg[v], self.known_symbols, self.rename) if isinstance(v.meta.get("val"), torch.Tensor) else None
             for v in outs
         ]
         info = StageInfo(s, module, sources, [v.name for v in outs], out_specs, modules, flops, param_fqns)
@@ -305,13 +236,13 @@ class _Builder:
             if s == 0:  # the stage given the data reads it; later stages get it sent by stage 0's rank
                 sources.append(StageInput(len(sources), InputKind.MODEL, v.name, model_input=self.input_index[v.name]))
             else:
-                spec = _spec_of(v, self.rg[v], self.known_symbols, self.rename)
+                spec = spec_of(v, self.rg[v], self.known_symbols, self.rename)
                 edge = Edge(MODEL_INPUT, self.input_index[v.name], s, len(sources), spec, v.name, v.name)
                 edges.append(edge)
                 sources.append(StageInput(len(sources), InputKind.EDGE, v.name, edge=edge))
         for v in received:
             src = cast(int, self.stage_of(v))  # received from the stage that computes it
-            spec = _spec_of(v, self.rg[v], self.known_symbols, self.rename)
+            spec = spec_of(v, self.rg[v], self.known_symbols, self.rename)
             env[v] = g.placeholder(v.name)
             edge = Edge(src, out_index[src][v], s, len(sources), spec, v.name, self.label(v))
             edges.append(edge)

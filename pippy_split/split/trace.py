@@ -21,6 +21,7 @@ from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw as hint
 from torch.utils import _pytree as pytree
 
 from .errors import TraceError
+from .input_checks import check_input, input_check
 
 __all__ = ["Traced", "trace_model", "ROOT_PREFIX", "user_module_path"]
 
@@ -167,57 +168,8 @@ class Traced:
                 f"  expected {self.in_spec}\n  got      {spec}"
             )
         for name, x, check in zip(self.user_inputs, flat, self.input_checks):
-            _check_input(name, x, check)
+            check_input(name, x, check)
         return flat
-
-
-def _input_check(val: Any, example: Any) -> Any:
-    """What later calls must match for one input (see ``Traced.input_checks``)."""
-    if isinstance(val, torch.Tensor):
-        dims = tuple(d if isinstance(d, int) else None for d in val.shape)
-        return ("tensor", dims, val.dtype)
-    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return ("any",)  # a dynamic scalar input: any value goes
-    return ("value", example)
-
-
-def _check_input(name: str, x: Any, check: Any) -> None:
-    """Raise when a call's input differs from the traced example in what the graph baked in."""
-    if check[0] == "any":
-        return
-    if check[0] == "value":
-        if isinstance(x, torch.Tensor) or x != check[1]:
-            raise ValueError(
-                f"input {name!r} is {x!r}, but the pipeline was traced with {check[1]!r} and torch.export "
-                "baked that value into the graph; trace again with the value you want"
-            )
-        return
-    _, dims, dtype = check
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"input {name!r} must be a tensor (as when traced), got {type(x).__name__}")
-    if x.dtype != dtype or x.dim() != len(dims) or any(d is not None and d != s for d, s in zip(dims, x.shape)):
-        want = "(" + ", ".join("*" if d is None else str(d) for d in dims) + ")"
-        legend = " (* = dynamic)" if None in dims else ""
-        raise ValueError(
-            f"input {name!r} has shape {tuple(x.shape)} {x.dtype}, but the pipeline was traced for shape {want} "
-            f"{dtype}{legend}; {_shape_hint(x, dims, dtype)}"
-        )
-
-
-def _shape_hint(x: torch.Tensor, dims: list, dtype: torch.dtype) -> str:
-    """What to do about a call whose shape differs from the trace's."""
-    if x.dtype != dtype or x.dim() != len(dims):
-        return "call it with inputs like the traced example"
-    traced0, got0 = dims[0], x.shape[0] if x.dim() else None
-    same_rest = all(d is None or d == s for d, s in zip(dims[1:], x.shape[1:]))
-    if same_rest and traced0 is not None and got0 is not None and got0 != traced0:
-        if got0 % traced0 == 0:
-            return (f"it looks like a batch of {got0 // traced0} microbatches: trace on ONE microbatch (the schedule "
-                    "splits the batch) or pass dynamic_shapes= to pipeline() for the batch dim")
-        if traced0 % got0 == 0:
-            return ("it looks like a microbatch of a pipe traced on a whole batch: trace on one microbatch "
-                    f"(here {got0} rows) or pass dynamic_shapes= to pipeline() for the batch dim")
-    return "pass dynamic_shapes= to pipeline() for dims that vary"
 
 
 def _example_names(sig: inspect.Signature | None, args: tuple, kwargs: dict) -> tuple[list[str], list[str]]:
@@ -391,7 +343,7 @@ def trace_model(
     flat_examples = pytree.tree_leaves((tuple(args), kwargs))
     rg = {name: isinstance(x, torch.Tensor) and x.requires_grad for name, x in zip(user_inputs, flat_examples)}
     placeholder_vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
-    checks = [_input_check(placeholder_vals.get(name), x) for name, x in zip(user_inputs, flat_examples)]
+    checks = [input_check(placeholder_vals.get(name), x) for name, x in zip(user_inputs, flat_examples)]
     signatures = {_strip(entry.fqn): entry.signature for entry in ep.module_call_graph
                   if entry.signature is not None and entry.fqn.startswith(ROOT_PREFIX)}
     return Traced(
