@@ -139,7 +139,7 @@ def killed_while_writing(rank: int, world: int, path: str) -> None:
 
 def killed_between_renames(rank: int, world: int, path: str) -> None:
     """Force the two-rename fallback and SIGKILL this process between the renames."""
-    from pippy_split.checkpointing import files
+    from pippy_split.checkpoint import files
 
     files._exchange = lambda a, b: False
     real_rename = os.rename

@@ -4,7 +4,7 @@ Where this sits: after every rank's :mod:`pippy_split.checkpoint` save in
 :mod:`pippy_split.training.loop`. Rank 0 reads every stage's weights back into a
 fresh unsplit model (no gather of state dicts: the save has returned on every
 rank, so the checkpoint is complete), samples from it, and writes its state dict
-as ``model.pt`` atomically (:func:`pippy_split.checkpointing.files.save_file`).
+as ``model.pt`` atomically (:func:`pippy_split.checkpoint.files.save_file`).
 
 ``model.pt`` holds ``{"state_dict": {FQN: tensor}, "meta": {...}}``: the unsplit model's
 own keys, and plain values about the run (model, config of the built-in GPT, data,
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 
-from ..checkpointing.files import save_file
+from ..checkpoint.files import save_file
 from .config import TrainConfig
 from .hf import export_hf, is_hf
 from .setup import CHECKPOINT_FILE, SUM_MAX, Prepared, fresh_model

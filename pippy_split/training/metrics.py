@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..checkpointing.files import _check_ancestors, _reason
-from ..checkpointing.layout import CheckpointError
+from ..checkpoint.files import check_ancestors, failure_reason
+from ..checkpoint.layout import CheckpointError
 
 __all__ = ["RunLog", "METRICS_FILE", "peak_memory_mib"]
 
@@ -89,10 +89,10 @@ class RunLog:
 def _make_run_dir(directory: str) -> None:
     """The run's directory, or a CheckpointError naming what is in the way (before any step runs)."""
     try:
-        _check_ancestors(os.path.abspath(directory))
+        check_ancestors(os.path.abspath(directory))
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
-        raise CheckpointError(f"cannot write the run directory {directory}: {_reason(directory, e)}",
+        raise CheckpointError(f"cannot write the run directory {directory}: {failure_reason(directory, e)}",
                               directory) from e
 
 

@@ -1,9 +1,9 @@
 """What a rank holds (modules, optimizers) as checkpoint keys, and the plan to load them.
 
 Part of :mod:`pippy_split.checkpoint`: a save collects ``model.<fqn>`` and
-``optim.*`` keys from the given modules and optimizers (:func:`_collect_model`,
-:func:`_collect_optimizer`); a load matches the checkpoint's keys to them
-(:class:`_LoadPlan`).
+``optim.*`` keys from the given modules and optimizers (:func:`collect_model`,
+:func:`collect_optimizer`); a load matches the checkpoint's keys to them
+(:class:`LoadPlan`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm import _Comm
-from .layout import _EXTRA, _GROUPS, _MODEL, _OPTIM, _STATE, CheckpointError, _show
+from .comm import Comm
+from .layout import EXTRA_KEY, GROUPS_PREFIX, MODEL_PREFIX, OPTIM_PREFIX, STATE_PREFIX, CheckpointError, show_keys
 
 
-def _holders(obj: Any) -> list[tuple[int | None, nn.Module]]:
+def holders_of(obj: Any) -> list[tuple[int | None, nn.Module]]:
     """``[(stage index or None, module)]`` in stage order for a schedule, Pipe, stage, module or list."""
     from ..split import Pipe
     from ..stage import PipelineStage
@@ -30,12 +30,12 @@ def _holders(obj: Any) -> list[tuple[int | None, nn.Module]]:
         return [(obj.stage_index, _unwrap(obj.module))]
     stages = getattr(obj, "stages", None)
     if stages is not None and not isinstance(obj, (list, tuple)):  # a schedule
-        return _sorted([h for st in stages for h in _holders(st)])
+        return _sorted([h for st in stages for h in holders_of(st)])
     if isinstance(obj, (list, tuple)):
         if not obj:
             raise TypeError("expected a schedule, a Pipe, a PipelineStage, an nn.Module or a list of them; "
                             "got an empty list")
-        return _sorted([h for item in obj for h in _holders(item)])
+        return _sorted([h for item in obj for h in holders_of(item)])
     raise TypeError("expected a schedule, a Pipe, a PipelineStage, an nn.Module or a list of them; "
                     f"got {type(obj).__name__}")
 
@@ -58,7 +58,7 @@ def _sorted(holders: list) -> list:
     return sorted(holders, key=lambda h: -1 if h[0] is None else h[0])
 
 
-def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+def optimizer_list(optimizer: Any) -> list[torch.optim.Optimizer]:
     opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     for o in opts:
         if not isinstance(o, torch.optim.Optimizer):
@@ -81,19 +81,19 @@ def _order(stage: int | None, rank: int) -> tuple[int, int]:
     return (-1 if stage is None else stage, rank)
 
 
-def _collect_model(holders: list, rank: int) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
+def collect_model(holders: list, rank: int) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
     flat: dict[str, Any] = {}
     order: dict[str, tuple[int, int]] = {}
     for stage, module in holders:
         for k, v in module.state_dict().items():
-            key = _MODEL + k
+            key = MODEL_PREFIX + k
             if key not in flat:  # the same FQN in two stages of this rank: the lower stage's copy
                 flat[key] = v.detach() if isinstance(v, torch.Tensor) else v
                 order[key] = _order(stage, rank)
     return flat, order
 
 
-def _collect_optimizer(optimizers: list, holders: list, flat: dict, order: dict, rank: int) -> None:
+def collect_optimizer(optimizers: list, holders: list, flat: dict, order: dict, rank: int) -> None:
     names = _param_names(holders)
     stage_of: dict[Any, Any] = {}
     for stage, module in holders:
@@ -109,15 +109,15 @@ def _collect_optimizer(optimizers: list, holders: list, flat: dict, order: dict,
                 state = opt.state.get(p, {})
                 for fqn in fqns:
                     for k, v in state.items():
-                        flat[f"{_STATE}{fqn}.{k}"] = v.detach() if isinstance(v, torch.Tensor) else v
-                        order[f"{_STATE}{fqn}.{k}"] = _order(stage_of.get(fqn), rank)
+                        flat[f"{STATE_PREFIX}{fqn}.{k}"] = v.detach() if isinstance(v, torch.Tensor) else v
+                        order[f"{STATE_PREFIX}{fqn}.{k}"] = _order(stage_of.get(fqn), rank)
                     for k, v in group.items():
                         if k != "params":
-                            flat[f"{_GROUPS}{fqn}.{k}"] = v
-                            order[f"{_GROUPS}{fqn}.{k}"] = _order(stage_of.get(fqn), rank)
+                            flat[f"{GROUPS_PREFIX}{fqn}.{k}"] = v
+                            order[f"{GROUPS_PREFIX}{fqn}.{k}"] = _order(stage_of.get(fqn), rank)
 
 
-def _drop_keys_owned_elsewhere(flat: dict, order: dict, comm: _Comm) -> None:
+def drop_keys_owned_elsewhere(flat: dict, order: dict, comm: Comm) -> None:
     """Keep only the keys this rank owns: the lowest (stage, rank) holding a key writes it.
 
     A key is held by several ranks when a module is used by stages on two ranks,
@@ -145,7 +145,7 @@ def _is_sharded(value: Any) -> bool:
 
 
 
-class _LoadPlan:
+class LoadPlan:
     """Which checkpoint keys this rank reads, into which tensors, and what does not match."""
 
     def __init__(self, meta: Any, holders: list, optimizers: list) -> None:
@@ -159,12 +159,12 @@ class _LoadPlan:
         on_meta = [k for k, v in self.model.items() if isinstance(v, torch.Tensor) and v.is_meta]
         if on_meta:
             raise CheckpointError(f"{len(on_meta)} tensors are on the meta device, which holds no data "
-                                  f"({_show(on_meta)}); materialize the modules first, e.g. "
+                                  f"({show_keys(on_meta)}); materialize the modules first, e.g. "
                                   "module.to_empty(device=...), then load")
-        self.missing = sorted(k for k in self.model if _MODEL + k not in self.entries)
+        self.missing = sorted(k for k in self.model if MODEL_PREFIX + k not in self.entries)
         self.mismatched = []
         for k, v in self.model.items():
-            md = self.entries.get(_MODEL + k)
+            md = self.entries.get(MODEL_PREFIX + k)
             if isinstance(v, torch.Tensor) and hasattr(md, "size") and tuple(md.size) != tuple(v.shape):
                 self.mismatched.append(f"{k}: {tuple(md.size)} vs {tuple(v.shape)}")
         # Optimizer: for each parameter, the FQN whose state to read (any of its names).
@@ -173,8 +173,8 @@ class _LoadPlan:
         if optimizers:
             by_fqn: dict[str, list[str]] = {}
             for key in self.entries:
-                if key.startswith(_OPTIM):
-                    prefix = _STATE if key.startswith(_STATE) else _GROUPS
+                if key.startswith(OPTIM_PREFIX):
+                    prefix = STATE_PREFIX if key.startswith(STATE_PREFIX) else GROUPS_PREFIX
                     fqn = key[len(prefix):].rpartition(".")[0]
                     by_fqn.setdefault(fqn, []).append(key)
             self.by_fqn = by_fqn
@@ -183,7 +183,7 @@ class _LoadPlan:
                 for group in opt.param_groups:
                     for p in group["params"]:
                         fqns = names.get(id(p), [])
-                        have = [f for f in fqns if any(k.startswith(_GROUPS) for k in by_fqn.get(f, ()))]
+                        have = [f for f in fqns if any(k.startswith(GROUPS_PREFIX) for k in by_fqn.get(f, ()))]
                         if have:
                             self.source[id(p)] = have[0]
                             self.params[id(p)] = p
@@ -195,14 +195,14 @@ class _LoadPlan:
 
     def unexpected_against(self, all_ranks_keys: list[list[str]]) -> list[str]:
         wanted = {k for keys in all_ranks_keys for k in keys}
-        return sorted(k[len(_MODEL):] for k in self.entries if k.startswith(_MODEL) and k[len(_MODEL):] not in wanted)
+        return sorted(k[len(MODEL_PREFIX):] for k in self.entries if k.startswith(MODEL_PREFIX) and k[len(MODEL_PREFIX):] not in wanted)
 
     def destination(self) -> dict[str, Any]:
         """The flat dict DCP loads into: this rank's tensors (in place) and placeholders."""
         flat: dict[str, Any] = {}
         for k, v in self.model.items():
-            if _MODEL + k in self.entries:
-                flat[_MODEL + k] = v
+            if MODEL_PREFIX + k in self.entries:
+                flat[MODEL_PREFIX + k] = v
         for pid, fqn in self.source.items():
             param = self.params[pid]
             for key in self.by_fqn[fqn]:
@@ -213,8 +213,8 @@ class _LoadPlan:
                     flat[key] = torch.empty_like(param, dtype=md.properties.dtype)  # this rank's shard only
                 else:
                     flat[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        if _EXTRA in self.entries:
-            flat[_EXTRA] = None
+        if EXTRA_KEY in self.entries:
+            flat[EXTRA_KEY] = None
         return flat
 
     def apply_optimizer_state(self, flat: dict) -> None:
@@ -228,14 +228,14 @@ class _LoadPlan:
                     if fqn is None:
                         continue
                     hyper_from = hyper_from or fqn
-                    s = {key[len(_STATE) + len(fqn) + 1:]: flat[key] for key in self.by_fqn[fqn]
-                         if key.startswith(_STATE)}
+                    s = {key[len(STATE_PREFIX) + len(fqn) + 1:]: flat[key] for key in self.by_fqn[fqn]
+                         if key.startswith(STATE_PREFIX)}
                     if s:
                         state[idx] = s
                     else:  # saved before its first step
                         state.pop(idx, None)
                 if hyper_from is not None:
-                    prefix = f"{_GROUPS}{hyper_from}."
+                    prefix = f"{GROUPS_PREFIX}{hyper_from}."
                     for key in self.by_fqn[hyper_from]:
                         name = key[len(prefix):]
                         if key.startswith(prefix) and name in saved_group and name != "params":

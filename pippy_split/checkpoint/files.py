@@ -1,7 +1,7 @@
 """Writing a checkpoint directory (or a single file) safely, and finding a complete one.
 
 Part of :mod:`pippy_split.checkpoint`: a save writes into a fresh sibling
-``<path>.tmp-XXXX`` and :func:`_commit` swaps it with ``<path>`` in one atomic
+``<path>.tmp-XXXX`` and :func:`commit` swaps it with ``<path>`` in one atomic
 exchange (Linux), else two renames with a findable backup; :func:`save_file` does
 the same for one file (``pippy-split train``'s ``model.pt``). The one home of
 "replace atomically" in the project.
@@ -17,10 +17,10 @@ import sys
 import tempfile
 from typing import Any, Callable
 
-from .layout import _METADATA_FILE, CheckpointError
+from .layout import METADATA_FILE, CheckpointError
 
 
-def _read_metadata(path: str) -> Any:
+def read_metadata(path: str) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -29,18 +29,18 @@ def _read_metadata(path: str) -> Any:
         raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}", path) from e
 
 
-def _find(path: str) -> str:
+def find_checkpoint(path: str) -> str:
     """``path`` if it is a complete checkpoint; else the backup a save left between its two renames."""
-    if os.path.isfile(os.path.join(path, _METADATA_FILE)):
+    if os.path.isfile(os.path.join(path, METADATA_FILE)):
         return path
     if not os.path.exists(path):
-        backups = [b for b in _siblings(path, ".old-") if os.path.isfile(os.path.join(b, _METADATA_FILE))]
+        backups = [b for b in _siblings(path, ".old-") if os.path.isfile(os.path.join(b, METADATA_FILE))]
         if backups:
             return max(backups, key=os.path.getmtime)
         raise CheckpointError(f"no checkpoint at {path}: the directory does not exist", path)
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint at {path}: it is not a directory", path)
-    raise CheckpointError(f"no checkpoint at {path}: the directory has no {_METADATA_FILE} "
+    raise CheckpointError(f"no checkpoint at {path}: the directory has no {METADATA_FILE} "
                           "(not a checkpoint written by pippy_split.checkpoint / torch.distributed.checkpoint)", path)
 
 
@@ -60,10 +60,10 @@ def _is_replaceable(path: str) -> bool:
         return True
     if os.path.islink(path) or not os.path.isdir(path):
         return False
-    return os.path.isfile(os.path.join(path, _METADATA_FILE)) or not os.listdir(path)
+    return os.path.isfile(os.path.join(path, METADATA_FILE)) or not os.listdir(path)
 
 
-def _prepare(path: str) -> str:
+def prepare_tmp(path: str) -> str:
     """Check ``path`` can be replaced, clear leftovers of killed saves, make the temporary directory."""
     parent, base = os.path.split(path)
     if not base:
@@ -72,7 +72,7 @@ def _prepare(path: str) -> str:
         kind = ("a symbolic link" if os.path.islink(path) else "a file" if not os.path.isdir(path)
                 else "a directory that is not a checkpoint and is not empty")
         raise CheckpointError(f"it exists and is {kind}; refusing to replace it")
-    _check_ancestors(parent)
+    check_ancestors(parent)
     os.makedirs(parent, exist_ok=True)
     for stale in _siblings(path, ".tmp-"):
         shutil.rmtree(stale, ignore_errors=True)
@@ -81,7 +81,7 @@ def _prepare(path: str) -> str:
     return tmp
 
 
-def _check_ancestors(parent: str) -> None:
+def check_ancestors(parent: str) -> None:
     """Name the file in the way when some ancestor of the directory is not a directory."""
     p = parent
     while p and not os.path.exists(p):
@@ -95,7 +95,7 @@ def _check_ancestors(parent: str) -> None:
 
 def save_file(path: str, write: Callable[[Any], None]) -> str:
     """Write one file atomically: ``write(f)`` fills a sibling temporary file, which then
-    replaces ``path`` (through :func:`_commit`); a crash or an error part-way leaves the
+    replaces ``path`` (through :func:`commit`); a crash or an error part-way leaves the
     previous file as it was. Returns ``path``.
 
     Example:
@@ -112,7 +112,7 @@ def save_file(path: str, write: Callable[[Any], None]) -> str:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        _commit(tmp, path)
+        commit(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -120,7 +120,7 @@ def save_file(path: str, write: Callable[[Any], None]) -> str:
     return path
 
 
-def _commit(tmp: str, path: str) -> None:
+def commit(tmp: str, path: str) -> None:
     """Make the complete checkpoint (directory or file) in ``tmp`` be ``path``; the old one is
     never half-replaced: a file is renamed over it, a directory exchanged with it."""
     if os.path.isfile(tmp) and not os.path.isdir(path):
@@ -174,7 +174,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _reason(path: str, e: BaseException) -> str:
+def failure_reason(path: str, e: BaseException) -> str:
     if isinstance(e, OSError):
         where = f" ({e.filename})" if e.filename and os.fspath(e.filename) != path else ""
         return f"{e.strerror or e}{where}"

@@ -1,8 +1,8 @@
 """DCP's save protocol over object collectives that need no numpy.
 
 Part of :mod:`pippy_split.checkpoint`: torch's object collectives decode with
-``tensor.numpy()``, and numpy is not a dependency of torch, so :class:`_Comm`
-exchanges pickles as uint8 tensors itself and :func:`_dcp_write` runs DCP's save
+``tensor.numpy()``, and numpy is not a dependency of torch, so :class:`Comm`
+exchanges pickles as uint8 tensors itself and :func:`dcp_write` runs DCP's save
 steps over it.
 """
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..stage.groups import process_group
 
 
-def _describe_dcp_error(e: BaseException, name_ranks: bool = True) -> str:
+def describe_dcp_error(e: BaseException, name_ranks: bool = True) -> str:
     """DCP wraps rank failures in a CheckpointException; name the ranks and their errors.
 
     ``name_ranks=False`` where DCP ran in this process alone (its rank 0 is this rank)."""
@@ -35,7 +35,7 @@ def _describe_dcp_error(e: BaseException, name_ranks: bool = True) -> str:
 
 
 
-class _RanksFailed(Exception):
+class RanksFailed(Exception):
     """A step of the save failed on some ranks; raised on every rank alike.
 
     ``str()`` names each failed rank (where there are several) and its error;
@@ -51,10 +51,10 @@ def _attempt(fn) -> tuple[tuple[bool, Any], BaseException | None]:
     try:
         return (True, fn()), None
     except BaseException as e:  # DCP's own steps catch BaseException too; re-raised after the collective
-        return (False, _describe_dcp_error(e, name_ranks=False)), e
+        return (False, describe_dcp_error(e, name_ranks=False)), e
 
 
-def _dcp_write(flat: dict, directory: str, comm: "_Comm") -> None:
+def dcp_write(flat: dict, directory: str, comm: "Comm") -> None:
     """``torch.distributed.checkpoint.save(flat, ...)`` into ``directory``, collectives by ``comm``.
 
     The same steps as DCP's ``save`` (local plans, the coordinator's global plan and
@@ -64,7 +64,7 @@ def _dcp_write(flat: dict, directory: str, comm: "_Comm") -> None:
     ``scatter_object_list`` / ``broadcast_object_list``, which decode with
     ``tensor.numpy()`` and fail with ``Numpy is not available`` where numpy is not
     installed (torch does not depend on it). The files are DCP's own.
-    Raises :class:`_RanksFailed` on every rank when any rank fails a step.
+    Raises :class:`RanksFailed` on every rank when any rank fails a step.
     """
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
@@ -95,7 +95,7 @@ def _dcp_write(flat: dict, directory: str, comm: "_Comm") -> None:
     _reduce(comm, write, finish, scatter=False)
 
 
-def _reduce(comm: "_Comm", local_fn, global_fn, scatter: bool) -> Any:
+def _reduce(comm: "Comm", local_fn, global_fn, scatter: bool) -> Any:
     """Run ``local_fn`` on every rank, ``global_fn`` on their results on rank 0, and hand
     back rank 0's answer: its ``scatter``-ed element for this rank, or the whole of it."""
     outcome, local = _attempt(local_fn)
@@ -114,19 +114,19 @@ def _reduce(comm: "_Comm", local_fn, global_fn, scatter: bool) -> Any:
             reply = [(False, failures)] * comm.world if scatter else (False, failures)
     ok, value = comm.scatter(reply) if scatter else comm.broadcast(reply)
     if not ok:
-        raise _RanksFailed(value, local, comm.world)
+        raise RanksFailed(value, local, comm.world)
     return value
 
 
 @contextlib.contextmanager
-def _quiet_dcp():
+def quiet_dcp():
     # DCP warns on every single-process call, even when asked for one with no_dist=True.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
 
 
-class _Comm:
+class Comm:
     """Object collectives over the checkpoint's group (default: the default group) that need no numpy.
 
     torch's own (``all_gather_object`` and the like) turn the received bytes back

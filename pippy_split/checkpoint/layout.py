@@ -9,13 +9,13 @@ from __future__ import annotations
 __all__ = ["CheckpointError"]
 
 FORMAT_VERSION = 1
-_MODEL = "model."
-_STATE = "optim.state."
-_GROUPS = "optim.param_groups."
-_OPTIM = "optim."
-_EXTRA = "extra"
-_INFO = "pippy_split"
-_METADATA_FILE = ".metadata"  # written by DCP last, once every rank has written its data
+MODEL_PREFIX = "model."
+STATE_PREFIX = "optim.state."
+GROUPS_PREFIX = "optim.param_groups."
+OPTIM_PREFIX = "optim."
+EXTRA_KEY = "extra"
+INFO_KEY = "pippy_split"
+METADATA_FILE = ".metadata"  # written by DCP last, once every rank has written its data
 _SHOW = 10  # keys listed per kind in an error message
 
 
@@ -37,7 +37,7 @@ class CheckpointError(RuntimeError):
 
 
 
-def _raise_any(errors: list, prefix: str, path: str) -> None:
+def raise_any(errors: list, prefix: str, path: str) -> None:
     """Raise on every rank alike when any rank found a problem (so that no rank hangs).
 
     ``errors`` is one message or None per rank; ranks with the same message are named together.
@@ -54,17 +54,17 @@ def _raise_any(errors: list, prefix: str, path: str) -> None:
     raise CheckpointError(prefix + "; ".join(parts), path)
 
 
-def _show(keys: list[str]) -> str:
+def show_keys(keys: list[str]) -> str:
     more = f" ... and {len(keys) - _SHOW} more" if len(keys) > _SHOW else ""
     return ", ".join(keys[:_SHOW]) + more
 
 
-def _key_report(path: str, missing: list[str], unexpected: list[str]) -> str:
+def key_report(path: str, missing: list[str], unexpected: list[str]) -> str:
     parts = [f"checkpoint {path} does not match the model"]
     if missing:
-        parts.append(f"{len(missing)} missing keys (needed, not in the checkpoint): {_show(missing)}")
+        parts.append(f"{len(missing)} missing keys (needed, not in the checkpoint): {show_keys(missing)}")
     if unexpected:
-        parts.append(f"{len(unexpected)} unexpected keys (in the checkpoint, in no given module): {_show(unexpected)}")
+        parts.append(f"{len(unexpected)} unexpected keys (in the checkpoint, in no given module): {show_keys(unexpected)}")
     return "; ".join(parts)
 
 
