@@ -5,6 +5,7 @@ fields a factory must give, and --data read only on the ranks whose stages use i
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -44,12 +45,12 @@ TEXT = "".join(f"the {i}th line says {i * 7 % 13} apples.\n" for i in range(120)
 
 
 def _write(tmp_path):
-    (tmp_path / "my_models.py").write_text(_FACTORIES)
+    (tmp_path / "data_models.py").write_text(_FACTORIES)
     (tmp_path / "text.txt").write_text(TEXT)
 
 
 def _cfg(tmp_path, **kw) -> TrainConfig:
-    values = dict(model="my_models:qwen", data=str(tmp_path / "text.txt"), schedule="1F1B", batch_size=8,
+    values = dict(model="data_models:qwen", data=str(tmp_path / "text.txt"), schedule="1F1B", batch_size=8,
                   microbatches=4, seq_len=16, checkpoint=str(tmp_path / "ck"))
     values.update(kw)
     return TrainConfig(**values)
@@ -59,8 +60,9 @@ def _cfg(tmp_path, **kw) -> TrainConfig:
 def in_tmp(tmp_path, monkeypatch):
     _write(tmp_path)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.path", ["", *__import__("sys").path])
-    return tmp_path
+    monkeypatch.setattr("sys.path", ["", *sys.path])
+    yield tmp_path
+    sys.modules.pop("data_models", None)  # another test's module of the same name must not find this one
 
 
 def test_a_plain_causal_lm_trains_on_the_text_with_the_loss_it_computes_itself(in_tmp):
@@ -89,12 +91,12 @@ def test_a_middle_rank_never_reads_the_data(in_tmp):
 
 def test_a_factory_without_a_loss_says_which_fields_to_give(in_tmp):
     with pytest.raises(SystemExit, match=r"gives no loss_fn and its forward takes no labels="):
-        prepare(_cfg(in_tmp, model="my_models:bigram"), world=2, log=print)
+        prepare(_cfg(in_tmp, model="data_models:bigram"), world=2, log=print)
     with pytest.raises(SystemExit, match=r"gives no loss_fn and target: .*model, args \(one batch\), loss_fn and "
                                          r"target.*--data FILE"):
-        prepare(_cfg(in_tmp, model="my_models:bigram", data=None), world=2, log=print)
+        prepare(_cfg(in_tmp, model="data_models:bigram", data=None), world=2, log=print)
     with pytest.raises(SystemExit, match="the model is called as model\\(input_ids\\).*has 2 tensors"):
-        prepare(_cfg(in_tmp, model="my_models:two_inputs"), world=2, log=print)
+        prepare(_cfg(in_tmp, model="data_models:two_inputs"), world=2, log=print)
 
 
 def test_jsonl_documents_by_field_and_a_bad_line_named(tmp_path):
@@ -125,7 +127,7 @@ def test_train_a_factory_on_jsonl_over_three_ranks_logs_and_evaluates(tmp_path):
     """End to end: the middle rank reads no data, yet every rank evaluates the held-out loss together."""
     _write(tmp_path)
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in TEXT.splitlines()))
-    out = _ok(_cli("train", "--model", "my_models:qwen", "--data", "docs.jsonl", "--schedule", "1F1B", "--ranks", "3",
+    out = _ok(_cli("train", "--model", "data_models:qwen", "--data", "docs.jsonl", "--schedule", "1F1B", "--ranks", "3",
                    "--split", "model.layers.1,model.layers.3", "--steps", "4", "--batch-size", "6",
                    "--microbatches", "3", "--seq-len", "16", "--eval-every", "2", "--log-every", "2",
                    cwd=tmp_path, timeout=500))

@@ -21,12 +21,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+import pippy_split as ps
+
+from ..schedule.simulate import simulate
 from .batches import count_tokens, heldout_batch, to_device, train_batch
 from .config import TrainConfig
+from .finish import finish
 from .metrics import METRICS_FILE, RunLog, peak_memory_mib
 from .nd import Layout, parallelize_stages
 from .optim import average_accumulated, lr_at
+from .planned import planned_config
 from .setup import SUM_MAX, Prepared, pack_budget, prepare
 
 __all__ = ["worker", "train_rank", "RunState", "TRAIN_STATE_DIR"]
@@ -54,8 +62,6 @@ def worker(cfg: TrainConfig, prepared: Prepared | None = None) -> None:
     ``prepared``: a :func:`~pippy_split.training.setup.prepare` result made
     elsewhere (tests); None to prepare here.
     """
-    import torch.distributed as dist
-
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
@@ -74,18 +80,10 @@ def worker(cfg: TrainConfig, prepared: Prepared | None = None) -> None:
 def train_rank(cfg: TrainConfig, prepared: Prepared | None, rank: int, world: int,
                device: torch.device) -> None:
     """Build this rank's stages, train ``cfg.steps`` steps (resuming if restarted), save, finish."""
-    from rich.console import Console
-
-    import pippy_split as ps
-
-    from .finish import finish
-
     console = Console(stderr=False)
     log = console.print if rank == 0 else (lambda *a, **k: None)
     layout = Layout.of(cfg, world, rank, device)  # --dp / --tp: a (dp, pp, tp) mesh
     if cfg.plan and prepared is None:
-        from .planned import planned_config
-
         cfg = planned_config(cfg, layout.pp, log)
     prep = prepared if prepared is not None and prepared.world == layout.pp else \
         prepare(cfg, layout.pp, log, layout.pp_rank)
@@ -102,8 +100,6 @@ def train_rank(cfg: TrainConfig, prepared: Prepared | None, rank: int, world: in
 
 def _build(cfg: TrainConfig, prep: Prepared, device: torch.device,
            layout: Layout) -> tuple[Any, torch.optim.Optimizer]:
-    import pippy_split as ps
-
     sched = ps.build_schedule(prep.pipe, cfg.schedule, cfg.microbatches, loss_fn=prep.loss_fn, device=device,
                               loss_count=prep.loss_count, state_dict=prep.state_dict, group=layout.pp_group,
                               activation_checkpoint=checkpoint_setting(cfg.activation_checkpoint),
@@ -132,8 +128,6 @@ def _init_group(backend: str) -> None:
     After a restart the launcher's store can still hold the killed group's addresses under
     the default keys, and a rank that reads one connects to a dead port ("Connection
     refused"); a prefix per attempt keeps each group's set-up apart."""
-    import torch.distributed as dist
-
     store, rank, world = next(dist.rendezvous("env://"))
     store = dist.PrefixStore(f"pippy_split/attempt_{restart_count()}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
@@ -147,8 +141,6 @@ def restart_count() -> int:
 def _start(cfg: TrainConfig, sched: Any, opt: torch.optim.Optimizer, dcp_dir: str,
            log: Callable[..., None]) -> RunState:
     """Step 0, or (after a restart) the last complete checkpoint of this run; --resume's optimizer state."""
-    import pippy_split as ps
-
     state = RunState(0, torch.Generator().manual_seed(cfg.seed))  # same stream on every rank -> same batches
     if cfg.checkpoint_every and restart_count() > 0 and _ours(cfg, dcp_dir):
         extra = ps.checkpoint.load(dcp_dir, sched, opt)
@@ -168,8 +160,6 @@ def _start(cfg: TrainConfig, sched: Any, opt: torch.optim.Optimizer, dcp_dir: st
 
 def _ours(cfg: TrainConfig, dcp_dir: str) -> bool:
     """A complete checkpoint written by this run (same run id, steps and seed)?"""
-    import pippy_split as ps
-
     if not os.path.isfile(os.path.join(dcp_dir, ".metadata")):
         return False
     probe = torch.nn.Module()  # no keys: reads only ``extra``
@@ -182,10 +172,6 @@ def _ours(cfg: TrainConfig, dcp_dir: str) -> bool:
 
 def _banner(cfg: TrainConfig, prep: Prepared, layout: Layout, device: torch.device,
             log: Callable[..., None]) -> float:
-    import pippy_split as ps
-
-    from ..schedule import simulate
-
     pipe, M, world = prep.pipe, cfg.microbatches, layout.pp
     order = ps.get_schedule_class(cfg.schedule).compute_order(world, M, pipe.num_stages // world)
     bubble = simulate(order).bubble_fraction
@@ -217,10 +203,6 @@ def _maybe_fail(cfg: TrainConfig, rank: int, step: int) -> None:
 
 def _loop(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimizer, state: RunState,
           rank: int, device: torch.device, console: Any, dcp_dir: str, bubble: float, layout: Layout) -> None:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    import pippy_split as ps
-
     plain = not console.is_terminal  # a file, SLURM, CI: lines every --log-every steps instead of a bar
     progress = Progress(TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
@@ -243,21 +225,8 @@ def _loop(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimiz
         while state.step < cfg.steps:
             _maybe_fail(cfg, rank, state.step)
             lr = lr_at(cfg, state.step)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            torch.manual_seed(cfg.seed + 1_000_003 * (state.step + 1))  # the same draws on a resumed step
-            loss = 0.0
-            for _ in range(cfg.grad_accum):  # gradients add up over the pipeline steps, then are averaged
-                a, k, y = train_batch(cfg, prep, state.data_gen, layout)
-                sched.step(*(to_device(t, device) for t in a), target=to_device(y, device), **k)
-                loss += layout.mean_over_replicas(float(sched.loss), device) / cfg.grad_accum  # every rank
-                tokens += (count_tokens(a[0]) if a else 0) * layout.dp
-            average_accumulated(sched, cfg.grad_accum)
-            max_norm = cfg.clip_grad_norm if cfg.clip_grad_norm is not None else float("inf")
-            grad_norm = float(ps.clip_grad_norm_(sched, max_norm))  # every rank: one all-reduce
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            state.step += 1
+            loss, grad_norm, step_tokens = _train_step(cfg, prep, sched, opt, state, lr, device, layout)
+            tokens += step_tokens
             if evaluates and (state.step % cfg.eval_every == 0 or state.step == cfg.steps):
                 held_loss = evaluate(sched, heldout or ((), {}, None), prep, device)
                 if run_log is not None:
@@ -273,15 +242,34 @@ def _loop(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimiz
     if run_log is not None:
         run_log.close()
     if rank == 0 and state.losses:
-        log = console.print
-        log(f"first loss {state.losses[0]:.4f}   last loss {state.losses[-1]:.4f}   ({cfg.steps} steps, "
-            f"{time.perf_counter() - t0:.1f} s; per step: {os.path.join(cfg.checkpoint, METRICS_FILE)})")
+        console.print(f"first loss {state.losses[0]:.4f}   last loss {state.losses[-1]:.4f}   ({cfg.steps} steps, "
+                      f"{time.perf_counter() - t0:.1f} s; per step: {os.path.join(cfg.checkpoint, METRICS_FILE)})")
+
+
+def _train_step(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimizer, state: RunState, lr: float,
+                device: torch.device, layout: Layout) -> tuple[float, float, int]:
+    """One optimizer step (``--grad-accum`` pipeline steps) at ``lr``: ``(loss, grad norm, tokens)``, the loss
+    and norm the same on every rank."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    torch.manual_seed(cfg.seed + 1_000_003 * (state.step + 1))  # the same draws on a resumed step
+    loss, tokens = 0.0, 0
+    for _ in range(cfg.grad_accum):  # gradients add up over the pipeline steps, then are averaged
+        a, k, y = train_batch(cfg, prep, state.data_gen, layout)
+        sched.step(*(to_device(t, device) for t in a), target=to_device(y, device), **k)
+        loss += layout.mean_over_replicas(float(sched.loss), device) / cfg.grad_accum
+        tokens += (count_tokens(a[0]) if a else 0) * layout.dp
+    average_accumulated(sched, cfg.grad_accum)
+    max_norm = cfg.clip_grad_norm if cfg.clip_grad_norm is not None else float("inf")
+    grad_norm = float(ps.clip_grad_norm_(sched, max_norm))  # every rank: one all-reduce
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    state.step += 1
+    return loss, grad_norm, tokens
 
 
 def _rank0_says(flag: bool, device: torch.device) -> bool:
     """Rank 0's ``flag`` on every rank (rank 0 holds the first stage, so it always reads the data)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return flag
     value = torch.tensor([int(flag)], device=device)
@@ -292,8 +280,6 @@ def _rank0_says(flag: bool, device: torch.device) -> bool:
 def evaluate(sched: Any, batch: tuple[tuple, dict, Any], prep: Prepared, device: torch.device) -> float:
     """The held-out loss (forward only, no gradients), the same value on every rank: the last
     stage's rank computes it and broadcasts it."""
-    import torch.distributed as dist
-
     a, k, y = batch
     out = sched.eval(*(to_device(t, device) for t in a), **k)
     value = torch.zeros((), dtype=torch.float64, device=device)

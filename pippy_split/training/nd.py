@@ -28,6 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import pippy_split as ps
 
 from .config import TrainConfig
 
@@ -64,8 +69,6 @@ class Layout:
         """The run's layout on this rank (builds the mesh when ``--dp`` or ``--tp`` is over 1)."""
         if cfg.dp == 1 and cfg.tp == 1:
             return cls.plain(world, rank)
-        from torch.distributed.device_mesh import init_device_mesh
-
         if world % (cfg.dp * cfg.tp):
             raise SystemExit(f"{world} ranks cannot hold --dp {cfg.dp} x --tp {cfg.tp} (the world must be a multiple)")
         pp = world // (cfg.dp * cfg.tp)
@@ -86,8 +89,6 @@ class Layout:
         """The replicas' mean of a per-replica value (the step's loss over the global batch)."""
         if self.dp == 1:
             return value
-        import torch.distributed as dist
-
         t = torch.tensor([value], dtype=torch.float64, device=device)
         dist.all_reduce(t, group=self.mesh["dp"].get_group())
         return float(t.item()) / self.dp
@@ -115,8 +116,6 @@ def fsdp_patterns(model: torch.nn.Module) -> list[str] | None:
 def tp_plan_for(model: torch.nn.Module) -> dict[str, Any]:
     """The tensor-parallel plan for the model's blocks (see the module docstring); SystemExit for a model
     with none of the known layouts."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     blocks = _block_list(model)
     names = {n for n, _ in model.named_modules()}
     for colwise, rowwise in ((_HF_COLWISE, _HF_ROWWISE), (_ZOO_COLWISE, _ZOO_ROWWISE), (_GPT_COLWISE, _GPT_ROWWISE)):
@@ -142,8 +141,6 @@ def parallelize_stages(cfg: TrainConfig, sched: Any, model: torch.nn.Module, lay
     """FSDP2 (``--dp``) and the tensor-parallel plan (``--tp``) on this rank's stages."""
     if layout.mesh is None:
         return
-    import pippy_split as ps
-
     plan = None
     if layout.tp > 1:
         check_tp_heads(model, layout.tp)

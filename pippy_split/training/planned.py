@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import torch
 
+import pippy_split as ps
+
 from .config import TrainConfig
 from .setup import model_source, stages_per_rank
 
@@ -35,8 +37,6 @@ def config_of_candidate(cfg: TrainConfig, candidate: Any) -> TrainConfig:
 
 def planned_config(cfg: TrainConfig, world: int, log: Callable[..., None]) -> TrainConfig:
     """Plan the run under ``cfg.plan`` bytes per rank and return the config that runs the plan's best."""
-    import pippy_split as ps
-
     assert cfg.plan is not None
     prep, _, ex_args, ex_kwargs = model_source(cfg, world * stages_per_rank(cfg.schedule))
     if any(p.is_meta for p in prep.model.parameters()):

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.export import Dim
 
+import pippy_split as ps
+
+from ..schedule.orders import ORDERS
+from ..zoo.entry import layer_split
+from ..zoo.gpt import TinyGPT, lm_loss
 from .config import TrainConfig
 from .factory import data_example, factory_loss, load_factory, unpack_entry, vocab_size_of
 from .hf import SafetensorsStateDict, causal_lm_loss, hf_model, is_hf, pretrained_dir, tied_aliases
@@ -64,8 +70,6 @@ def parse_split(split: str | None) -> list[str] | None:
 
 
 def stages_per_rank(schedule: str) -> int:
-    from ..schedule.orders import ORDERS
-
     return ORDERS[schedule].default_stages_per_rank()
 
 
@@ -118,8 +122,6 @@ def load_model_file(path: str) -> dict:
 
 def fresh_model(cfg: TrainConfig, prep: Prepared) -> torch.nn.Module:
     """A new unsplit model of the run's kind (what ``model.pt`` is loaded into)."""
-    from ..zoo.gpt import TinyGPT
-
     if is_hf(cfg):
         return hf_model(cfg)
     if prep.gpt_cfg is not None:  # the built-in model
@@ -134,8 +136,6 @@ def prepare(cfg: TrainConfig, world: int, log: Callable[..., None], rank: int | 
 
     ``rank``: this rank in the pipeline group; a token model's ``--data`` is read only where
     a stage of the rank reads a model input or computes the loss (None: read it)."""
-    import pippy_split as ps
-
     num_stages = world * stages_per_rank(cfg.schedule)
     M, B = cfg.microbatches, cfg.batch_size
     if B % M:
@@ -179,17 +179,12 @@ def data_ranks(pipe: Any, schedule: str, world: int) -> set[int]:
         >>> sorted(data_ranks(ps.pipeline(zoo.get("tiny_gpt").model, 4, x), "1F1B", 4))  # doctest: +SKIP
         [0, 3]
     """
-    from ..schedule.orders import ORDERS
-
     where = ORDERS[schedule].stage_placement(pipe.num_stages, world)
     reading = {st.index for st in pipe.stages if any(i.kind == "input" for i in st.inputs)}
     return {where[s] for s in reading | {pipe.num_stages - 1}}
 
 
 def _builtin(cfg: TrainConfig, num_stages: int, resume_state: dict | None) -> tuple:
-    from ..zoo import layer_split
-    from ..zoo.gpt import TinyGPT, lm_loss
-
     saved_chars = resume_state["meta"].get("chars", "") if resume_state else ""
     corpus = corpus_of(cfg, chars=saved_chars)
     gpt_cfg = gpt_config(cfg, corpus.vocab_size, num_stages)
@@ -215,8 +210,6 @@ def pack_budget(cfg: TrainConfig) -> int:
 def _packed(cfg: TrainConfig, prep: Prepared, split_spec: Any) -> tuple:
     """--pack: the text's lines as documents, a pipe traced with a dynamic length up to the budget,
     a summed loss over predicted characters divided by their count in the step (``loss_count``)."""
-    from torch.export import Dim
-
     lines = [ln + "\n" for ln in prep.corpus.text.splitlines() if ln.strip()]
     if not lines:
         raise SystemExit(f"--pack: {cfg.data} has no non-empty lines to pack")
