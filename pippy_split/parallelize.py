@@ -17,7 +17,7 @@ whose submodules' ``forward`` never runs, so per-block FSDP2 and TP do not apply
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
@@ -25,10 +25,13 @@ from .split.module_calls import called_module_names
 from .stage.errors import PipelineError
 from .stage.stage import PipelineStage
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 __all__ = ["parallelize"]
 
 
-def parallelize(sched_or_stages: Any, *, dp_mesh: Any = None, tp_mesh: Any = None,
+def parallelize(sched_or_stages: Any, *, dp_mesh: DeviceMesh | None = None, tp_mesh: DeviceMesh | None = None,
                 fsdp: Sequence[str] | None = None, tp_plan: Mapping[str, Any] | None = None,
                 **fsdp_kwargs: Any) -> list[PipelineStage]:
     """Apply tensor parallelism and FSDP2 to this rank's stages, by FQN patterns.
@@ -78,7 +81,7 @@ def parallelize(sched_or_stages: Any, *, dp_mesh: Any = None, tp_mesh: Any = Non
         if st.pipe is not None and (patterns or plan):
             _check_called(st, [*patterns, *plan])
     for st in stages:
-        if plan:
+        if plan and tp_mesh is not None:  # checked above: a plan comes with its mesh
             _apply_tp(st.module, tp_mesh, plan)
         if dp_mesh is not None:
             _apply_fsdp(st.module, dp_mesh, patterns, fsdp_kwargs)
@@ -123,7 +126,7 @@ def _check_match(patterns: Sequence[str], names: set[str]) -> None:
                              f"module names: {close or sorted(names)[:6]}")
 
 
-def _apply_tp(module: torch.nn.Module, tp_mesh: Any, plan: Mapping[str, Any]) -> None:
+def _apply_tp(module: torch.nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, Any]) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     resolved = {}
@@ -135,7 +138,7 @@ def _apply_tp(module: torch.nn.Module, tp_mesh: Any, plan: Mapping[str, Any]) ->
         parallelize_module(module, tp_mesh, resolved)
 
 
-def _apply_fsdp(module: torch.nn.Module, dp_mesh: Any, patterns: Sequence[str], kwargs: Mapping[str, Any]) -> None:
+def _apply_fsdp(module: torch.nn.Module, dp_mesh: DeviceMesh, patterns: Sequence[str], kwargs: Mapping[str, Any]) -> None:
     from torch.distributed.fsdp import fully_shard
 
     blocks: list[str] = []

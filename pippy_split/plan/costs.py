@@ -32,6 +32,7 @@ from ..split.pipe import Pipe
 from ..split.profile import DEFAULT_PASSES, OpProfile, op_profiles
 from ..split.stage_graph import build_stages
 from ..split.trace import Traced, trace_model
+from ..stage.groups import GroupArg
 
 __all__ = ["CommModel", "StageCosts", "SplitCosts", "parse_bytes", "price_split", "resize_batch", "cut_fqns"]
 
@@ -77,7 +78,7 @@ class CommModel:
         return self.latency + nbytes / self.bandwidth
 
     @classmethod
-    def measure(cls, group: Any = None, nbytes: int = 1 << 22, repeats: int = 7) -> "CommModel":
+    def measure(cls, group: GroupArg = None, nbytes: int = 1 << 22, repeats: int = 7) -> "CommModel":
         """Ping-pong between ranks 0 and 1 of ``group`` (a process group or a 1-D DeviceMesh;
         every rank of it must call this):
         a 4-byte message gives the latency, an ``nbytes`` one (4 MiB) the bandwidth; each

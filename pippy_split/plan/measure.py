@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 
 from ..schedule.actions import Action, ActionKind
 from ..schedule.schedules import ScheduleFromOrder
+from ..stage.groups import GroupArg
 from .costs import resize_batch
 from .saved_bytes import SavedBytes
 
@@ -246,7 +247,7 @@ def group_of_one() -> Any:
 def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target: Any = None,
                   activation_checkpoint: Sequence[bool] = (False, True), split_backward: Sequence[bool] = (False, True),
                   batch_range: tuple[float, float] | None = None,
-                  only: Collection[tuple[bool, bool]] | None = None, group: Any = None,
+                  only: Collection[tuple[bool, bool]] | None = None, group: GroupArg = None,
                   passes: int = DEFAULT_MEASURE_PASSES, target: float = SPREAD_TARGET,
                   budget_s: float = MEASURE_BUDGET_S, max_passes: int = MAX_MEASURE_PASSES) -> SplitMeasure:
     """Run ``costs``' split (a :class:`~.costs.SplitCosts`) stage by stage on this process
@@ -319,7 +320,7 @@ class _Run:
     saved bytes its I leaves for W and the most a backward adds."""
 
     def __init__(self, pipe: Any, example: tuple[tuple, dict], batch: int, b0: int, ac: bool, split: bool,
-                 device: torch.device, group: Any, loss_fn: Callable | None, example_target: Any,
+                 device: torch.device, group: GroupArg, loss_fn: Callable | None, example_target: Any,
                  flush_bytes: int) -> None:
         S = pipe.num_stages
         self.stages = [pipe.build_stage(s, device, group, activation_checkpoint="full" if ac else None)

@@ -14,12 +14,14 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from rich import box
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
 from ..schedule.simulate import Simulation
+from ..stage.groups import GroupArg
 from .costs import CommModel, SplitCosts
 from .ranking import rank_with_ties, ties
 from .units import human_bytes, human_time, percent, short_bytes
@@ -148,7 +150,8 @@ class Candidate:
             words.append("--activation-checkpoint")
         return shlex.join(words)
 
-    def build_schedule(self, loss_fn: Callable | None = None, group: Any = None, device: Any = None,
+    def build_schedule(self, loss_fn: Callable | None = None, group: GroupArg = None,
+                       device: torch.device | str | None = None,
                        **kwargs: Any) -> Any:
         """This rank's schedule for the candidate (:func:`pippy_split.build_schedule`):
         its pipe, family, ``n_microbatches`` and checkpointing; ``loss_fn`` defaults to

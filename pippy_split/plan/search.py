@@ -29,6 +29,7 @@ from ..schedule.simulate import simulate
 from ..split.errors import SplitError
 from ..split.profile import DEFAULT_PASSES, op_overhead, op_profiles
 from ..split.trace import trace_model
+from ..stage.groups import GroupArg
 from .costs import CommModel, SplitCosts, parse_bytes, price_split
 from .measure import SplitMeasure, group_of_one, measure_split
 from .report import Candidate, Plan, PlanError
@@ -77,7 +78,7 @@ def plan(
     measure: bool | int = True,
     measure_budget: float = MEASURE_BUDGET_S,
     resolution: float = MIN_RESOLUTION,
-    group: Any = None,
+    group: GroupArg = None,
 ) -> Plan:
     """Choose split, schedule, stages per rank, microbatches and checkpointing for ``model``.
 
@@ -381,7 +382,7 @@ def _agree_profile(traced: Any, model: torch.nn.Module, flat: Sequence[Any], pas
     return overhead
 
 
-def _default_comm(group: Any = None) -> CommModel:
+def _default_comm(group: GroupArg = None) -> CommModel:
     """The link model measured on ``group`` (the default group when None); with a
     pipeline group inside a larger world, every rank takes rank 0's measurement."""
     import torch.distributed as dist

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..stage.groups import process_group
+from ..stage.groups import GroupArg, process_group
 from ..stage.options import StageOptions
 from ..stage.stage import PipelineStage
 from .actions import Order, order_from_csv
@@ -216,7 +216,8 @@ def get_schedule_class(name: str) -> type[PipelineSchedule]:
 
 
 def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_microbatches: int,
-                   loss_fn: Callable | None = None, group: Any = None, device: Any = None, *,
+                   loss_fn: Callable | None = None, group: GroupArg = None,
+                   device: torch.device | str | None = None, *,
                    activation_checkpoint: str | Sequence[str] | None = None,
                    mixed_precision: torch.dtype | None = None,
                    compile: bool | Mapping[str, Any] = False, state_dict: Any = None, **kwargs: Any) -> PipelineSchedule:

@@ -24,6 +24,7 @@ from .trace import Traced, trace_model
 
 if TYPE_CHECKING:
     from ..stage import PipelineStage
+    from ..stage.groups import GroupArg
     from ..stage.options import StageOptions
 
 __all__ = ["Pipe", "pipeline"]
@@ -177,7 +178,7 @@ class Pipe:
         return cache[key]
 
     # ---- building stages for ranks -------------------------------------------------
-    def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: Any = None, *,
+    def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: GroupArg = None, *,
                     state_dict: Any = None, seed: int = 0,
                     activation_checkpoint: str | Sequence[str] | None = None,
                     mixed_precision: torch.dtype | None = None, compile: bool | Mapping[str, Any] = False,
