@@ -48,7 +48,8 @@ def agree_before_step(error: BaseException | None, group: Any, world: int, rank:
         if error is not None:
             raise error
         return
-    where = _collective_device(group, device)
+    backend = str(dist.get_backend(group))  # a CPU backend: no device sync for one integer
+    where = torch.device("cpu") if backend in ("gloo", "mpi") or "cpu:" in backend else torch.device(device)
     failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=where)
     dist.all_reduce(failed, group=group)
     if int(failed.item()) == 0:
@@ -69,10 +70,3 @@ def agree_before_step(error: BaseException | None, group: Any, world: int, rank:
                         f"{'ranks' if len(causes) > 1 else 'rank'} {', '.join(str(r) for r, _ in causes)} "
                         f"failed {'their' if len(causes) > 1 else 'its'} own checks: {detail}")
 
-
-def _collective_device(group: Any, device: torch.device) -> torch.device:
-    """The CPU where the group has a CPU backend (no device sync for one integer), else ``device``."""
-    backend = str(dist.get_backend(group))
-    if backend in ("gloo", "mpi") or "cpu:" in backend:
-        return torch.device("cpu")
-    return torch.device(device)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..stage.errors import PipelineError
 from ..stage.groups import process_group
+from ..stage.loss import LossRule
 from .actions import Order
 from .errors import ScheduleError
 
@@ -109,16 +110,12 @@ def shared_item_count(loss_count: Callable[[Any], Any], targets: list | None, gr
     return value
 
 
-def share_loss(mb_losses: list, items: float | None, group: Any, world: int, device: torch.device,
+def share_loss(mb_losses: list, rule: LossRule | None, group: Any, world: int, device: torch.device,
                src_rank: int) -> torch.Tensor:
-    """The step's loss on every rank: the mean over microbatches, or the sum over items."""
-    known = bool(mb_losses) and all(loss is not None for loss in mb_losses)
-    if not known:
-        value = torch.zeros(())
-    elif items is None:
-        value = torch.stack(mb_losses).mean().detach()
-    else:
-        value = torch.stack(mb_losses).sum().detach() / items
+    """The step's loss (:meth:`LossRule.step_loss`), sent from where the last stage lives
+    to every rank (zero where no loss was computed)."""
+    known = rule is not None and bool(mb_losses) and all(loss is not None for loss in mb_losses)
+    value = rule.step_loss(mb_losses) if known and rule is not None else torch.zeros(())
     value = value.to(torch.float32).clone()
     if world > 1:
         # Waited for here: a step leaves no work outstanding, so destroy_process_group()

@@ -19,8 +19,10 @@ import torch
 from ..microbatch import MicrobatchError, Microbatches, merge_chunks, split_args_kwargs
 from ..microbatch.chunking import any_per_microbatch
 from ..split.spec import InputKind
+from ..stage.data_parallel import sync_data_parallel
 from ..stage.errors import PipelineError
-from ..stage.stage import LossRule, PipelineStage
+from ..stage.loss import LossRule
+from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
 from .actions import Action, ActionKind, Order
 from .agree import agree_before_step
@@ -103,6 +105,8 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         if not stages:
             raise ValueError("a schedule needs at least one stage")
         self.stages = sorted(stages, key=lambda s: s.stage_index)
+        self._first = next((s for s in self.stages if s.is_first), None)  # where this rank holds them
+        self._last = next((s for s in self.stages if s.is_last), None)
         self.n_microbatches = int(n_microbatches)
         self.loss_fn = loss_fn
         self.on_nonfinite = on_nonfinite  # handed to the last stage with each step (LossRule)
@@ -138,7 +142,7 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         self.actions: list[Action] = [a for a in lowered[self.rank] if a is not None]
         self._eval_actions = self._forward_only(self.n_microbatches)
         self._runtime = Interpreter({s.stage_index: s for s in self.stages}, self.placement, self.rank,
-                                    P2P(self.group, timeout) if self.world > 1 else None, self.links)
+                                    P2P(self.group, timeout) if self.world > 1 else None)
         if self.world > 1:
             agree_on_order(type(self).__name__, self.lowered, self.n_microbatches, self.num_stages, self.links,
                            self.group, self.world, self.rank, self.stages[0].device)
@@ -189,14 +193,10 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         return [a for a in lower(order, self.links, self.placement)[self.rank] if a is not None]
 
     # ---- running ---------------------------------------------------------------------
-    def _has(self, pred: Callable[[PipelineStage], bool]) -> PipelineStage | None:
-        return next((s for s in self.stages if pred(s)), None)
-
     def _context(self, args: tuple, kwargs: dict, target: Any, train: bool, n: int) -> StepContext:
         """This step's inputs: first every check this rank can make alone, then (once every
         rank knows they all passed, :func:`.agree.agree_before_step`) what needs messages."""
-        ctx = StepContext(n_microbatches=n, train=train,
-                          loss=None if self.loss_fn is None else LossRule(self.loss_fn, self.on_nonfinite))
+        ctx = StepContext(n_microbatches=n, train=train)
         error: Exception | None = None
         try:
             sizes = self._local_context(ctx, args, kwargs, target, train)
@@ -204,11 +204,14 @@ class PipelineSchedule(metaclass=_ScheduleClass):
             error = e
         agree_before_step(error, self.group, self.world, self.rank, self.stages[0].device,
                           "step()" if train else "eval()")
-        last = self._has(lambda s: s.is_last)
+        items = None
         if train and self.loss_count is not None:
-            ctx.loss_divisor = shared_item_count(self.loss_count, ctx.targets if last is not None else None, self.group,
-                                                 self.world, self.stages[0].device, self.num_stages - 1,
-                                                 self.placement[self.num_stages - 1])
+            items = shared_item_count(self.loss_count, ctx.targets if self._last is not None else None, self.group,
+                                      self.world, self.stages[0].device, self.num_stages - 1,
+                                      self.placement[self.num_stages - 1])
+        if self.loss_fn is not None:
+            ctx.loss = LossRule.for_step(self.loss_fn, n_microbatches=self.n_microbatches, scale_grads=self.scale_grads,
+                                         items=items, scale=self.loss_scale, on_nonfinite=self.on_nonfinite)
         pipe = self.stages[0].pipe
         if pipe is not None and pipe.symbols:
             ctx.bindings = share_sizes(pipe.symbols, sizes, self.group, self.world, self.stages[0].device)
@@ -218,8 +221,7 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         """Split this rank's inputs and targets into ``ctx``; no communication. Returns the
         dynamic sizes this rank read off its inputs (a tensor, zeros where it has none)."""
         n = ctx.n_microbatches
-        first = self._has(lambda s: s.is_first)
-        last = self._has(lambda s: s.is_last)
+        first, last = self._first, self._last
         needs_inputs = first is not None or any(
             s.pipe is not None and any(sl.kind is InputKind.MODEL for sl in s.in_slots or []) for s in self.stages)
         pipe = self.stages[0].pipe
@@ -242,9 +244,6 @@ class PipelineSchedule(metaclass=_ScheduleClass):
                 raise PipelineError(f"rank {self.rank} holds the last stage ({last.stage_index}) and needs target= in "
                                     "step()")
             ctx.targets = [t[0][0] for t in split_args_kwargs((target,), {}, n, names=["target"])]
-        if last is not None and train and self.loss_count is None:
-            ctx.loss_divisor = float(self.n_microbatches) if self.scale_grads else 1.0
-        ctx.loss_scale = self.loss_scale
         if self._splits_backward and train:  # a wrapper (fully_shard) applied after construction: I runs it whole
             for st in self.stages:
                 st.check_split_backward()
@@ -267,19 +266,24 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         ctx = self._context(args, kwargs, target, True, self.n_microbatches)
         for st in self.stages:
             st.peak_held_microbatches = 0
-        self._run(self.actions, ctx)
+        try:
+            self._runtime.run(self.actions, ctx)
+        except Exception:
+            self._runtime.reset()
+            raise
         sync_shared_grads(self.stages[0].pipe, self.stages, self.group, self.world, self.stages[0].device)
         for st in self.stages:
-            st.sync_data_parallel()
-        last = self._has(lambda s: s.is_last)
-        mb_losses = [last.loss_of(mb) for mb in range(self.n_microbatches)] if last else []
+            sync_data_parallel(st.module)
+        last = self._last
+        mb_losses = [last.results[mb].loss for mb in range(self.n_microbatches)] if last else []
+        out = self._merge(ctx, last) if last is not None else None
         for st in self.stages:
             st.clear()
         if last is not None and losses is not None:
             losses[:] = mb_losses  # replaced, not appended: a list reused every step holds this step's
-        self._loss = share_loss(mb_losses, ctx.loss_divisor if self.loss_count is not None else None, self.group,
-                                self.world, self.stages[0].device, self.placement[self.num_stages - 1])
-        return self._merge(ctx) if last is not None else None
+        self._loss = share_loss(mb_losses, ctx.loss, self.group, self.world, self.stages[0].device,
+                                self.placement[self.num_stages - 1])
+        return out
 
     def eval(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, no gradients; works before the first ``step()``.
@@ -291,9 +295,17 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         """
         refuse_train_mode_graph(self.stages[0].pipe)
         ctx = self._context(args, kwargs, None, False, self.n_microbatches)
-        with torch.no_grad():
-            self._run(self._eval_actions, ctx)
-        return self._merge(ctx) if self._has(lambda s: s.is_last) else None
+        try:
+            with torch.no_grad():
+                self._runtime.run(self._eval_actions, ctx)
+        except Exception:
+            self._runtime.reset()
+            raise
+        if self._last is None:
+            return None
+        out = self._merge(ctx, self._last)
+        self._last.results.clear()
+        return out
 
     @contextlib.contextmanager
     def timed_actions(self, probe: Callable[[], Any] | None = None) -> Iterator[list[ActionTiming]]:
@@ -316,17 +328,12 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         finally:
             self._runtime.observer = previous
 
-    def _run(self, actions: list[Action], ctx: StepContext) -> None:
-        try:
-            self._runtime.run(actions, ctx)
-        except Exception:
-            self._runtime.reset()
-            raise
-
-    def _merge(self, ctx: StepContext) -> Any:
+    def _merge(self, ctx: StepContext, last: PipelineStage) -> Any:
+        """The last stage's outputs of the step, merged (or kept per microbatch)."""
+        outputs = [last.results[mb].output for mb in range(ctx.n_microbatches)]
         if ctx.per_microbatch:  # given Microbatches: unequal shapes do not concatenate
-            return Microbatches(ctx.outputs[mb] for mb in range(ctx.n_microbatches))
-        return merge_chunks([ctx.outputs[mb] for mb in range(ctx.n_microbatches)], self.output_merge_spec)
+            return Microbatches(outputs)
+        return merge_chunks(outputs, self.output_merge_spec)
 
     @property
     def release_sent_outputs(self) -> bool | None:

@@ -244,10 +244,12 @@ def gather_inputs(inputs: Sequence[StageInput], flat_inputs: Sequence[Any] | Non
             out.append(flat_inputs[slot.model_input])
         elif slot.kind is InputKind.SYMBOL:
             out.append(int(slot.expr.xreplace(bindings)))
-        elif slot.key in produced:
-            out.append(produced[slot.key])
         else:
-            if on_missing is not None:
-                on_missing(slot)
-            raise KeyError(f"input {slot.index}: value {slot.key} (stage, output) was not produced")
+            assert slot.edge is not None  # an edge input (checked when it was made)
+            key = (slot.edge.src_stage, slot.edge.src_output)  # slot.key, without two property calls per input
+            if key not in produced:
+                if on_missing is not None:
+                    on_missing(slot)
+                raise KeyError(f"input {slot.index}: value {key} (stage, output) was not produced")
+            out.append(produced[key])
     return out

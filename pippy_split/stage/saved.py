@@ -8,12 +8,64 @@ memory), and small helpers of the backward passes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import torch
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["SavedMicrobatch", "recording_saved", "accumulate", "module_device", "edge_if_checkpointed"]
+from .loss import LossRule
+
+__all__ = ["SavedMicrobatch", "LastStageResult", "Recompute", "WeightCaptures", "CaptureGrads", "WeightRoots", "WeightWork",
+           "recording_saved", "accumulate", "module_device", "edge_if_checkpointed"]
+
+
+@dataclass
+class Recompute:
+    """Full activation checkpointing: what rebuilds a microbatch's graph right before its
+    backward (the forward ran without one), until it is rebuilt."""
+
+    kwargs: dict[str, Any]
+    target: Any
+    rng: Any  # the RNG state the forward ran under (``recompute.rng_state``)
+    loss: LossRule | None
+
+
+@dataclass
+class WeightCaptures:
+    """After F (or a recompute) under the I/W split: the op outputs W needs, by capture index."""
+
+    values: list[torch.Tensor | GradientEdge]  # an op output, or its autograd edge under selective checkpointing
+    params: list[list[torch.nn.Parameter]]  # per capture: the parameters W differentiates it for
+    whole_now: list[torch.nn.Parameter]  # parameters I computes in full for this microbatch
+
+
+@dataclass
+class CaptureGrads:
+    """After I: each capture that got a gradient, with it; W runs the weight part of each op."""
+
+    grads: list[tuple[torch.Tensor | GradientEdge, torch.Tensor, list[torch.nn.Parameter]]]  # (capture, grad, params)
+
+
+@dataclass
+class WeightRoots:
+    """After I on a stage without a capture plan: W runs backward again from these roots,
+    for the stage's parameters only."""
+
+    tensors: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+
+
+# What W of a microbatch has to do, by state: captures (after F), their gradients or the
+# roots (after I); None: nothing (no split plan yet, or I computed the weight gradients too).
+WeightWork = Union[WeightCaptures, CaptureGrads, WeightRoots, None]
+
+
+@dataclass
+class LastStageResult:
+    """The last stage's result of one microbatch, kept for the whole step."""
+
+    output: Any  # the model's output, in the model's structure, detached
+    loss: torch.Tensor | None = None  # its loss, detached and unscaled (None without a loss)
 
 
 @dataclass
@@ -22,12 +74,11 @@ class SavedMicrobatch:
 
     inputs: list[Any]
     outputs: tuple
-    loss: torch.Tensor | None = None
-    weight_work: list = field(default_factory=list)
-    weight_params: list = field(default_factory=list)  # per capture: the parameters W differentiates it for
-    whole_now: list = field(default_factory=list)  # parameters I computes in full for this microbatch
+    loss: torch.Tensor | None = None  # last stage: the microbatch's loss (``rule.loss``)
+    rule: LossRule | None = None  # ... and the step's rule its backward starts from
+    weight_work: WeightWork = None
     graph_storages: set[int] = field(default_factory=set)  # storages autograd saved for backward
-    recompute: Any = None  # activation checkpointing: (kwargs, target, RNG state, LossRule) until recomputed
+    recompute: Recompute | None = None
 
 
 class recording_saved:

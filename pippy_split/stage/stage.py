@@ -8,19 +8,21 @@ backward whole (B) or split into input-grad (I) then weight-grad (W).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge
+from torch.utils._pytree import tree_map_only
 
 from ..split.spec import Edge, StageInput
 from .backward import WeightGradPlan, capturing, plan_weight_grads, weight_captures
-from .data_parallel import set_grad_sync, sync_data_parallel, unsplittable_backward
+from .data_parallel import unsplittable_backward
 from .errors import PipelineError
 from .groups import process_group
-from .loss import LossRule, microbatch_loss
+from .loss import LossRule
 from .mixed_precision import autocast_edge_specs
 from .options import StageOptions
 from .recompute import (
@@ -34,7 +36,18 @@ from .recompute import (
     rng_state,
     unchanged,
 )
-from .saved import SavedMicrobatch, accumulate, edge_if_checkpointed, module_device, recording_saved
+from .saved import (
+    CaptureGrads,
+    LastStageResult,
+    Recompute,
+    SavedMicrobatch,
+    WeightCaptures,
+    WeightRoots,
+    accumulate,
+    edge_if_checkpointed,
+    module_device,
+    recording_saved,
+)
 
 __all__ = ["PipelineStage", "InputSlot", "Route", "LossRule"]
 
@@ -102,6 +115,8 @@ class PipelineStage:
         self.weight_grads_in_input = bool(self.options.compile)
         self.stage_index = stage_index
         self.num_stages = num_stages
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
         self.device = torch.device(device) if device is not None else module_device(module)
         self._regions = RegionRecorder(self.device)
         self._region_call: torch.nn.Module | None = None  # the stage graph with its regions checkpointed, built lazily
@@ -119,7 +134,7 @@ class PipelineStage:
         self.in_slots: list[InputSlot] | None = None if stage_index > 0 else []
         self.routes: list[Route] = []  # hand-built stages: filled by the first step's shape pass
         self._saved: dict[int, SavedMicrobatch] = {}
-        self._losses: dict[int, torch.Tensor] = {}  # per microbatch, unscaled, kept for the whole step
+        self.results: dict[int, LastStageResult] = {}  # last stage: per microbatch, kept for the whole step
         self.peak_held_microbatches = 0  # most microbatches held at once during the last step
         self._wplan: WeightGradPlan | None = None
         # set by the runtime for stages whose outputs go to other ranks (see may_release)
@@ -180,14 +195,6 @@ class PipelineStage:
         if routes is not None:
             self.routes = list(routes)
 
-    @property
-    def is_first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
-
     def links(self) -> list[tuple[int, int, bool]]:
         """(sender stage, receiver stage, carries grad) for every value a hand-built stage sends
         (a Pipe's stages: the schedule reads ``pipe.edges``)."""
@@ -204,36 +211,51 @@ class PipelineStage:
     # ---- forward -------------------------------------------------------------------
     def forward(self, mb: int, args: list[Any], kwargs: Mapping[str, Any] | None = None, *, train: bool = True,
                 target: Any = None, loss: LossRule | None = None) -> tuple:
-        """Run the module on one microbatch; keep what backward needs when ``train``.
-        On the last stage, with ``target`` and ``loss``, also the microbatch's loss."""
+        """Run the module on one microbatch; keep what backward needs when ``train``. Returns
+        the stage's outputs. The last stage keeps, for the step, the model's output (its
+        structure rebuilt once, detached) and, with ``target`` and ``loss``, the microbatch's
+        loss (:attr:`results`)."""
         graph_storages: set[int] = set()
         recompute = train and self.activation_checkpoint == "full"
         rng = rng_state(self.device) if recompute else None
         tracking = train and self.track_saved_storages
+        patterns = self.activation_checkpoint
+        call = self._forward_call() if isinstance(patterns, tuple) else self._call
+        call_args = args if self.mixed_precision is None else self._not_leaves(args)
         try:
             # full checkpointing: forward without a graph now, again with one right before backward
-            with torch.set_grad_enabled(train and not recompute), capturing(self._wplan) as sink, recording_saved(
-                    graph_storages, tracking), self._autocast(), self._regions.recording(
-                    train, graph_storages if tracking else None):
-                out = self._forward_call()(*self._not_leaves(args), **(kwargs or {}))
+            with contextlib.ExitStack() as hooks:
+                hooks.enter_context(torch.set_grad_enabled(train and not recompute))
+                hooks.enter_context(torch.autocast(self.device.type, dtype=self.mixed_precision,
+                                                   enabled=self.mixed_precision is not None))
+                sink = hooks.enter_context(capturing(self._wplan)) if self._wplan is not None else None
+                if tracking:
+                    hooks.enter_context(recording_saved(graph_storages, True))
+                if isinstance(patterns, tuple):
+                    hooks.enter_context(self._regions.recording(train, graph_storages if tracking else None))
+                out = call(*call_args, **(kwargs or {}))
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: forward raised {type(e).__name__}: {e}") from e
-        outputs = self._as_outputs(out)
-        if not train:
-            return outputs
-        saved = SavedMicrobatch(list(args), outputs, graph_storages=graph_storages)
-        if recompute:
-            saved.recompute = (dict(kwargs or {}), target, rng, loss)
-        elif self._wplan is not None:
-            # by capture index; I turns them into (index, tensor, grad). Under selective checkpointing an
-            # op output inside a region is kept as its autograd edge only, so its storage can go.
-            caps, saved.weight_params, saved.whole_now = weight_captures(self._wplan, sink)
-            saved.weight_work = [edge_if_checkpointed(c, self._region_call is not None) for c in caps]
-        if self.is_last and loss is not None and target is not None:
-            saved.loss = self.compute_loss(mb, outputs, target, loss)
-            self._losses[mb] = saved.loss.detach()
-        self._saved[mb] = saved
-        self.peak_held_microbatches = max(self.peak_held_microbatches, len(self._saved))
+        outputs = tuple(out) if isinstance(out, tuple) or (isinstance(out, list) and self.pipe is not None) else (out,)
+        saved = SavedMicrobatch(list(args), outputs, graph_storages=graph_storages, rule=loss) if train else None
+        if saved is not None and recompute:
+            saved.recompute = Recompute(dict(kwargs or {}), target, rng, loss)
+        elif saved is not None and self._wplan is not None and sink is not None:
+            # Under selective checkpointing an op output inside a region is kept as its autograd edge only,
+            # so its storage can go.
+            caps, params, whole_now = weight_captures(self._wplan, sink)
+            saved.weight_work = WeightCaptures([edge_if_checkpointed(c, self._region_call is not None) for c in caps],
+                                               params, whole_now)
+        if self.is_last:
+            output = self.model_output(outputs)
+            result = self.results[mb] = LastStageResult(tree_map_only(torch.Tensor, torch.Tensor.detach, output))
+            if saved is not None and loss is not None and target is not None:
+                saved.loss = loss.loss(output, target, self.mixed_precision, self.device.type,
+                                       f"stage {self.stage_index}, microbatch {mb}")
+                result.loss = saved.loss.detach()
+        if saved is not None:
+            self._saved[mb] = saved
+            self.peak_held_microbatches = max(self.peak_held_microbatches, len(self._saved))
         return outputs
 
     def _forward_call(self) -> Callable:
@@ -265,37 +287,32 @@ class PipelineStage:
         that read the copy in low precision. A received activation is such a leaf here but never
         in the unsplit model, where each op casts it anew and the gradients add up in its own
         dtype; the view keeps that. Gradients still reach the received tensor."""
-        if self.mixed_precision is None:
-            return list(args)
         slots = self.in_slots or []
         edge = {sl.index for sl in slots if sl.edge is not None}
         return [a.view_as(a) if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad
                 and (i in edge or (not slots and not self.is_first)) else a for i, a in enumerate(args)]
 
-    def _autocast(self) -> torch.autocast:
-        return torch.autocast(self.device.type, dtype=self.mixed_precision, enabled=self.mixed_precision is not None)
-
-    def _as_outputs(self, out: Any) -> tuple:
-        if isinstance(out, (tuple, list)) and self.pipe is not None:
-            return tuple(out)
-        return tuple(out) if isinstance(out, tuple) else (out,)
-
     def _recompute(self, mb: int, saved: SavedMicrobatch) -> None:
         """Activation checkpointing: rebuild microbatch ``mb``'s graph from its saved inputs
         (same RNG state as its forward), once, before its backward (B, or I; W reuses it)."""
-        kwargs, target, rng, loss = saved.recompute
-        saved.recompute = None
+        state, saved.recompute = saved.recompute, None
+        assert state is not None
+        inputs = saved.inputs if self.mixed_precision is None else self._not_leaves(saved.inputs)
         try:
-            with restored_rng(self.device, rng), unchanged(list(self.module.buffers())), torch.enable_grad(), capturing(self._wplan) as sink, self._autocast():
-                outputs = self._as_outputs(self._call(*self._not_leaves(saved.inputs), **kwargs))
+            with restored_rng(self.device, state.rng), unchanged(list(self.module.buffers())), torch.enable_grad(), \
+                    capturing(self._wplan) as sink, torch.autocast(self.device.type, dtype=self.mixed_precision,
+                                                                   enabled=self.mixed_precision is not None):
+                out = self._call(*inputs, **state.kwargs)
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: recomputing the forward for activation "
                                 f"checkpointing raised {type(e).__name__}: {e}") from e
-        saved.outputs = outputs
+        saved.outputs = tuple(out) if isinstance(out, tuple) or (isinstance(out, list) and self.pipe is not None) \
+            else (out,)
         if self._wplan is not None:
-            saved.weight_work, saved.weight_params, saved.whole_now = weight_captures(self._wplan, sink)
-        if self.is_last and saved.loss is not None and loss is not None:
-            saved.loss = self.compute_loss(mb, outputs, target, loss)
+            saved.weight_work = WeightCaptures(*weight_captures(self._wplan, sink))
+        if self.is_last and saved.loss is not None and state.loss is not None:
+            saved.loss = state.loss.loss(self.model_output(saved.outputs), state.target, self.mixed_precision,
+                                         self.device.type, f"stage {self.stage_index}, microbatch {mb}")
 
     def may_release(self, mb: int, value: torch.Tensor) -> bool:
         """Whether ``value`` (an output of microbatch ``mb`` sent elsewhere) can drop its
@@ -310,22 +327,17 @@ class PipelineStage:
             return self.pipe.unflatten_outputs(outputs)
         return outputs[0] if len(outputs) == 1 else outputs
 
-    def compute_loss(self, mb: int, outputs: tuple, target: Any, rule: LossRule) -> torch.Tensor:
-        """The loss of microbatch ``mb``'s ``outputs`` (fp32 under mixed precision), a scalar."""
-        return microbatch_loss(rule, self.model_output, outputs, target, self.mixed_precision, self.device.type,
-                               f"stage {self.stage_index}, microbatch {mb}")
-
-    def loss_of(self, mb: int) -> torch.Tensor | None:
-        return self._losses.get(mb)
-
     # ---- backward ------------------------------------------------------------------
-    def _roots(self, mb: int, saved: SavedMicrobatch, output_grads: Mapping[int, torch.Tensor], loss_divisor: float):
+    def _roots(self, mb: int, saved: SavedMicrobatch, output_grads: Mapping[int, torch.Tensor],
+               loss_divisor: float | None) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         if self.is_last:
-            if saved.loss is None:
+            if saved.loss is None or saved.rule is None:
                 raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: backward needs a loss; pass loss_fn "
                                     "to the schedule and target= to step()")
-            return [saved.loss / loss_divisor], [None]
-        tensors, grads = [], []
+            rule = saved.rule if loss_divisor is None else replace(saved.rule, divisor=loss_divisor, scale=1.0)
+            return [rule.backward_root(saved.loss)], [None]
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
         for i, g in output_grads.items():
             out = saved.outputs[i]
             if isinstance(out, torch.Tensor) and out.requires_grad:
@@ -337,11 +349,13 @@ class PipelineStage:
         return [(i, a) for i, a in enumerate(saved.inputs)
                 if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf]
 
-    def backward(self, mb: int, output_grads: Mapping[int, torch.Tensor], loss_divisor: float) -> dict[int, torch.Tensor]:
+    def backward(self, mb: int, output_grads: Mapping[int, torch.Tensor],
+                 loss_divisor: float | None = None) -> dict[int, torch.Tensor]:
         """Full backward (B): returns ``{input_index: grad}`` and accumulates ``.grad`` on parameters.
 
-        ``loss_divisor`` divides the last stage's loss (the schedule's rule: microbatches, or
-        the batch's item count with ``loss_count``); other stages ignore it.
+        The last stage starts from its loss under the step's :class:`LossRule` (given to
+        :meth:`forward`); ``loss_divisor`` replaces the rule's divisor and scale (a stage
+        driven by hand). Other stages ignore it.
         """
         saved = self._pop(mb)
         if saved.recompute is not None:
@@ -349,22 +363,17 @@ class PipelineStage:
         return self._full_backward(mb, saved, output_grads, loss_divisor)
 
     def _full_backward(self, mb: int, saved: SavedMicrobatch, output_grads: Mapping[int, torch.Tensor],
-                       loss_divisor: float) -> dict[int, torch.Tensor]:
+                       loss_divisor: float | None) -> dict[int, torch.Tensor]:
         tensors, grads = self._roots(mb, saved, output_grads, loss_divisor)
         if tensors:
             try:
                 torch.autograd.backward(tensors, grads)
             except Exception as e:
                 raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: backward raised {type(e).__name__}: {e}") from e
-        return self._collect_input_grads(saved)
+        return {i: a.grad if a.grad is not None else torch.zeros_like(a) for i, a in self._grad_inputs(saved)}
 
-    def _collect_input_grads(self, saved: SavedMicrobatch) -> dict[int, torch.Tensor]:
-        out = {}
-        for i, a in self._grad_inputs(saved):
-            out[i] = a.grad if a.grad is not None else torch.zeros_like(a)
-        return out
-
-    def backward_input(self, mb: int, output_grads: Mapping[int, torch.Tensor], loss_divisor: float) -> dict[int, torch.Tensor]:
+    def backward_input(self, mb: int, output_grads: Mapping[int, torch.Tensor],
+                       loss_divisor: float | None = None) -> dict[int, torch.Tensor]:
         """Input-gradient half (I) of a split backward; :meth:`backward_weight` finishes it."""
         saved = self._saved.get(mb)
         if saved is None:
@@ -375,10 +384,11 @@ class PipelineStage:
             return self._backward_input_and_weights(mb, saved, output_grads, loss_divisor)
         tensors, grads = self._roots(mb, saved, output_grads, loss_divisor)
         leaves = self._grad_inputs(saved)
-        plan = self._wplan
-        captures = [(k, c) for k, c in enumerate(saved.weight_work)
-                    if isinstance(c, GradientEdge) or (isinstance(c, torch.Tensor) and c.requires_grad)] if plan else []
-        multi = plan.whole_params + saved.whole_now if plan else []
+        plan, work = self._wplan, saved.weight_work
+        captures = [(k, c) for k, c in enumerate(work.values)
+                    if isinstance(c, GradientEdge) or (isinstance(c, torch.Tensor) and c.requires_grad)] \
+            if plan is not None and isinstance(work, WeightCaptures) else []
+        multi = plan.whole_params + work.whole_now if plan is not None and isinstance(work, WeightCaptures) else []
         targets: list[Any] = [a for _, a in leaves] + [c for _, c in captures] + multi
         results: Sequence[torch.Tensor | None] = []
         if tensors and targets:
@@ -392,22 +402,23 @@ class PipelineStage:
         in_grads = {}
         for (i, a), g in zip(leaves, results[: len(leaves)]):
             in_grads[i] = g if g is not None else torch.zeros_like(a)
-        if plan is not None:
+        if isinstance(work, WeightCaptures):
             cap_grads = results[len(leaves): len(leaves) + len(captures)]
-            saved.weight_work = [(k, c, g) for (k, c), g in zip(captures, cap_grads) if g is not None]
+            saved.weight_work = CaptureGrads([(c, g, work.params[k]) for (k, c), g in zip(captures, cap_grads)
+                                              if g is not None])
             for p, g in zip(multi, results[len(leaves) + len(captures):]):
                 accumulate(p, g)
         else:
-            saved.weight_work = [(tensors, grads)]  # W recomputes through the stage for its parameters
+            saved.weight_work = WeightRoots(tensors, grads)  # W runs backward again, for the stage's parameters
         saved.outputs = ()
         return in_grads
 
     def _backward_input_and_weights(self, mb: int, saved: SavedMicrobatch, output_grads: Mapping[int, torch.Tensor],
-                                    loss_divisor: float) -> dict[int, torch.Tensor]:
+                                    loss_divisor: float | None) -> dict[int, torch.Tensor]:
         """I of a stage whose W cannot be split off (compiled): the whole backward, as B
         runs it (gradient hooks, e.g. FSDP's, fire as usual); W then has nothing to do."""
         in_grads = self._full_backward(mb, saved, output_grads, loss_divisor)
-        saved.weight_work, saved.outputs = [], ()
+        saved.weight_work, saved.outputs = None, ()
         return in_grads
 
     def backward_weight(self, mb: int) -> None:
@@ -416,14 +427,14 @@ class PipelineStage:
         try:
             if self.weight_grads_in_input:
                 return  # computed by I
-            if self._wplan is not None:
-                for k, cap, g in saved.weight_work:
-                    torch.autograd.backward([cap], [g], inputs=saved.weight_params[k])
-            else:
+            work = saved.weight_work
+            if isinstance(work, CaptureGrads):
+                for cap, g, params in work.grads:
+                    torch.autograd.backward(cap, g, inputs=params)
+            elif isinstance(work, WeightRoots):
                 params = [p for p in self.module.parameters() if p.requires_grad]
-                for tensors, grads in saved.weight_work:
-                    if tensors and params:
-                        torch.autograd.backward(tensors, grads, inputs=params)
+                if work.tensors and params:
+                    torch.autograd.backward(work.tensors, work.grads, inputs=params)
         except Exception as e:
             raise PipelineError(f"stage {self.stage_index}, microbatch {mb}: weight-grad backward raised "
                                 f"{type(e).__name__}: {e}") from e
@@ -482,20 +493,10 @@ class PipelineStage:
                       "stage); GPipe, 1F1B or Interleaved1F1B run it the same way", stacklevel=3)
         self.weight_grads_in_input = True
 
-    def set_grad_sync(self, enabled: bool) -> None:
-        """Let an FSDP2 module reduce gradients only on the step's last backward (see
-        :func:`pippy_split.stage.data_parallel.set_grad_sync`)."""
-        set_grad_sync(self.module, enabled)
-
-    def sync_data_parallel(self) -> None:
-        """Average a DDP-wrapped stage's gradients over its data-parallel group (see
-        :func:`pippy_split.stage.data_parallel.sync_data_parallel`)."""
-        sync_data_parallel(self.module)
-
     def clear(self) -> None:
         """Drop every saved microbatch (after a failed step)."""
         self._saved.clear()
-        self._losses.clear()
+        self.results.clear()
 
     def __repr__(self) -> str:
         return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, device={self.device})"

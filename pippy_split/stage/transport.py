@@ -20,18 +20,23 @@ import torch.distributed as dist
 
 from .errors import PipelineError, PipelineTimeout
 
-__all__ = ["P2P", "P2POp", "Batch", "Pending"]
+__all__ = ["P2P", "P2POp", "Batch"]
 
 
 @dataclass(eq=False)
 class P2POp:
-    """One tensor to send to, or receive from, ``peer`` (a rank of the group)."""
+    """One tensor to send to, or receive from, ``peer`` (a rank of the group). Once posted,
+    ``batch`` and ``index`` say which work to wait on; :meth:`P2P.wait_recv` returns a
+    receive's tensor."""
 
     send: bool
     tensor: torch.Tensor
     peer: int
     what: str  # "stage 2 waiting for the forward of microbatch 5 from stage 0 on rank 0"
     tag: int = 0
+    complex_dtype: torch.dtype | None = None  # a receive of complex values, as a real view
+    batch: Batch | None = None
+    index: int = 0
 
 
 @dataclass(eq=False)
@@ -46,25 +51,6 @@ class Batch:
     def is_completed(self) -> bool:
         return self.done or all(w.is_completed() for w in self.works)
 
-    def work_of(self, index: int) -> list[int]:
-        """Indices of the works to wait on for op ``index`` alone."""
-        return [index] if len(self.works) == len(self.what) else list(range(len(self.works)))
-
-
-@dataclass(eq=False)
-class Pending:
-    """A received tensor (op ``index`` of ``batch``): valid once waited for."""
-
-    batch: Batch
-    index: int
-    buffer: torch.Tensor
-    complex_dtype: torch.dtype | None = None
-    what: str = ""
-
-    def result(self) -> torch.Tensor:
-        if self.complex_dtype is not None:
-            return torch.view_as_complex(self.buffer)
-        return self.buffer
 
 
 @dataclass
@@ -100,7 +86,7 @@ class P2P:
             buf = torch.empty((*shape, 2), dtype=torch.empty((), dtype=dtype).real.dtype, device=device)
         else:
             buf = torch.empty(shape, dtype=dtype, device=device)
-        return P2POp(False, buf, peer, what, tag), complex_dtype
+        return P2POp(False, buf, peer, what, tag, complex_dtype), complex_dtype
 
     @staticmethod
     def send_op(tensor: torch.Tensor, peer: int, what: str, tag: int = 0) -> P2POp:
@@ -109,25 +95,35 @@ class P2P:
         return P2POp(True, tensor.detach().contiguous(), peer, what, tag)
 
     def post(self, ops: list[P2POp]) -> Batch:
-        """Post ``ops`` together, in order, as one batch."""
+        """Post ``ops`` together, in order, as one batch (each op learns its batch and index)."""
         p2p_ops = [dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, group=self.group,
                               tag=0 if self.ordered else op.tag, group_peer=op.peer) for op in ops]
         try:
             works = dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
         except Exception as e:
             raise PipelineError(f"{ops[0].what}: posting a batch of {len(ops)} message(s) failed: {e}") from e
-        return Batch(list(works or []), [op.what for op in ops])
+        batch = Batch(list(works or []), [op.what for op in ops])
+        for index, op in enumerate(ops):
+            op.batch, op.index = batch, index
+        return batch
 
     def wait(self, batch: Batch) -> None:
         """Wait for every op of ``batch``."""
         if not batch.done:
-            self._wait(batch, range(len(batch.works)), _describe(batch.what))
+            waiting = [w for w in batch.what if "waiting" in w] or batch.what  # name a receive where there is one
+            more = f" (and {len(waiting) - 1} more in the same batch)" if len(waiting) > 1 else ""
+            self._wait(batch, range(len(batch.works)), waiting[0] + more)
             batch.done = True
 
-    def wait_recv(self, pending: Pending) -> None:
-        """Wait for one received tensor (not for the sends posted beside it, where the backend allows)."""
-        if not pending.batch.done:
-            self._wait(pending.batch, pending.batch.work_of(pending.index), pending.what)
+    def wait_recv(self, op: P2POp) -> torch.Tensor:
+        """Wait for one posted receive (not for the sends posted beside it, where the backend
+        allows: gloo gives a work per op, NCCL one for the whole batch); returns its tensor
+        (complex again where it crossed as a real view)."""
+        batch = op.batch
+        assert batch is not None, "a receive is waited for only once posted"
+        if not batch.done:
+            self._wait(batch, [op.index] if len(batch.works) == len(batch.what) else range(len(batch.works)), op.what)
+        return torch.view_as_complex(op.tensor) if op.complex_dtype is not None else op.tensor
 
     def _wait(self, batch: Batch, indices: Any, what: str) -> None:
         for i in indices:
@@ -145,8 +141,3 @@ class P2P:
             if ok is False:
                 raise PipelineTimeout(f"{what}: no message within {self.timeout:.0f} s")
 
-
-def _describe(what: list[str]) -> str:
-    waiting = [w for w in what if "waiting" in w] or what
-    more = f" (and {len(waiting) - 1} more in the same batch)" if len(waiting) > 1 else ""
-    return waiting[0] + more
