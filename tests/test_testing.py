@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pippy_split import testing
-from pippy_split.testing import RankFailure, RankTimeout, free_port, run_ranks
+from pippy_split.testing import RankFailure, RankTimeout, free_port, harness, run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -248,7 +247,7 @@ def test_keyboard_interrupt_kills_ranks(tmp_path: Path, monkeypatch: pytest.Monk
             time.sleep(0.02)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(testing, "_collect", interrupted)
+    monkeypatch.setattr(harness, "_collect", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_ranks(_hang, 2, str(tmp_path), timeout=30)
     _assert_all_gone(_pids(tmp_path))

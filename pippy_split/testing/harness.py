@@ -1,25 +1,8 @@
-"""The multi-rank test harness: run a function on N local ranks joined by gloo.
+"""The parent side of the multi-rank test harness: start the ranks, collect their
+results, name every failure, kill what hangs.
 
-Every distributed test (tests/dist/, the dist tier of the stage and schedule
-tests) goes through :func:`run_ranks`, so that a failing rank always surfaces
-its traceback, a hung rank is always killed, and no process outlives the call:
-
-    def _body(rank, world_size, scale):
-        t = torch.full((2,), float(rank + 1))
-        dist.all_reduce(t)
-        return t * scale
-
-    results = run_ranks(_body, 2, 10.0)   # [tensor([30., 30.]), tensor([30., 30.])]
-
-This module is the parent side; what runs inside a rank is in
-:mod:`pippy_split.testing_rank`. Ranks are fresh processes, never forks of the caller: by default they come from
-multiprocessing's "forkserver", a clean server process that imports torch once
-and then forks each rank in milliseconds (a "spawn" rank re-imports torch, which
-costs seconds per rank on a small CI machine). ``start_method="spawn"`` is there
-for platforms without forkserver. Ranks meet through a ``FileStore`` in a fresh
-temporary directory: unlike a TCP rendezvous on a port picked in advance, it
-cannot collide with another run starting at the same moment, which matters when
-many tests run back to back or in parallel.
+Part of :mod:`pippy_split.testing` (import :func:`run_ranks` from there; its docstring
+says how ranks start and meet); what runs inside a rank is in ``rank``.
 """
 
 from __future__ import annotations
@@ -37,7 +20,7 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from .testing_rank import _rank_main, _RankSpec, _stack_path
+from .rank import RankSpec, rank_main, stack_path
 
 __all__ = ["RankFailure", "RankTimeout", "run_ranks", "free_port"]
 
@@ -148,7 +131,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         conns: list[Connection] = []
         try:
             for rank in range(world_size):
-                spec = _RankSpec(rank, world_size, tmp, backend, threads_per_rank, child_env, timeout)
+                spec = RankSpec(rank, world_size, tmp, backend, threads_per_rank, child_env, timeout)
                 _start_rank(ctx, spec, fn, args, procs, conns)
             return _collect(procs, conns, tmp, time.monotonic() + timeout, timeout)
         finally:
@@ -163,11 +146,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 # --------------------------------------------------------------------------- #
 
 
-def _start_rank(ctx: Any, spec: _RankSpec, fn: Callable, args: tuple, procs: list,
+def _start_rank(ctx: Any, spec: RankSpec, fn: Callable, args: tuple, procs: list,
                 conns: list[Connection]) -> None:
     recv, send = ctx.Pipe(duplex=False)
     # Not daemonic: a rank may start its own workers (e.g. a DataLoader).
-    p = ctx.Process(target=_rank_main, args=(spec, fn, args, send), name=f"rank{spec.rank}")
+    p = ctx.Process(target=rank_main, args=(spec, fn, args, send), name=f"rank{spec.rank}")
     p.start()
     send.close()  # the child holds the write end; EOF then means "child gone"
     procs.append(p)
@@ -282,7 +265,7 @@ def _dump_stacks(procs: list, hung: list[int], tmp: str) -> dict[int, str]:
     stacks = {}
     for r in hung:
         try:
-            with open(_stack_path(tmp, r)) as f:
+            with open(stack_path(tmp, r)) as f:
                 stacks[r] = f.read()
         except OSError:
             pass

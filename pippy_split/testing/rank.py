@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__: list[str] = []  # private to the harness
+__all__ = ["RankSpec", "rank_main", "stack_path"]  # for the parent side (``harness``)
 
 
-def _stack_path(tmp: str, rank: int) -> str:
+def stack_path(tmp: str, rank: int) -> str:
     return os.path.join(tmp, f"rank{rank}.stacks")
 
 
@@ -56,7 +56,7 @@ def _rebuild_fd(dup: Any) -> int:
 
 
 @dataclass
-class _RankSpec:
+class RankSpec:
     """Everything a rank needs to join the group (pickled once per rank)."""
 
     rank: int
@@ -72,7 +72,7 @@ class _RankSpec:
     stderr: Any = field(default_factory=lambda: _InheritedFd(2))
 
 
-def _rank_main(spec: _RankSpec, fn: Callable, args: tuple, conn: Connection) -> None:
+def rank_main(spec: RankSpec, fn: Callable, args: tuple, conn: Connection) -> None:
     """Entry point of one rank: set up, run ``fn``, report, tear down."""
     _die_with_parent(spec.harness_pid)
     _redirect_output(spec.stdout, spec.stderr)
@@ -80,7 +80,7 @@ def _rank_main(spec: _RankSpec, fn: Callable, args: tuple, conn: Connection) -> 
     os.environ.clear()
     os.environ.update(spec.env)
     torch.set_num_threads(spec.threads)
-    stack_file = open(_stack_path(spec.tmp, spec.rank), "w")
+    stack_file = open(stack_path(spec.tmp, spec.rank), "w")
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     store = None
@@ -107,7 +107,7 @@ def _rank_main(spec: _RankSpec, fn: Callable, args: tuple, conn: Connection) -> 
     os._exit(0)
 
 
-def _init_group(spec: _RankSpec) -> dist.Store:
+def _init_group(spec: RankSpec) -> dist.Store:
     store = dist.FileStore(os.path.join(spec.tmp, "store"), spec.world_size)
     store.set_timeout(timedelta(seconds=spec.timeout))
     dist.init_process_group(
@@ -124,7 +124,7 @@ def _init_group(spec: _RankSpec) -> dist.Store:
     return store
 
 
-def _store_barrier(store: dist.Store, name: str, spec: _RankSpec) -> None:
+def _store_barrier(store: dist.Store, name: str, spec: RankSpec) -> None:
     """Wait until every rank has reached ``name`` (through the store: any backend)."""
     store.set(f"pippy_split/{name}/{spec.rank}", "1")
     store.wait([f"pippy_split/{name}/{r}" for r in range(spec.world_size)])
