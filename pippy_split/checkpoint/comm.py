@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..stage.groups import process_group
+from ..stage.groups import GroupArg, process_group
 
 
 def describe_dcp_error(e: BaseException, name_ranks: bool = True) -> str:
@@ -136,7 +136,7 @@ class Comm:
     (``torch.frombuffer``) and send that tensor, padded to the longest.
     """
 
-    def __init__(self, no_dist: bool, group: Any = None) -> None:
+    def __init__(self, no_dist: bool, group: GroupArg = None) -> None:
         self.on = (not no_dist) and dist.is_available() and dist.is_initialized()
         self.group = process_group(group, "checkpoint") if self.on else None
         self.rank = dist.get_rank(self.group) if self.on else 0

@@ -11,6 +11,7 @@ import os
 import warnings
 from typing import Any
 
+from ..stage.groups import GroupArg
 from .comm import Comm, describe_dcp_error, quiet_dcp
 from .files import find_checkpoint, read_metadata
 from .keys import LoadPlan, holders_of, optimizer_list
@@ -20,7 +21,7 @@ __all__ = ["load", "saved_keys"]
 
 
 def load(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = None, *,
-         strict: bool = True, no_dist: bool = False, group: Any = None) -> Any:
+         strict: bool = True, no_dist: bool = False, group: GroupArg = None) -> Any:
     """Load this rank's keys of the checkpoint at ``path`` in place; the same call on every rank.
 
     Any layout loads any other: keys are the original model's FQNs, so a

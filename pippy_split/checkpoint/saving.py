@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..stage.groups import GroupArg
 from .comm import Comm, RanksFailed, dcp_write, quiet_dcp
 from .files import commit, failure_reason, prepare_tmp
 from .keys import collect_model, collect_optimizer, drop_keys_owned_elsewhere, holders_of, optimizer_list
@@ -23,7 +24,7 @@ __all__ = ["save"]
 
 
 def save(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = None, *,
-         extra: Any = None, no_dist: bool = False, group: Any = None) -> str:
+         extra: Any = None, no_dist: bool = False, group: GroupArg = None) -> str:
     """Write this rank's part of a checkpoint to the directory ``path``; the same call on every rank.
 
     Args:

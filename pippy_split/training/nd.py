@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import pippy_split as ps
@@ -57,7 +57,7 @@ class Layout:
     """tensor-parallel ranks per stage"""
     pp_rank: int = 0
     dp_rank: int = 0
-    mesh: Any = None
+    mesh: DeviceMesh | None = None
     """the ``(dp, pp, tp)`` DeviceMesh (None: a plain pipeline over the default group)"""
 
     @classmethod
@@ -87,7 +87,7 @@ class Layout:
 
     def mean_over_replicas(self, value: float, device: torch.device) -> float:
         """The replicas' mean of a per-replica value (the step's loss over the global batch)."""
-        if self.dp == 1:
+        if self.dp == 1 or self.mesh is None:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=device)
         dist.all_reduce(t, group=self.mesh["dp"].get_group())
