@@ -10,7 +10,7 @@ from it, and saves its state dict as ``model.pt``.
 
 With no arguments it trains a character-level TinyGPT on written-out additions
 (``07+45=25``: operands zero-padded, the answer's digits backwards, see
-:mod:`pippy_split.data`) over 4 stages on 2 local ranks with ZBVZeroBubble:
+:mod:`pippy_split.training.corpus`) over 4 stages on 2 local ranks with ZBVZeroBubble:
 400 steps of 128 line-aligned windows of 16 characters in 4 microbatches, under
 a minute on 2 idle CPU cores, after which the sampled sums are right. It launches
 its own ranks with torch's elastic launcher; under ``torchrun`` (``RANK`` and

@@ -12,7 +12,7 @@ import torch
 
 from pippy_split import checkpoint as ps_checkpoint
 from pippy_split.cli import parse_costs
-from pippy_split.data import CharCorpus, addition_corpus, parse_sum
+from pippy_split.training.corpus import CharCorpus, addition_corpus, parse_sum
 
 
 def _cli(*args: str, cwd=None, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -24,6 +24,7 @@ import torch
 
 from ..checkpoint.files import save_file
 from .config import TrainConfig
+from .corpus import parse_sum, sum_prompt
 from .hf import export_hf, is_hf
 from .setup import CHECKPOINT_FILE, SUM_MAX, Prepared, fresh_model
 
@@ -82,7 +83,6 @@ def _data_description(cfg: TrainConfig, prep: Prepared) -> str:
 
 def sample(cfg: TrainConfig, model: torch.nn.Module, corpus, log: Callable[..., None]) -> None:
     """Greedy samples from ``model`` (the built-in sums are judged right or wrong)."""
-    from ..data import parse_sum, sum_prompt
     from ..zoo.gpt import generate
 
     model = cast("TinyGPT", model)  # the built-in model (sampling runs only for it)

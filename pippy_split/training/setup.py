@@ -21,6 +21,7 @@ from ..schedule.orders import ORDERS
 from ..zoo.entry import layer_split
 from ..zoo.gpt import TinyGPT, lm_loss
 from .config import TrainConfig
+from .corpus import CharCorpus, addition_corpus
 from .factory import data_example, factory_loss, load_factory, unpack_entry, vocab_size_of
 from .hf import SafetensorsStateDict, causal_lm_loss, hf_model, is_hf, pretrained_dir, tied_aliases
 from .text import read_documents, token_corpora
@@ -83,9 +84,7 @@ def gpt_config(cfg: TrainConfig, vocab_size: int, num_stages: int) -> dict:
 def corpus_of(cfg: TrainConfig, chars: str = "") -> Any:
     """The user's text (plain next-character prediction), or the built-in sums: operands
     zero-padded, answers written backwards, windows starting at line starts, loss on the
-    answers only (see :mod:`pippy_split.data`)."""
-    from ..data import CharCorpus, addition_corpus
-
+    answers only (see :mod:`pippy_split.training.corpus`)."""
     if cfg.data:
         return CharCorpus(_split_text(cfg)[0], chars=chars or _text_chars(cfg))
     return CharCorpus(addition_corpus(max_value=SUM_MAX, seed=cfg.seed, reverse=True, pad=True), chars=chars,
@@ -95,8 +94,6 @@ def corpus_of(cfg: TrainConfig, chars: str = "") -> Any:
 def heldout_of(cfg: TrainConfig, chars: str) -> Any:
     """Text the run never trains on: the last tenth of --data's lines (None under 10 lines), or
     sums drawn with another seed (the task is synthetic: some sums recur)."""
-    from ..data import CharCorpus, addition_corpus
-
     if cfg.data:
         held = _split_text(cfg)[1]
         return CharCorpus(held, chars=chars) if len(held) > cfg.seq_len + 1 else None

@@ -1,7 +1,7 @@
 """Synthetic character corpus for `pippy-split train`: written-out additions.
 
-Where this sits: outside the flow split → Pipe → stage → schedule → runtime. It
-feeds `pippy_split.train` with a deterministic text (``"17+45=62\\n"`` lines) whose
+Where this sits: outside the flow split → Pipe → stage → schedule → runtime, in the
+train job's parts (:mod:`pippy_split.training`). It feeds `pippy_split.train` with a deterministic text (``"17+45=62\\n"`` lines) whose
 learning is visible in samples, plus a character vocabulary and batch sampler.
 
     corpus = CharCorpus(addition_corpus())
