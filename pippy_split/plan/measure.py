@@ -54,9 +54,9 @@ __all__ = ["StageMeasure", "SplitMeasure", "measure_split", "group_of_one", "hal
            "DEFAULT_MEASURE_PASSES", "SPREAD_TARGET", "MAX_MEASURE_PASSES", "MEASURE_BUDGET_S"]
 
 DEFAULT_MEASURE_PASSES = 4
-"""Steps per measured schedule at least: two warm up (the allocator settles: the first
-schedule measured in a process ran 10-20% slow with one), then one step for each half of
-the samples; each action keeps its least time."""
+"""Steps per measured schedule at least: two warm up (the allocator settles: with one, the
+first schedule measured in a process ran slow), then one step for each half of the
+samples; each action keeps its least time."""
 
 WARMUP_PASSES = 2
 
@@ -72,8 +72,7 @@ MEASURE_BUDGET_S = 10.0
 FLUSH_BYTES = 64 * 2**20
 """At most this is written before each measured action, so that it starts from a cold
 cache as in a pipeline, where other microbatches' work runs between a microbatch's
-actions (d=256 GPT on CPU: actions measured 4-8% slower than hot, as the pipelined
-ones ran). Twice a 32 MiB L3."""
+actions (measured hot, an action runs faster than it does pipelined). Twice a 32 MiB L3."""
 
 
 @dataclass(frozen=True)

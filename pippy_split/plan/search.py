@@ -43,8 +43,9 @@ MEASURED_SPLITS = 3
 """``measure=True`` measures at most this many splits (those of the fastest candidates)."""
 
 CONTENDER_WINDOW = 0.3
-"""Candidates predicted (by op sums) within this of the fastest are measured: op sums came
-out 4-16% optimistic, so one further behind would not win."""
+"""Candidates predicted (by op sums) within this of the fastest are measured: op sums come
+out optimistic, by less than this (benchmarks/results/comment_figures.md), so one further
+behind would not win."""
 
 MIN_RESOLUTION = 0.01
 """Predictions closer than this (relative) are ties, however quiet the machine was."""
@@ -110,7 +111,8 @@ def plan(
             fastest, on at most :data:`MEASURED_SPLITS` splits, or this many if an int;
             :mod:`.measure`: each action kind as the contenders run it, at up to three
             microbatch sizes) and simulate the contenders again with those times.
-            ``False``: op sums only (faster, 4-16% optimistic on CPU).
+            ``False``: op sums only (faster; they come out optimistic, see
+            :data:`CONTENDER_WINDOW`).
         measure_budget: seconds the measurement may spend repeating steps until each
             split's timings settle (two halves of the samples agree within 1%), shared
             by the measured splits. A measured candidate's ``spread`` is how far its

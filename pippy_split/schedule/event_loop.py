@@ -173,8 +173,8 @@ def run_loop(enc: Encoded, table: Sequence[Sequence[tuple[int, float]]], cost: S
                     push(waiter[k])
                     if extra:
                         queue.extend(extra.pop(k, ()))
-            # a full backward also delivers the input gradient (written out twice: a loop over
-            # the delivered keys here cost ~10% of the p=1024 simulation)
+            # a full backward also delivers the input gradient (written out twice, not as a loop
+            # over the delivered keys: this runs for every action of every simulation)
             if sk >= b_first:
                 k -= b_to_i
                 if done[k] < 0.0:

@@ -33,7 +33,7 @@ _STACK_DUMP_WAIT_S = 0.5
 # terminate() -> kill() escalation delay.
 _TERMINATE_WAIT_S = 1.0
 # What the forkserver imports once, so that forked ranks start with it loaded
-# (this module pulls in pippy_split, whose tracing stack takes ~0.5 s to import).
+# instead of each importing torch again.
 _FORKSERVER_PRELOAD = ["torch", "torch.distributed", "pippy_split.testing"]
 
 

@@ -103,7 +103,7 @@ def rank_main(spec: RankSpec, fn: Callable, args: tuple, conn: Connection) -> No
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    # The report is sent: skip interpreter teardown, which takes ~0.5 s with torch.
+    # The report is sent: skip interpreter teardown, slow with torch loaded.
     os._exit(0)
 
 
