@@ -235,9 +235,11 @@ def no_creep(rank: int, world: int, steps: int):
     for step in range(steps):
         T = 16 if step % 2 else 9
         sched.step(x[:, :T], target=y[:, :T])
-        sizes.append((sum(st.held_microbatches for st in sched.stages), len(runtime._fwd_inbox),
-                      len(runtime._bwd_inbox), len(runtime._outbox), len(runtime._grad_outbox), len(runtime._sends),
-                      sum(len(st._losses) for st in sched.stages)))
+        flight = list(runtime._flight.values())  # (stage, microbatch) records still in flight
+        sizes.append((sum(st.held_microbatches for st in sched.stages), len(flight),
+                      sum(bool(r.inputs or r.arriving_inputs or r.output_grads or r.arriving_grads) for r in flight),
+                      sum(bool(r.to_send) for r in flight), sum(bool(r.grads_to_send) for r in flight),
+                      len(runtime._sends), sum(len(st.results) for st in sched.stages)))
     return sizes
 
 
