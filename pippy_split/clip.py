@@ -33,10 +33,17 @@ def clip_grad_norm_(sched: Any, max_norm: float, norm_type: float = 2.0, *,
     Returns:
         The total norm before clipping (a scalar tensor, fp32), the same on every rank.
 
-    Example:
-        >>> sched.step(x, target=y)  # doctest: +SKIP
-        >>> total = ps.clip_grad_norm_(sched, max_norm=1.0)  # doctest: +SKIP
-        >>> optimizer.step()  # doctest: +SKIP
+    Example (one process holding both stages of a V schedule; on ranks, the same calls):
+        >>> import pippy_split as ps
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> pipe = ps.pipeline(model, ["2"], (torch.randn(2, 4),))
+        >>> sched = ps.build_schedule(pipe, "ZBVZeroBubble", 4, loss_fn=torch.nn.functional.mse_loss)
+        >>> _ = sched.step(torch.randn(8, 4), target=torch.randn(8, 2))
+        >>> total = ps.clip_grad_norm_(sched, max_norm=1e-3)  # then optimizer.step()
+        >>> after = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+        >>> bool(total > 1e-3), round(float(after), 6)  # the stages hold the model's own parameters
+        (True, 0.001)
     """
     norm_type = float(norm_type)
     counted, scaled = _parameters(sched)

@@ -31,11 +31,19 @@ class PipelineGradScaler:
         extra_groups: more process groups to agree over (data-parallel groups of
             wrapped stages); the pipeline group is always included.
 
-    Example:
-        >>> scaler = ps.PipelineGradScaler(sched)  # doctest: +SKIP
-        >>> sched.step(x, target=y)       # backward of loss * scale  # doctest: +SKIP
-        >>> scaler.step(optimizer)        # unscale, agree on inf, step or skip everywhere  # doctest: +SKIP
-        >>> optimizer.zero_grad()  # doctest: +SKIP
+    Example (one process holding both stages of a V schedule; on ranks, the same calls):
+        >>> import pippy_split as ps
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> pipe = ps.pipeline(model, ["2"], (torch.randn(2, 4),))
+        >>> sched = ps.build_schedule(pipe, "ZBVZeroBubble", 4, loss_fn=torch.nn.functional.mse_loss,
+        ...                           mixed_precision=torch.float16)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scaler = ps.PipelineGradScaler(sched, init_scale=1024.0)
+        >>> _ = sched.step(torch.randn(8, 4), target=torch.randn(8, 2))  # backward of loss * scale
+        >>> scaler.step(optimizer)  # unscale, agree on inf, step or skip everywhere
+        True
+        >>> optimizer.zero_grad()
     """
 
     def __init__(self, sched: Any, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,

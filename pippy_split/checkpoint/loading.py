@@ -51,9 +51,16 @@ def load(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
             unexpected keys, listing the first 10 of each and their counts; or
             shapes that differ. Raised on every rank alike.
 
-    Example:
-        >>> extra = load("ckpt", sched, opt)        # every rank, any layout  # doctest: +SKIP
-        >>> load("ckpt", model)                     # one process, unsplit  # doctest: +SKIP
+    Example (one process and the unsplit model; on ranks, every rank calls
+    ``load(path, sched, opt)``, whatever layout wrote the checkpoint):
+        >>> import shutil, tempfile, torch
+        >>> from pippy_split.checkpoint import save
+        >>> d = tempfile.mkdtemp()
+        >>> path = save(os.path.join(d, "ckpt"), torch.nn.Linear(2, 2), extra={"step": 10})
+        >>> model = torch.nn.Linear(2, 2)
+        >>> load(path, model)
+        {'step': 10}
+        >>> shutil.rmtree(d)
     """
     path = os.path.abspath(os.fspath(path))
     holders = holders_of(modules_or_schedule)
@@ -122,8 +129,12 @@ def saved_keys(path: str | os.PathLike) -> list[str]:
     """The model FQNs stored in the checkpoint at ``path``, sorted (no process group needed).
 
     Example:
-        >>> saved_keys("ckpt")[:2]  # doctest: +SKIP
-        ['blocks.0.attn.proj.bias', 'blocks.0.attn.proj.weight']
+        >>> import shutil, tempfile, torch
+        >>> from pippy_split.checkpoint import save
+        >>> d = tempfile.mkdtemp()
+        >>> saved_keys(save(os.path.join(d, "ckpt"), torch.nn.Sequential(torch.nn.Linear(2, 2))))
+        ['0.bias', '0.weight']
+        >>> shutil.rmtree(d)
     """
     meta = read_metadata(find_checkpoint(os.path.abspath(os.fspath(path))))
     return sorted(k[len(MODEL_PREFIX):] for k in meta.state_dict_metadata if k.startswith(MODEL_PREFIX))

@@ -96,8 +96,12 @@ class Pipe(torch.nn.Module):
                     group: torch.distributed.ProcessGroup | None = None) -> PipelineStage:
         """The :class:`pippy_split.compat.PipelineStage` of one stage, its module moved to ``device``.
 
-        Example:
-            >>> stage = pipe.build_stage(rank, torch.device("cpu"))  # doctest: +SKIP
+        Example (each rank builds its own stage: ``pipe.build_stage(rank, device)``):
+            >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]); x = torch.randn(2, 8)
+            >>> pipe = pipeline(model, (x,), split_spec={"2": SplitPoint.BEGINNING})
+            >>> stage = pipe.build_stage(1, torch.device("cpu"))
+            >>> stage.stage_index, sorted(stage.submod.state_dict())
+            (1, ['2.bias', '2.weight', '3.bias', '3.weight'])
         """
         self._check(stage_index)
         return adopt(self.core_pipe.build_stage(stage_index, device, group))
@@ -134,8 +138,10 @@ def pipeline(module: torch.nn.Module, mb_args: tuple[Any, ...], mb_kwargs: dict[
         The :class:`Pipe`.
 
     Example:
-        >>> pipe = pipeline(model, (x_mb,), split_spec={"layers.2": SplitPoint.BEGINNING})  # doctest: +SKIP
-        >>> out = pipe(x_mb)[0]  # doctest: +SKIP
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]); x_mb = torch.randn(2, 8)
+        >>> pipe = pipeline(model, (x_mb,), split_spec={"2": SplitPoint.BEGINNING})  # e.g. {"layers.2": ...}
+        >>> out = pipe(x_mb)[0]  # the peer's flat tuple of outputs
+        >>> torch.testing.assert_close(out, model(x_mb))
     """
     if split_policy is not None:
         raise NotImplementedError("pipeline(split_policy=...) is not supported: pass split_spec={fqn: SplitPoint}, "

@@ -35,8 +35,13 @@ def rank_with_ties(candidates: list[R], resolution: float, spreads: bool = True)
     that :func:`ties` with the run's fastest shares its ``rank`` (the order stays by time).
 
     Example:
-        >>> [(c.schedule, c.rank) for c in rank_with_ties(cands, 0.01)]  # doctest: +SKIP
-        [('ZBVZeroBubble', 1), ('DualPipeV', 1), ('1F1B', 2)]
+        >>> from types import SimpleNamespace as C
+        >>> cands = [C(schedule="1F1B", fits=True, step_time=1.10, peak=1.0, spread=None, rank=0),
+        ...          C(schedule="DualPipeV", fits=True, step_time=1.004, peak=2.0, spread=None, rank=0),
+        ...          C(schedule="ZBVZeroBubble", fits=True, step_time=1.00, peak=2.0, spread=None, rank=0),
+        ...          C(schedule="GPipe", fits=False, step_time=0.90, peak=9.0, spread=None, rank=0)]
+        >>> [(c.schedule, c.rank) for c in rank_with_ties(cands, 0.01)]  # rank 0: does not fit
+        [('ZBVZeroBubble', 1), ('DualPipeV', 1), ('1F1B', 2), ('GPipe', 0)]
     """
     by_time = sorted(candidates, key=lambda c: (not c.fits, c.step_time, c.peak))
     out: list[R] = []

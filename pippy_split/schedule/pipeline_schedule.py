@@ -316,10 +316,14 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         synchronised around each action (which slows the run: for measuring, not training).
 
         Example:
-            >>> with sched.timed_actions() as times:  # doctest: +SKIP
-            ...     sched.step(x, target=y)
-            >>> [(str(t.action), round(t.seconds, 4)) for t in times][:2]  # doctest: +SKIP
-            [('0F0', 0.0123), ('0F1', 0.0119)]
+            >>> import pippy_split as ps
+            >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+            >>> pipe = ps.pipeline(model, ["2"], (torch.randn(2, 4),))  # 2 stages, here on one rank
+            >>> sched = ps.build_schedule(pipe, "ZBVZeroBubble", 4, loss_fn=torch.nn.functional.mse_loss)
+            >>> with sched.timed_actions() as times:
+            ...     _ = sched.step(torch.randn(8, 4), target=torch.randn(8, 2))
+            >>> [str(t.action) for t in times][:4], all(t.seconds >= 0 for t in times)
+            (['0F0', '1F0', '1I0', '1W0'], True)
         """
         recorder = ActionRecorder(self.stages[0].device, probe)
         previous, self._runtime.observer = self._runtime.observer, recorder
@@ -346,7 +350,13 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         ``False`` force it.
 
         Example:
-            >>> sched.release_sent_outputs = True   # also on CPU: less memory, slower steps  # doctest: +SKIP
+            >>> import pippy_split as ps
+            >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+            >>> pipe = ps.pipeline(model, ["2"], (torch.randn(2, 4),))  # 2 stages, here on one rank
+            >>> sched = ps.build_schedule(pipe, "ZBVZeroBubble", 4, loss_fn=torch.nn.functional.mse_loss)
+            >>> sched.release_sent_outputs is None  # the default: decided by the stages' device
+            True
+            >>> sched.release_sent_outputs = True   # also on CPU: less memory, slower steps
         """
         return self._runtime.release_sent
 
@@ -371,9 +381,12 @@ class PipelineSchedule(metaclass=_ScheduleClass):
     def __repr__(self) -> str:
         """One line: class, this rank's stages, ranks, microbatches, placement.
 
-        Example:
-            >>> ps.build_schedule(pipe, "1F1B", n_microbatches=4)  # doctest: +SKIP
-            Schedule1F1B(stages [0] on rank 0 of 2, n_microbatches=4, placement='loop')
+        Example (on rank 0 of 2, ``"1F1B"`` gives ``Schedule1F1B(stages [0] on rank 0 of 2, ...)``):
+            >>> import pippy_split as ps
+            >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+            >>> pipe = ps.pipeline(model, ["2"], (torch.randn(2, 4),))  # 2 stages, here on one rank
+            >>> ps.build_schedule(pipe, "ZBVZeroBubble", n_microbatches=4)
+            ScheduleZBVZeroBubble(stages [0, 1] on rank 0 of 1, n_microbatches=4, placement='v')
         """
         return (f"{type(self).__name__}(stages {[s.stage_index for s in self.stages]} on rank {self.rank} of "
                 f"{self.world}, n_microbatches={self.n_microbatches}, placement={self.placement_name!r})")

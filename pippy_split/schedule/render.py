@@ -57,10 +57,14 @@ def render_text(sim: Any, width: int | None = None) -> str:
         width: squeeze the timeline into this many columns (labels shorten).
 
     Example:
-        >>> print(render_text(sim))  # doctest: +SKIP
-        2 ranks, makespan 6, bubble 33.3%
-                0   1   2   3 ...
-        rank 0 |0F0 0F1 ........0B0 0B1 |
+        >>> from pippy_split.schedule import get_schedule_class, simulate
+        >>> sim = simulate(get_schedule_class("1F1B").compute_order(num_ranks=2, n_microbatches=2))
+        >>> print(render_text(sim))
+        2 ranks, makespan 9, bubble 33.3%
+                0       2       4       6       8
+        rank 0 |0F0 0F1 ........0B0     ....0B1     |
+        rank 1 |....1F0 1B0     1F1 1B1     ........|
+        peak activations: r0=2 r1=1
     """
     scale = columns_per_unit(sim, width)
     total = max(1, round(sim.makespan * scale))
@@ -151,6 +155,14 @@ def render_rich(sim: Any, wrap: bool = False) -> TimelineView:
             whose labels shorten to the kind letter.
 
     Example:
-        >>> rich.print(render_rich(sim, wrap=True))  # doctest: +SKIP
+        >>> from pippy_split.schedule import get_schedule_class, simulate
+        >>> sim = simulate(get_schedule_class("1F1B").compute_order(num_ranks=2, n_microbatches=2))
+        >>> Console(width=60, color_system=None).print(render_rich(sim, wrap=True))  # in colour on a terminal
+        2 ranks, makespan 9, bubble 33.3%
+                0       2       4       6       8
+        rank 0 |0F0 0F1 ........0B0     ....0B1     |
+        rank 1 |....1F0 1B0     1F1 1B1     ........|
+        legend:  F   B   I   W   comm   . idle
+        peak activations: r0=2 r1=1
     """
     return TimelineView(sim, wrap=wrap)

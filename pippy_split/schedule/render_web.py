@@ -40,8 +40,12 @@ def render_svg(sim: Any, path: str | Path | None = None, *, px_per_unit: float |
         The SVG document text.
 
     Example:
-        >>> svg = render_svg(sim, "timeline.svg")  # doctest: +SKIP
-        >>> svg = render_svg(candidate.simulation, title="1F1B, m=8", time_unit="s")  # doctest: +SKIP
+        >>> from pippy_split.schedule import get_schedule_class, simulate
+        >>> sim = simulate(get_schedule_class("1F1B").compute_order(num_ranks=2, n_microbatches=8),
+        ...                costs={"F": 0.001, "B": 0.002})  # seconds, as a plan's candidates
+        >>> svg = render_svg(sim, title="1F1B, m=8", time_unit="s")  # render_svg(sim, "t.svg") also writes it
+        >>> svg.startswith("<svg"), "time/ms" in svg
+        (True, True)
     """
     spans = timeline_spans(sim)
     px = px_per_unit or _svg_scale(sim, spans)
@@ -179,8 +183,12 @@ def render_schedule_html(sched: Any, sim: Any | None) -> str:
     given, the simulated timeline of its whole order (``sim``) as an SVG.
 
     Example:
-        >>> sched._repr_html_()[:40]  # doctest: +SKIP
-        '<div class="pippy-split-schedule"><table>'
+        >>> import torch
+        >>> import pippy_split as ps
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> sched = ps.build_schedule(ps.pipeline(model, ["2"], (torch.randn(2, 4),)), "ZBVZeroBubble", 4)
+        >>> sched._repr_html_()[:40]
+        '<div class="pippy-split-schedule"><table'
     """
     parts = [html_table(schedule_rows(sched))]
     if sim is not None:

@@ -174,9 +174,15 @@ class ScheduleFromOrder(PipelineSchedule):
     once, dependencies, a dry run with the comms) on every rank before anything runs,
     so a bad order is a :class:`ScheduleError` at construction, never a hang.
 
-    Example:
-        >>> order = order_from_csv("0F0,0F1,0B0,0B1\\n,1F0,1B0,1F1,1B1")
-        >>> sched = ScheduleFromOrder(stage, 2, loss_fn, order=order)  # doctest: +SKIP
+    Example (one CSV row per rank; here one rank holds both stages):
+        >>> import pippy_split as ps
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> pipe = ps.pipeline(model, ["2"], (torch.randn(2, 4),))  # 2 stages, here on one rank
+        >>> order = order_from_csv("0F0,1F0,1B0,0F1,1F1,0B0,1B1,0B1")
+        >>> stages = [pipe.build_stage(i, "cpu") for i in range(2)]
+        >>> sched = ScheduleFromOrder(stages, 2, torch.nn.functional.mse_loss, order=order)
+        >>> sched.step(torch.randn(4, 4), target=torch.randn(4, 2)).shape
+        torch.Size([4, 2])
     """
 
     def __init__(self, stage_or_stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
@@ -232,10 +238,15 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
     class (``loss_count=``, ``placement=``, ...). ``group`` is the pipeline's process
     group or one dimension of a DeviceMesh (``mesh["pp"]``).
 
-    Example:
-        >>> sched = build_schedule(pipe, "ZBVZeroBubble", 8, loss_fn=F.cross_entropy,  # doctest: +SKIP
+    Example (on each rank of a group, the same call builds that rank's stages):
+        >>> import pippy_split as ps
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> pipe = ps.pipeline(model, ["2"], (torch.randn(2, 4),))  # 2 stages, here on one rank
+        >>> sched = build_schedule(pipe, "ZBVZeroBubble", 8, loss_fn=torch.nn.functional.mse_loss,
         ...                        activation_checkpoint="full")
-        >>> sched.step(x, target=y); print(sched.loss)  # doctest: +SKIP
+        >>> _ = sched.step(torch.randn(16, 4), target=torch.randn(16, 2))
+        >>> sched.loss.shape, [st.stage_index for st in sched.stages]
+        (torch.Size([]), [0, 1])
     """
     cls = get_schedule_class(name_or_class) if isinstance(name_or_class, str) else name_or_class
     group = process_group(group, "build_schedule")

@@ -87,7 +87,11 @@ class Simulation:
         beside the makespan and bubble; also written to ``path`` when given.
 
         Example:
-            >>> svg = simulate(order).to_svg("zbv.svg", title="ZBVZeroBubble, 4 ranks, 8 mb")  # doctest: +SKIP
+            >>> from pippy_split.schedule import get_schedule_class
+            >>> order = get_schedule_class("ZBVZeroBubble").compute_order(num_ranks=2, n_microbatches=4)
+            >>> svg = simulate(order).to_svg(title="ZBVZeroBubble, 2 ranks, 4 mb")  # path: also write it
+            >>> svg.startswith("<svg"), "ZBVZeroBubble, 2 ranks, 4 mb" in svg
+            (True, True)
         """
         return _render().render_svg(self, path, title=title)
 

@@ -89,8 +89,10 @@ class Pipe:
         (sizes as traced) or a non-tensor's value; and each dynamic symbol's example value.
 
         Example:
-            >>> pipe.example_inputs()  # doctest: +SKIP
-            ([((4, 16), torch.float32)], {})
+            >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]); x = torch.randn(2, 8)
+            >>> pipe = pipeline(model, ["2"], (x,))
+            >>> pipe.example_inputs()
+            ([((2, 8), torch.float32)], {})
         """
         inputs = self._traced.example_inputs()
         return inputs, {s.symbol: inputs[s.input_index][0][s.dim] for s in self.symbols}
@@ -150,8 +152,10 @@ class Pipe:
         and kept. Stages built with ``mixed_precision=`` use it.
 
         Example:
-            >>> bf16 = pipe.under_autocast(torch.bfloat16)  # doctest: +SKIP
-            >>> with torch.autocast("cpu", dtype=torch.bfloat16):  # doctest: +SKIP
+            >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]); x = torch.randn(2, 8)
+            >>> pipe = pipeline(model, ["2"], (x,))
+            >>> bf16 = pipe.under_autocast(torch.bfloat16)
+            >>> with torch.autocast("cpu", dtype=torch.bfloat16):
             ...     torch.testing.assert_close(bf16(x), model(x))
         """
         from .autocast_trace import trace_device_type, translate_cuts
@@ -218,7 +222,11 @@ class Pipe:
         ``PipelineStage.from_pipe``; the module is not moved otherwise.
 
         Example:
-            >>> module = pipe.fill_stage_module(1, "cpu", state_dict=model.state_dict())  # doctest: +SKIP
+            >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]); x = torch.randn(2, 8)
+            >>> pipe = pipeline(model, ["2"], (x,))
+            >>> module = pipe.fill_stage_module(1, "cpu", state_dict=model.state_dict())
+            >>> sorted(module.state_dict())  # the model's own names
+            ['2.bias', '2.weight', '3.bias', '3.weight']
         """
         from .materialize import fill_stage
 
@@ -286,11 +294,14 @@ def pipeline(
         The Pipe.
 
     Example:
-        >>> pipe = pipeline(model, ["blocks.2"], (x,))  # doctest: +SKIP
-        >>> pipe.num_stages, [str(e) for e in pipe.edges]  # doctest: +SKIP
-        >>> torch.testing.assert_close(pipe(x), model(x))  # doctest: +SKIP
-        >>> pipe = pipeline(model, 4, (x,), balance="time")  # doctest: +SKIP
-        >>> pipe.balance.shares, pipe.balance.ratio      # ((0.26, 0.25, 0.24, 0.25), 1.04)  # doctest: +SKIP
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]); x = torch.randn(2, 8)
+        >>> pipe = pipeline(model, ["2"], (x,))  # a transformer: ["blocks.2"]
+        >>> pipe.num_stages, [str(e) for e in pipe.edges]
+        (2, ['0.out[0] -> 1.in[0] 1 (linear_1) (2, 8) float32'])
+        >>> torch.testing.assert_close(pipe(x), model(x))
+        >>> pipe = pipeline(model, 4, (x,), balance="params")  # or "flops", "time", "memory"
+        >>> pipe.balance.shares, pipe.balance.ratio
+        ((0.25, 0.25, 0.25, 0.25), 1.0)
     """
     example_args, example_kwargs = _example(example_args, example_kwargs, mb_args, mb_kwargs)
     if not isinstance(model, torch.nn.Module):
