@@ -51,14 +51,10 @@ def load(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
             unexpected keys, listing the first 10 of each and their counts; or
             shapes that differ. Raised on every rank alike.
 
-    Example (one process and the unsplit model; on ranks, every rank calls
-    ``load(path, sched, opt)``, whatever layout wrote the checkpoint):
-        >>> import shutil, tempfile, torch
-        >>> from pippy_split.checkpoint import save
-        >>> d = tempfile.mkdtemp()
-        >>> path = save(os.path.join(d, "ckpt"), torch.nn.Linear(2, 2), extra={"step": 10})
-        >>> model = torch.nn.Linear(2, 2)
-        >>> load(path, model)
+    Example (one process, the unsplit model; on ranks: ``load(path, sched, opt)``, any layout):
+        >>> import shutil, tempfile, torch; from pippy_split.checkpoint import save
+        >>> d = tempfile.mkdtemp(); path = save(os.path.join(d, "ckpt"), torch.nn.Linear(2, 2), extra={"step": 10})
+        >>> load(path, torch.nn.Linear(2, 2))
         {'step': 10}
         >>> shutil.rmtree(d)
     """

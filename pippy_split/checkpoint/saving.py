@@ -57,13 +57,10 @@ def save(path: str | os.PathLike, modules_or_schedule: Any, optimizer: Any = Non
     A key held by several stages or ranks (a tied weight, a data-parallel replica)
     is written once, from the lowest stage index holding it (then the lowest rank).
 
-    Example (one process and the unsplit model; on ranks, every rank calls
-    ``save(path, sched, opt, extra=...)``):
-        >>> import shutil, tempfile
+    Example (one process, the unsplit model; on ranks: ``save(path, sched, opt, extra=...)``):
+        >>> import shutil, tempfile; d = tempfile.mkdtemp()
         >>> model = torch.nn.Linear(2, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> d = tempfile.mkdtemp()
-        >>> path = save(os.path.join(d, "ckpt"), model, opt, extra={"step": 10})
-        >>> sorted(os.listdir(path))  # DCP's files: metadata, one file per writing rank
+        >>> sorted(os.listdir(save(os.path.join(d, "ckpt"), model, opt, extra={"step": 10})))  # DCP's files
         ['.metadata', '__0_0.distcp']
         >>> shutil.rmtree(d)
     """
