@@ -138,6 +138,12 @@ def _check_options(cfg: TrainConfig, schedules: Any) -> str:
         return "--pack packs the lines of a --data text file for the built-in TinyGPT (not with --model)"
     if cfg.dp < 1 or cfg.tp < 1 or cfg.ranks % (cfg.dp * cfg.tp):
         return f"--ranks {cfg.ranks} must be a multiple of --dp {cfg.dp} x --tp {cfg.tp} (the pipeline gets the rest)"
+    mixed = [flag for flag, on in (("--bf16", cfg.bf16), ("--activation-checkpoint", cfg.activation_checkpoint),
+                                   ("--compile", cfg.compile), ("--grad-accum", cfg.grad_accum > 1),
+                                   ("--plan", cfg.plan)) if on]
+    if (cfg.dp > 1 or cfg.tp > 1) and mixed:
+        return (f"--dp/--tp with {', '.join(mixed)} is not checked exact against the plain pipeline, so the job "
+                "refuses it; train N-D without them, or build it in Python (ps.build_schedule, then ps.parallelize)")
     if cfg.dp > 1 and (cfg.pack or (cfg.model and not cfg.data and not cfg.model.startswith("hf:"))):
         return ("--dp splits each step's rows over the replicas: it trains on --data windows or the built-in sums, "
                 "not with --pack or a factory's own batch")

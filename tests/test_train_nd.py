@@ -62,6 +62,9 @@ def test_layouts_that_cannot_work_are_refused_before_any_rank_starts(tmp_path):
     assert r.returncode == 2 and "--ranks 3 must be a multiple of --dp 2 x --tp 1" in r.stderr
     r = _cli("train", "--ranks", "4", "--dp", "2", "--model", "zoo:mlp_stack", cwd=tmp_path)
     assert r.returncode == 2 and "not with --pack or a factory's own batch" in r.stderr
+    for flag in (["--bf16"], ["--activation-checkpoint"], ["--compile"], ["--grad-accum", "2"], ["--plan", "1GB"]):
+        r = _cli("train", "--ranks", "4", "--tp", "2", *flag, cwd=tmp_path)
+        assert r.returncode == 2 and f"--dp/--tp with {flag[0]} is not checked exact" in r.stderr
 
 
 def test_tp_plans_are_known_layouts_only():
