@@ -31,7 +31,7 @@ from ..schedule.simulate import simulate
 from .batches import count_tokens, heldout_batch, to_device, train_batch
 from .config import TrainConfig
 from .finish import finish
-from .metrics import METRICS_FILE, RunLog, peak_memory_mib
+from .metrics import METRICS_FILE, RunLog, make_run_dir, peak_memory_mib
 from .nd import Layout, parallelize_stages
 from .optim import average_accumulated, lr_at
 from .planned import planned_config
@@ -82,6 +82,8 @@ def train_rank(cfg: TrainConfig, prepared: Prepared | None, rank: int, world: in
     """Build this rank's stages, train ``cfg.steps`` steps (resuming if restarted), save, finish."""
     console = Console(stderr=False)
     log = console.print if rank == 0 else (lambda *a, **k: None)
+    if rank == 0:  # first, while the other ranks trace: a directory in the way fails here, named, before any collective
+        make_run_dir(cfg.checkpoint)
     layout = Layout.of(cfg, world, rank, device)  # --dp / --tp: a (dp, pp, tp) mesh
     if cfg.plan and prepared is None:
         cfg = planned_config(cfg, layout.pp, log)

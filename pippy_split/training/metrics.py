@@ -52,7 +52,7 @@ class RunLog:
 
     def __init__(self, directory: str, *, log_every: int, tensorboard: bool, plain: bool,
                  print_fn: Callable[[str], Any], append: bool = False) -> None:
-        _make_run_dir(directory)
+        make_run_dir(directory)
         self.path = os.path.join(directory, METRICS_FILE)
         self._file = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.log_every, self.plain, self.print = log_every, plain, print_fn
@@ -86,7 +86,7 @@ class RunLog:
             self.writer.close()
 
 
-def _make_run_dir(directory: str) -> None:
+def make_run_dir(directory: str) -> None:
     """The run's directory, or a CheckpointError naming what is in the way (before any step runs)."""
     try:
         check_ancestors(os.path.abspath(directory))
