@@ -22,12 +22,15 @@ import argparse
 import json
 import sys
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # torch probes for numpy once per process and warns "Failed to initialize NumPy" where it is
 # not installed (torch does not depend on it, and neither do these commands). Ignored here,
 # in the command's process, and in the ranks `train` spawns, which import this module first.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+if TYPE_CHECKING:
+    from .split.pipe import Pipe
 
 __all__ = ["main", "build_parser", "parse_costs", "simulate_cmd", "inspect_cmd", "plan_cmd", "pipe_to_json", "failure_line",
            "split_hint"]
@@ -182,7 +185,7 @@ def _shape_json(shape: tuple) -> list:
     return [d if isinstance(d, int) else str(d) for d in shape]
 
 
-def pipe_to_json(pipe: Any) -> dict:
+def pipe_to_json(pipe: Pipe) -> dict:
     """Stages, edges and shared parameters of a Pipe as JSON-ready data."""
     stages = [{"index": s.index, "modules": list(s.modules), "num_params": s.num_params,
                "param_bytes": s.param_bytes, "flops": int(s.flops), "params": list(s.param_fqns)}

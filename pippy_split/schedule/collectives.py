@@ -2,58 +2,47 @@
 
 Part of the schedule layer (… → **schedule** → runtime), used by
 :class:`~pippy_split.schedule.schedules.PipelineSchedule`: at construction, the
-process group's size, a check that every rank built the same lowered order, and
+check that every rank built the same lowered order, and
 the links of hand-built stages; every step, the batch's item count
 (``loss_count``), the step's loss and the summed gradient of
-tied parameters. Each is a plain function of what it needs (group, ranks,
-tensors), so none reaches into a schedule or a stage.
+tied parameters. Each is a plain function of what it needs (the
+:class:`~pippy_split.stage.groups.PipelineGroup`, tensors), so none reaches into a schedule or a stage.
 """
 
 from __future__ import annotations
 
-import os
 import zlib
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..stage.errors import PipelineError
-from ..stage.groups import process_group
+from ..stage.groups import PipelineGroup
 from ..stage.loss import LossRule
 from .actions import Order
 from .errors import ScheduleError
 
-__all__ = ["group_info", "agree_on_order", "gather_links", "shared_item_count", "share_loss",
+if TYPE_CHECKING:
+    from ..stage.pipe_view import PipeView
+    from ..stage.stage import PipelineStage
+
+__all__ = ["agree_on_order", "gather_links", "shared_item_count", "share_loss",
            "sync_shared_grads"]
 
 Link = tuple[int, int, bool]
 
 
-def group_info(group: Any) -> tuple[int, int]:
-    """``(rank, world size)`` in ``group`` (a process group or a 1-D DeviceMesh); ``(0, 1)``
-    without a process group (refused where the process was launched as one of several ranks)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        if launched > 1 and group is None:
-            raise PipelineError(f"this process was launched as one of WORLD_SIZE={launched} ranks (torchrun?) but "
-                                "no process group exists: call torch.distributed.init_process_group() before "
-                                "building the schedule, or every rank would run the whole pipeline alone")
-        return 0, 1
-    group = process_group(group)
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def agree_on_order(name: str, lowered: Order, n_microbatches: int, num_stages: int, links: Sequence[Link],
-                   group: Any, world: int, rank: int, device: torch.device) -> None:
+                   pg: PipelineGroup) -> None:
     """Every rank must run the same lowered order (else messages would pair up wrongly).
     One small all-gather of a fingerprint, also the group's first collective, which
     NCCL needs before batched point-to-point calls among a subset of ranks."""
     text = f"{n_microbatches}|{num_stages}|{sorted(links)}|" + ";".join(
         ",".join(str(a) for a in lowered[r] if a is not None) for r in sorted(lowered))
-    mine = torch.tensor([zlib.crc32(text.encode()), n_microbatches], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
+    mine = torch.tensor([zlib.crc32(text.encode()), n_microbatches], dtype=torch.int64, device=pg.device)
+    every = [torch.empty_like(mine) for _ in range(pg.world)]
+    dist.all_gather(every, mine, group=pg.group)
     prints = [tuple(t.tolist()) for t in every]
     if len(set(prints)) > 1:
         groups: dict[tuple, list[int]] = {}
@@ -61,27 +50,27 @@ def agree_on_order(name: str, lowered: Order, n_microbatches: int, num_stages: i
             groups.setdefault(fp, []).append(r)
         detail = "; ".join(f"ranks {rs} (n_microbatches={fp[1]})" for fp, rs in groups.items())
         raise ScheduleError(f"{name}: the ranks built different schedules: {detail}. Every rank "
-                            "must pass the same schedule class, n_microbatches, order and stage layout", rank=rank)
+                            "must pass the same schedule class, n_microbatches, order and stage layout", rank=pg.rank)
 
 
-def gather_links(mine: Sequence[Link], group: Any, world: int, rank: int) -> list[Link]:
+def gather_links(mine: Sequence[Link], pg: PipelineGroup) -> list[Link]:
     """Hand-built stages declare their own skips: every rank shares its stages'
     links once (a small int tensor), so all ranks lower the same order."""
-    if world == 1:
+    if not pg.distributed:
         return sorted(set(mine))
     width = 256
     if len(mine) > width:
-        raise ValueError(f"rank {rank}: more than {width} links from its stages")
+        raise ValueError(f"rank {pg.rank}: more than {width} links from its stages")
     buf = torch.full((width, 3), -1, dtype=torch.int64)
     if mine:
         buf[: len(mine)] = torch.tensor([[s, d, int(g)] for s, d, g in mine])
-    gathered = [torch.empty_like(buf) for _ in range(world)]
-    dist.all_gather(gathered, buf, group=group)
+    gathered = [torch.empty_like(buf) for _ in range(pg.world)]
+    dist.all_gather(gathered, buf, group=pg.group)
     return sorted({(int(s), int(d), bool(g)) for t in gathered for s, d, g in t.tolist() if s >= 0})
 
 
-def shared_item_count(loss_count: Callable[[Any], Any], targets: list | None, group: Any, world: int,
-                      device: torch.device, last_stage: int, last_rank: int) -> float:
+def shared_item_count(loss_count: Callable[[Any], Any], targets: list | None, pg: PipelineGroup,
+                      last_stage: int, last_rank: int) -> float:
     """The batch's item count (``loss_count`` over every microbatch's target), worked out
     where the last stage lives and shared with every rank before the first action, so
     that a bad count stops every rank with the same error instead of leaving them waiting."""
@@ -95,9 +84,9 @@ def shared_item_count(loss_count: Callable[[Any], Any], targets: list | None, gr
                 failure = f"microbatch {mb}: loss_count raised {type(e).__name__}: {e}"
                 break
     total = torch.tensor([float("nan") if failure else sum(counts)], dtype=torch.float64)
-    if world > 1:
-        total = total.to(device)
-        dist.broadcast(total, group=group, group_src=last_rank)
+    if pg.distributed:
+        total = total.to(pg.device)
+        dist.broadcast(total, group=pg.group, group_src=last_rank)
     value = float(total.item())
     where = f"stage {last_stage} (rank {last_rank})"
     if value != value:  # NaN: loss_count failed there
@@ -110,22 +99,21 @@ def shared_item_count(loss_count: Callable[[Any], Any], targets: list | None, gr
     return value
 
 
-def share_loss(mb_losses: list, rule: LossRule | None, group: Any, world: int, device: torch.device,
-               src_rank: int) -> torch.Tensor:
+def share_loss(mb_losses: list, rule: LossRule | None, pg: PipelineGroup, src_rank: int) -> torch.Tensor:
     """The step's loss (:meth:`LossRule.step_loss`), sent from where the last stage lives
     to every rank (zero where no loss was computed)."""
     known = rule is not None and bool(mb_losses) and all(loss is not None for loss in mb_losses)
     value = rule.step_loss(mb_losses) if known and rule is not None else torch.zeros(())
     value = value.to(torch.float32).clone()
-    if world > 1:
+    if pg.distributed:
         # Waited for here: a step leaves no work outstanding, so destroy_process_group()
         # right after the last step() finds nothing in flight.
-        value = value.to(device)
-        dist.broadcast(value, group=group, group_src=src_rank)
+        value = value.to(pg.device)
+        dist.broadcast(value, group=pg.group, group_src=src_rank)
     return value
 
 
-def sync_shared_grads(pipe: Any, stages: Sequence[Any], group: Any, world: int, device: torch.device) -> None:
+def sync_shared_grads(pipe: PipeView | None, stages: Sequence[PipelineStage], pg: PipelineGroup) -> None:
     """Tied parameters held by several stages end the step with the summed gradient."""
     if pipe is None or not pipe.shared_parameters:
         return
@@ -137,11 +125,11 @@ def sync_shared_grads(pipe: Any, stages: Sequence[Any], group: Any, world: int, 
                 p = mine[s].module.get_parameter(names[0])
                 local[id(p)] = p
         ref = pipe.stages[holders[0][0]].module.get_parameter(holders[0][1][0])
-        total = torch.zeros_like(ref, device=device)
+        total = torch.zeros_like(ref, device=pg.device)
         for p in local.values():
             if p.grad is not None:
                 total += p.grad
-        if world > 1:
-            dist.all_reduce(total, group=group)
+        if pg.distributed:
+            dist.all_reduce(total, group=pg.group)
         for p in local.values():
             p.grad = total.clone() if len(local) > 1 else total

@@ -14,7 +14,7 @@ send with the k-th receive, so a receive must know its size beforehand.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
@@ -23,8 +23,12 @@ import torch.distributed as dist
 from ..microbatch import split_args_kwargs
 from ..split.spec import SymbolSource
 from ..stage.errors import PipelineError
+from ..stage.groups import PipelineGroup
 
 __all__ = ["local_sizes", "inputs_given_anyway", "share_sizes", "message_bytes"]
+
+if TYPE_CHECKING:
+    from ..stage.pipe_view import PipeView
 
 Bindings = dict[sympy.Symbol, int]
 
@@ -54,7 +58,7 @@ def local_sizes(symbols: Sequence[SymbolSource], flat_inputs: list[list[Any]] | 
     return values
 
 
-def inputs_given_anyway(pipe: Any, args: tuple, kwargs: dict, n: int, args_chunk_spec: Any = None,
+def inputs_given_anyway(pipe: PipeView, args: tuple, kwargs: dict, n: int, args_chunk_spec: Any = None,
                         kwargs_chunk_spec: Any = None) -> list | None:
     """A rank that reads no model input but was given them (every rank loading the same batch,
     the usual torchrun script) still reports their sizes, so ranks whose data differ (an
@@ -70,14 +74,13 @@ def inputs_given_anyway(pipe: Any, args: tuple, kwargs: dict, n: int, args_chunk
         return None
 
 
-def share_sizes(symbols: Sequence[SymbolSource], mine: torch.Tensor, group: Any, world: int,
-                device: torch.device) -> list[Bindings]:
+def share_sizes(symbols: Sequence[SymbolSource], mine: torch.Tensor, pg: PipelineGroup) -> list[Bindings]:
     """Every microbatch's ``{symbol: size}`` on every rank: one all-gather of each rank's
     :func:`local_sizes` (ranks without inputs send -1). Ranks given inputs must agree;
     where they do not, every rank raises the same error before any message."""
-    if world > 1:
-        every = [torch.empty_like(mine, device=device) for _ in range(world)]
-        dist.all_gather(every, mine.to(device), group=group)
+    if pg.distributed:
+        every = [torch.empty_like(mine, device=pg.device) for _ in range(pg.world)]
+        dist.all_gather(every, mine.to(pg.device), group=pg.group)
         gathered = [t.cpu() for t in every]
     else:
         gathered = [mine]

@@ -12,7 +12,7 @@ runs this rank's actions on the one :class:`.runtime.Interpreter`.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 
@@ -21,12 +21,13 @@ from ..microbatch.chunking import any_per_microbatch
 from ..split.spec import InputKind
 from ..stage.data_parallel import sync_data_parallel
 from ..stage.errors import PipelineError
+from ..stage.groups import PipelineGroup
 from ..stage.loss import LossRule
 from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
 from .actions import Action, ActionKind, Order
 from .agree import agree_before_step
-from .collectives import agree_on_order, gather_links, group_info, share_loss, shared_item_count, sync_shared_grads
+from .collectives import agree_on_order, gather_links, share_loss, shared_item_count, sync_shared_grads
 from .deps import edge_links
 from .dynamic_sizes import inputs_given_anyway, local_sizes, share_sizes
 from .errors import ScheduleError
@@ -39,6 +40,11 @@ from .simulate import simulate
 from .timing import ActionRecorder, ActionTiming
 from .train_mode import refuse_train_mode_graph
 from .validate import validate
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from ..stage.pipe_view import PipeView
 
 __all__ = ["PipelineSchedule"]
 
@@ -113,8 +119,7 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         self.scale_grads = scale_grads
         self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
         self.output_merge_spec = output_merge_spec
-        self.group = self.stages[0].group
-        self.rank, self.world = group_info(self.group)
+        self.pipeline_group = PipelineGroup.of(self.stages[0].group, self.stages[0].device)
         self.num_stages = self.stages[0].num_stages
         if len({s.stage_index for s in self.stages}) != len(self.stages):
             raise ValueError(f"{type(self).__name__}: the same stage was given twice: "
@@ -145,7 +150,7 @@ class PipelineSchedule(metaclass=_ScheduleClass):
                                     P2P(self.group, timeout) if self.world > 1 else None)
         if self.world > 1:
             agree_on_order(type(self).__name__, self.lowered, self.n_microbatches, self.num_stages, self.links,
-                           self.group, self.world, self.rank, self.stages[0].device)
+                           self.pipeline_group)
         self._loss: torch.Tensor | None = None
 
     # ---- set-up checks ----------------------------------------------------------
@@ -184,7 +189,7 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         pipe = self.stages[0].pipe
         if pipe is not None:
             return edge_links(pipe.edges)
-        return gather_links([link for st in self.stages for link in st.links()], self.group, self.world, self.rank)
+        return gather_links([link for st in self.stages for link in st.links()], self.pipeline_group)
 
     def _forward_only(self, n: int) -> list[Action]:
         # Stage-major forward order is a valid forward-only schedule for any placement.
@@ -202,19 +207,17 @@ class PipelineSchedule(metaclass=_ScheduleClass):
             sizes = self._local_context(ctx, args, kwargs, target, train)
         except Exception as e:  # raised on every rank alike below, before any rank waits for a message
             error = e
-        agree_before_step(error, self.group, self.world, self.rank, self.stages[0].device,
-                          "step()" if train else "eval()")
+        agree_before_step(error, self.pipeline_group, "step()" if train else "eval()")
         items = None
         if train and self.loss_count is not None:
-            items = shared_item_count(self.loss_count, ctx.targets if self._last is not None else None, self.group,
-                                      self.world, self.stages[0].device, self.num_stages - 1,
-                                      self.placement[self.num_stages - 1])
+            items = shared_item_count(self.loss_count, ctx.targets if self._last is not None else None,
+                                      self.pipeline_group, self.num_stages - 1, self.placement[self.num_stages - 1])
         if self.loss_fn is not None:
             ctx.loss = LossRule.for_step(self.loss_fn, n_microbatches=self.n_microbatches, scale_grads=self.scale_grads,
                                          items=items, scale=self.loss_scale, on_nonfinite=self.on_nonfinite)
         pipe = self.stages[0].pipe
         if pipe is not None and pipe.symbols:
-            ctx.bindings = share_sizes(pipe.symbols, sizes, self.group, self.world, self.stages[0].device)
+            ctx.bindings = share_sizes(pipe.symbols, sizes, self.pipeline_group)
         return ctx
 
     def _local_context(self, ctx: StepContext, args: tuple, kwargs: dict, target: Any, train: bool) -> Any:
@@ -271,7 +274,7 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         except Exception:
             self._runtime.reset()
             raise
-        sync_shared_grads(self.stages[0].pipe, self.stages, self.group, self.world, self.stages[0].device)
+        sync_shared_grads(self.stages[0].pipe, self.stages, self.pipeline_group)
         for st in self.stages:
             sync_data_parallel(st.module)
         last = self._last
@@ -281,8 +284,7 @@ class PipelineSchedule(metaclass=_ScheduleClass):
             st.clear()
         if last is not None and losses is not None:
             losses[:] = mb_losses  # replaced, not appended: a list reused every step holds this step's
-        self._loss = share_loss(mb_losses, ctx.loss, self.group, self.world, self.stages[0].device,
-                                self.placement[self.num_stages - 1])
+        self._loss = share_loss(mb_losses, ctx.loss, self.pipeline_group, self.placement[self.num_stages - 1])
         return out
 
     def eval(self, *args: Any, **kwargs: Any) -> Any:
@@ -365,6 +367,21 @@ class PipelineSchedule(metaclass=_ScheduleClass):
 
     # ---- summaries ---------------------------------------------------------------
     @property
+    def group(self) -> ProcessGroup | None:
+        """The pipeline's process group (``None``: the default group); ``pipeline_group.group``."""
+        return self.pipeline_group.group
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the pipeline's group."""
+        return self.pipeline_group.rank
+
+    @property
+    def world(self) -> int:
+        """The number of ranks in the pipeline's group."""
+        return self.pipeline_group.world
+
+    @property
     def placement_name(self) -> str:
         """The placement this schedule runs under, by name: ``"loop"`` or ``"v"`` (its
         family's, or the ``placement=`` it was given)."""
@@ -390,7 +407,7 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         return render.render_schedule_html(self, simulate(self.order, links=self.links) if small else None)
 
 
-def _flat_microbatch(pipe: Any, mb: int, args: tuple, kwargs: dict) -> list[Any]:
+def _flat_microbatch(pipe: PipeView, mb: int, args: tuple, kwargs: dict) -> list[Any]:
     """One microbatch's model inputs, flat; a shape the trace cannot take names the microbatch."""
     try:
         return pipe.flatten_inputs(args, kwargs)

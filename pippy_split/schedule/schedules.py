@@ -11,15 +11,14 @@ registry's names; :func:`build_schedule` builds this rank's stages of a Pipe for
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..stage.groups import GroupArg, process_group
+from ..stage.groups import GroupArg, PipelineGroup
 from ..stage.options import StageOptions
 from ..stage.stage import PipelineStage
 from .actions import Order, order_from_csv
-from .collectives import group_info
 from .errors import ScheduleError
 from .orders import get_order_spec
 from .pipeline_schedule import PipelineSchedule
@@ -28,6 +27,9 @@ from .simulate import simulate  # noqa: F401 - the class docstrings' timelines r
 from .timing import ActionTiming
 from .train_mode import train_mode_ops
 from .validate import validate
+
+if TYPE_CHECKING:
+    from ..split.pipe import Pipe
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
            "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleFromOrder", "ActionTiming",
@@ -221,7 +223,7 @@ def get_schedule_class(name: str) -> type[PipelineSchedule]:
     return _CLASSES[get_order_spec(name).name]
 
 
-def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_microbatches: int,
+def build_schedule(pipe: Pipe, name_or_class: str | type[PipelineSchedule], n_microbatches: int,
                    loss_fn: Callable | None = None, group: GroupArg = None,
                    device: torch.device | str | None = None, *,
                    activation_checkpoint: str | Sequence[str] | None = None,
@@ -249,8 +251,8 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
         (torch.Size([]), [0, 1])
     """
     cls = get_schedule_class(name_or_class) if isinstance(name_or_class, str) else name_or_class
-    group = process_group(group, "build_schedule")
-    rank, world = group_info(group)
+    pg = PipelineGroup.of(group, where="build_schedule")
+    rank, world = pg.rank, pg.world
     spec = get_order_spec(cls.order_name)
     if not spec.fits(pipe.num_stages, world):
         raise ValueError(f"{pipe.num_stages} stages on {world} rank{'s' if world > 1 else ''}: {cls.__name__} needs "
@@ -258,5 +260,5 @@ def build_schedule(pipe: Any, name_or_class: str | type[PipelineSchedule], n_mic
     where = cls.stage_placement(pipe.num_stages, world, kwargs.get("placement"))
     mine = sorted(s for s, r in where.items() if r == rank)
     options = StageOptions.of(activation_checkpoint, mixed_precision, compile, where="build_schedule")
-    stages = [pipe.build_stage(s, device, group, state_dict=state_dict, options=options) for s in mine]
+    stages = [pipe.build_stage(s, device, pg.group, state_dict=state_dict, options=options) for s in mine]
     return cls(stages, n_microbatches, loss_fn, **kwargs)

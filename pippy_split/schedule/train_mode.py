@@ -8,11 +8,14 @@ behaviour. This module finds those ops once per pipe (cached in ``pipe.derived``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..stage.errors import PipelineError
+
+if TYPE_CHECKING:
+    from ..stage.pipe_view import PipeView
 
 __all__ = ["train_mode_ops", "refuse_train_mode_graph"]
 
@@ -23,14 +26,19 @@ _TRAIN_ARG = {"aten.dropout.default": 2, "aten.feature_dropout.default": 2, "ate
               "aten.instance_norm.default": 5}
 
 
-def train_mode_ops(pipe: Any) -> list[tuple[int, str, str]]:
+def train_mode_ops(pipe: PipeView) -> list[tuple[int, str, str]]:
     """``(stage, op, module)`` for every op of the pipe's graphs that behaves differently
     in train mode and was traced in it (dropout with ``train=True``, batch norm with
     ``training=True``). Empty for a pipe traced in eval mode. Cached on the pipe.
 
     Example:
-        >>> train_mode_ops(ps.pipeline(model.eval(), 2, (x,)))  # doctest: +SKIP
+        >>> import pippy_split as ps
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1), torch.nn.Linear(4, 2))
+        >>> x = torch.randn(2, 4)
+        >>> train_mode_ops(ps.pipeline(model.eval(), ["2"], (x,)))
         []
+        >>> modules_in_train_mode(ps.pipeline(model.train(), ["2"], (x,)))  # a module call, not a graph op
+        [(0, '1')]
     """
     cached = pipe.derived.get("train_mode_ops")
     if cached is None:
@@ -50,7 +58,7 @@ def train_mode_ops(pipe: Any) -> list[tuple[int, str, str]]:
 _MODE_DEPENDENT = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._NormBase)
 
 
-def modules_in_train_mode(pipe: Any) -> list[tuple[int, str]]:
+def modules_in_train_mode(pipe: PipeView) -> list[tuple[int, str]]:
     """``(stage, FQN)`` of each module a stage calls (the user's own, so its ``train()`` /
     ``eval()`` applies) that is in training mode and behaves differently there (dropout,
     batch or instance norm)."""
@@ -66,7 +74,7 @@ def modules_in_train_mode(pipe: Any) -> list[tuple[int, str]]:
     return found
 
 
-def refuse_train_mode_graph(pipe: Any) -> None:
+def refuse_train_mode_graph(pipe: PipeView | None) -> None:
     """Raise a ``PipelineError`` naming the first train-mode op of ``pipe``, or the first
     module it calls in training mode (``None``: a hand-built pipeline, whose modules' own
     ``train()``/``eval()`` applies)."""

@@ -331,7 +331,7 @@ def _active_autocast(flat_inputs: Sequence[Any]) -> tuple[str, torch.dtype] | No
     return device_type, torch.get_autocast_dtype(device_type)
 
 
-def _example(args: Any, kwargs: dict | None, mb_args: tuple | None, mb_kwargs: dict | None) -> tuple[tuple, dict | None]:
+def _example(args: tuple | object, kwargs: dict | None, mb_args: tuple | None, mb_kwargs: dict | None) -> tuple[tuple, dict | None]:
     """The example microbatch as ``(args tuple, kwargs)``, from either spelling (``mb_*`` as
     in torch.distributed.pipelining)."""
     if mb_args is not None:

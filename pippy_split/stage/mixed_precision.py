@@ -9,12 +9,15 @@ rank works this out alike from the same Pipe, so senders and receivers agree.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..split.spec import InputKind, StageInput, TensorSpec
 from .errors import PipelineError
+
+if TYPE_CHECKING:
+    from .pipe_view import PipeView
 
 __all__ = ["check_mixed_precision", "autocast_edge_specs", "relax_dtype_checks"]
 
@@ -28,13 +31,16 @@ def check_mixed_precision(dtype: Any, where: str) -> None:
                          "torch.float16 (or None for the model's own precision)")
 
 
-def autocast_edge_specs(pipe: Any, dtype: torch.dtype, device_type: str) -> dict[int, TensorSpec]:
+def autocast_edge_specs(pipe: PipeView, dtype: torch.dtype, device_type: str) -> dict[int, TensorSpec]:
     """``{id(edge): spec}`` for every edge of ``pipe`` under ``torch.autocast(device_type, dtype)``.
 
     Example:
-        >>> specs = autocast_edge_specs(pipe, torch.bfloat16, "cpu")  # doctest: +SKIP
-        >>> {specs[id(e)].dtype for e in pipe.edges if not e.from_input}  # doctest: +SKIP
-        {torch.bfloat16}
+        >>> import pippy_split as ps
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        >>> pipe = ps.pipeline(model, ["1"], (torch.randn(2, 4),))
+        >>> specs = autocast_edge_specs(pipe, torch.bfloat16, "cpu")
+        >>> [(pipe.edges[0].spec.dtype, specs[id(pipe.edges[0])].dtype)]  # a matmul's output under autocast
+        [(torch.float32, torch.bfloat16)]
     """
     cache = pipe.derived.setdefault("autocast_specs", {})
     key = (dtype, device_type)

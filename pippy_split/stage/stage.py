@@ -19,10 +19,11 @@ from torch.utils._pytree import tree_map_only
 from ..split.spec import Edge, StageInput
 from .backward import WeightGradPlan, capturing, weight_captures
 from .errors import PipelineError
-from .groups import process_group
+from .groups import GroupArg, process_group
 from .loss import LossRule
 from .mixed_precision import autocast_edge_specs
 from .options import StageOptions
+from .pipe_view import PipeView
 from .recompute import (
     RegionRecorder,
     check_patterns_match,
@@ -95,7 +96,7 @@ class PipelineStage(StageBackward):
     """
 
     def __init__(self, module: torch.nn.Module, stage_index: int, num_stages: int,
-                 device: torch.device | str | None = None, group: Any = None,
+                 device: torch.device | str | None = None, group: GroupArg = None,
                  inputs_from: Mapping[int, tuple[int, int]] | None = None,
                  outputs_to: Mapping[int, Sequence[tuple[int, int]]] | None = None,
                  activation_checkpoint: str | Sequence[str] | None = None,
@@ -117,7 +118,7 @@ class PipelineStage(StageBackward):
         self._regions = RegionRecorder(self.device)
         self._region_call: torch.nn.Module | None = None  # the stage graph with its regions checkpointed, built lazily
         self.group = process_group(group, f"stage {stage_index}")  # a 1-D DeviceMesh: its process group
-        self.pipe = None
+        self.pipe: PipeView | None = None  # set by from_pipe; None for a hand-built stage
         self.inputs_from = dict(inputs_from or {})
         self.outputs_to = {k: list(v) for k, v in (outputs_to or {}).items()}
         for idx, (src, _) in self.inputs_from.items():
@@ -148,7 +149,8 @@ class PipelineStage(StageBackward):
 
     # ---- construction from a Pipe ------------------------------------------------
     @classmethod
-    def from_pipe(cls, pipe: Any, stage_index: int, device: Any = None, group: Any = None, *,
+    def from_pipe(cls, pipe: PipeView, stage_index: int, device: torch.device | str | None = None,
+                  group: GroupArg = None, *,
                   state_dict: Any = None, seed: int = 0, strict: bool = True,
                   activation_checkpoint: str | Sequence[str] | None = None,
                   mixed_precision: torch.dtype | None = None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import replace
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -21,6 +21,9 @@ from .backward import WeightGradPlan, plan_weight_grads
 from .data_parallel import unsplittable_backward
 from .errors import PipelineError
 from .saved import CaptureGrads, SavedMicrobatch, WeightCaptures, WeightRoots, accumulate
+
+if TYPE_CHECKING:
+    from .pipe_view import PipeView
 
 __all__ = ["StageBackward"]
 
@@ -32,7 +35,7 @@ class StageBackward:
     stage_index: int
     is_last: bool
     module: torch.nn.Module
-    pipe: Any
+    pipe: PipeView | None
     weight_grads_in_input: bool
     _saved: dict[int, SavedMicrobatch]
     _wplan: WeightGradPlan | None

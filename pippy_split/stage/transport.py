@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from .errors import PipelineError, PipelineTimeout
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["P2P", "P2POp", "Batch"]
 
@@ -69,7 +72,7 @@ class P2P:
         >>> batch = p2p.post([op]); p2p.wait(batch)  # doctest: +SKIP
     """
 
-    group: Any = None
+    group: ProcessGroup | None = None
     timeout: float = 300.0
     ordered: bool = True
     _delta: datetime.timedelta = field(init=False, repr=False)

@@ -9,8 +9,8 @@ the launcher's spawned ranks.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.export import Dim
@@ -25,6 +25,9 @@ from .corpus import CharCorpus, addition_corpus
 from .factory import data_example, factory_loss, load_factory, unpack_entry, vocab_size_of
 from .hf import SafetensorsStateDict, causal_lm_loss, hf_model, is_hf, pretrained_dir, tied_aliases
 from .text import read_documents, token_corpora
+
+if TYPE_CHECKING:
+    from ..split.pipe import Pipe
 
 __all__ = ["Prepared", "prepare", "load_factory", "unpack_entry", "parse_split", "data_ranks", "SUM_MAX", "CHECKPOINT_FILE"]
 
@@ -50,7 +53,8 @@ class Prepared:
     kwargs: dict
     target: Any
     batch_size: int
-    pipe: Any
+    pipe: Pipe = field(init=False)
+    """The split, traced by :func:`prepare` after the model is built."""
     heldout: Any = None
     """Held-out text (a corpus like ``corpus``): the last tenth of --data's lines, or other sums."""
     heldout_documents: list[torch.Tensor] | None = None
@@ -169,7 +173,7 @@ def model_source(cfg: TrainConfig, num_stages: int, resume_state: dict | None = 
     return _factory(cfg, num_stages)
 
 
-def data_ranks(pipe: Any, schedule: str, world: int) -> set[int]:
+def data_ranks(pipe: Pipe, schedule: str, world: int) -> set[int]:
     """The ranks holding a stage that reads a model input, or the last stage (which needs the target).
 
     Example:
@@ -193,7 +197,7 @@ def _builtin(cfg: TrainConfig, num_stages: int, resume_state: dict | None) -> tu
     B, M = cfg.batch_size, cfg.microbatches
     x0, _ = corpus.batch(B, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1))
     prep = Prepared(world=0, corpus=corpus, gpt_cfg=gpt_cfg, model=model, loss_fn=lm_loss, args=(), kwargs={},
-                    target=None, batch_size=B, pipe=None, heldout=heldout_of(cfg, corpus.chars))
+                    target=None, batch_size=B, heldout=heldout_of(cfg, corpus.chars))
     if cfg.pack:
         return _packed(cfg, prep, split_spec)
     return prep, split_spec, (x0[: B // M],), {}
@@ -236,7 +240,7 @@ def _hf(cfg: TrainConfig, num_stages: int) -> tuple:
     model = hf_model(cfg, meta=pretrained is not None)  # pretrained: each rank fills only its stages
     split_spec = parse_split(cfg.split) or num_stages
     prep = Prepared(world=0, corpus=None, gpt_cfg=None, model=model, loss_fn=causal_lm_loss, args=(), kwargs={},
-                    target=None, batch_size=cfg.batch_size, pipe=None, vocab_size=model.config.vocab_size,
+                    target=None, batch_size=cfg.batch_size, vocab_size=model.config.vocab_size,
                     state_dict=None if pretrained is None else SafetensorsStateDict(pretrained, tied_aliases(model)))
     return prep, split_spec, (torch.zeros(cfg.batch_size // cfg.microbatches, cfg.seq_len, dtype=torch.long),), {}
 
@@ -254,7 +258,7 @@ def _factory(cfg: TrainConfig, num_stages: int) -> tuple:
         if config is not None and hasattr(config, "use_cache"):
             config.use_cache = False  # no cache objects in the traced output
         prep = Prepared(world=0, corpus=None, gpt_cfg=None, model=model, loss_fn=loss, args=(), kwargs={},
-                        target=None, batch_size=cfg.batch_size, pipe=None, vocab_size=vocab_size_of(model))
+                        target=None, batch_size=cfg.batch_size, vocab_size=vocab_size_of(model))
         return prep, split_spec, (example,), {}
     if not args:
         raise SystemExit(f"--model {cfg.model} returns a module without an example batch: pass --data FILE, or "
@@ -264,5 +268,5 @@ def _factory(cfg: TrainConfig, num_stages: int) -> tuple:
         raise SystemExit(f"the factory's batch ({B}) is not divisible by --microbatches {M}")
     ex_args = tuple(a[: B // M] if isinstance(a, torch.Tensor) else a for a in args)
     prep = Prepared(world=0, corpus=None, gpt_cfg=None, model=model, loss_fn=loss, args=args, kwargs=kwargs,
-                    target=target, batch_size=B, pipe=None)
+                    target=target, batch_size=B)
     return prep, split_spec, ex_args, kwargs

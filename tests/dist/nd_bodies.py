@@ -74,7 +74,9 @@ def mesh_build_schedule(rank: int, world: int, schedule: str, ckpt_root: str) ->
     opt.step()
     replica = mesh.get_local_rank("dp")
     checkpoint.save(f"{ckpt_root}/replica{replica}", sched, group=mesh["pp"])
-    return {"loss": float(sched.loss), "grads": grads, "norm": norm}
+    pg = sched.pipeline_group  # group-local: this rank's place in its own pipeline, not in the world
+    return {"loss": float(sched.loss), "grads": grads, "norm": norm,
+            "pg": (pg.rank, pg.world, mesh["pp"].get_local_rank(), pg.group is mesh["pp"].get_group())}
 
 
 def mesh_plan(rank: int, world: int) -> dict:

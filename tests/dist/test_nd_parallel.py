@@ -37,6 +37,8 @@ def test_build_schedule_clip_and_checkpoint_take_a_mesh_dimension(schedule, tmp_
     _assert_exact(results, ref, schedule)
     for rank, res in enumerate(results):
         assert abs(res["norm"] - ref["norm"]) < 1e-5, f"rank {rank}: total norm {res['norm']} vs {ref['norm']}"
+        pg_rank, pg_world, local_rank, same_group = res["pg"]
+        assert (pg_rank, pg_world, same_group) == (local_rank, 2, True), f"rank {rank}: pipeline group {res['pg']}"
     for replica in (0, 1):  # each pipeline replica wrote its own checkpoint over its mesh["pp"] group
         model = llama_entry().model
         checkpoint.load(tmp_path / f"replica{replica}", model, no_dist=True)

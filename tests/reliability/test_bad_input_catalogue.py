@@ -239,6 +239,7 @@ def test_25_train_options_refused_before_any_rank_starts(capsys, args, message):
 
 def test_26_step_checks_on_one_rank_raise_the_rank_s_own_error():
     from pippy_split.schedule.agree import agree_before_step
+    from pippy_split.stage.groups import PipelineGroup
 
     with pytest.raises(KeyError, match="mask"):  # alone, the error is raised as it is
-        agree_before_step(KeyError("mask"), None, 1, 0, torch.device("cpu"))
+        agree_before_step(KeyError("mask"), PipelineGroup.of(None, "cpu"))
