@@ -237,9 +237,11 @@ def cut_fqns(ops: Sequence[torch.fx.Node], positions: Sequence[int],
     when later cuts fall inside ``blocks``).
 
     Example:
-        >>> costs = price_split(traced, gpt, flat, 4)  # doctest: +SKIP
-        >>> cut_fqns(costs.pipe_ops, costs.positions, gpt)  # doctest: +SKIP
-        ['blocks.1', 'blocks.2', 'blocks.3']
+        >>> from pippy_split import zoo
+        >>> model = zoo.get("mlp_stack", d=8).model  # 8 residual layers: linear, tanh, add each
+        >>> ops = [n for n in trace_model(model, (torch.randn(2, 8),)).graph.nodes if n.op == "call_function"]
+        >>> cut_fqns(ops, [3, 7], model)  # before layers.1's linear; before layers.2's tanh, where no module begins
+        ['layers.1', None]
     """
     known = {name for name, _ in model.named_modules() if name} if model is not None else None
     first: dict[str, int] = {}
@@ -300,9 +302,12 @@ def price_split(traced: Traced, model: torch.nn.Module, flat_inputs: Sequence[An
     """Cut ``traced`` into ``num_stages`` stages balanced by ``metric`` and price each stage.
 
     Example:
-        >>> costs = price_split(traced, model, traced.flatten_inputs((x,), {}), 4)  # doctest: +SKIP
-        >>> [round(s, 2) for s in costs.shares]  # doctest: +SKIP
-        [0.25, 0.26, 0.24, 0.25]
+        >>> from pippy_split import zoo
+        >>> model = zoo.get("mlp_stack", d=8).model; x = torch.randn(2, 8)  # 8 residual layers
+        >>> traced = trace_model(model, (x,))
+        >>> costs = price_split(traced, model, traced.flatten_inputs((x,), {}), 4, metric="flops")
+        >>> costs.cut_label, costs.link_bytes[0, 1], round(sum(costs.shares), 6)  # shares: of the measured time
+        ('layers.2, layers.4, layers.6', 64.0, 1.0)
     """
     profs = op_profiles(traced, model, flat_inputs, passes)
     # The balancer (balance="time") reads the default profile: let it cut by the figures

@@ -99,9 +99,11 @@ def legal_cuts(ops: list[torch.fx.Node]) -> tuple[list[bool], list[float]]:
     many bytes would cross it.
 
     Example:
-        >>> legal, crossing = legal_cuts(ops)  # doctest: +SKIP
-        >>> legal[0], crossing[5]  # doctest: +SKIP
-        (True, 4096.0)
+        >>> from pippy_split.split.trace import trace_model
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+        >>> ops = [n for n in trace_model(model, (torch.randn(2, 4),)).graph.nodes if n.op == "call_function"]
+        >>> legal_cuts(ops)  # positions 0..3: before linear, relu, linear, and after; a (2, 4) fp32 tensor crosses
+        ([True, True, True, True], [0.0, 32.0, 32.0, 0.0])
     """
     n = len(ops)
     index = {op: i for i, op in enumerate(ops)}
@@ -244,9 +246,14 @@ def cut_positions(ops: list[torch.fx.Node], n: int, costs: list[float], real: li
         metric: the name of the cost model, for the report.
 
     Example:
-        >>> positions, report = cut_positions(ops, 4, costs, real, call_tree(ops))  # doctest: +SKIP
-        >>> report.ratio <= TARGET_RATIO  # doctest: +SKIP
-        True
+        >>> from pippy_split import zoo
+        >>> from pippy_split.split.calls import call_tree
+        >>> from pippy_split.split.trace import trace_model
+        >>> model = zoo.get("mlp_stack", d=8).model  # 8 residual layers: linear, tanh, add each
+        >>> ops = [n for n in trace_model(model, (torch.randn(2, 8),)).graph.nodes if n.op == "call_function"]
+        >>> positions, report = cut_positions(ops, 4, [1.0] * len(ops), [True] * len(ops), call_tree(ops))
+        >>> positions, report.ratio <= TARGET_RATIO
+        ([6, 12, 18], True)
     """
     legal, crossing = legal_cuts(ops)
     calls_split = tree.cut_penalties()

@@ -69,8 +69,12 @@ def module_paths(node: torch.fx.Node) -> list[str]:
     """User FQNs of the modules a node was traced inside, outermost first ('' excluded).
 
     Example:
-        >>> module_paths(node)  # an op of the query projection in layer 3  # doctest: +SKIP
-        ['model', 'model.layers', 'model.layers.3', 'model.layers.3.self_attn', 'model.layers.3.self_attn.q_proj']
+        >>> from pippy_split import zoo
+        >>> from pippy_split.split.trace import trace_model
+        >>> model = zoo.get("mlp_stack", d=8).model  # layers.K: linear (its fc), tanh, add
+        >>> ops = [n for n in trace_model(model, (torch.randn(2, 8),)).graph.nodes if n.op == "call_function"]
+        >>> module_paths(ops[3]), module_paths(ops[4])  # layers.1's linear, then its tanh
+        (['layers.1', 'layers.1.fc'], ['layers.1'])
     """
     return [path for _, path, _ in _entries(node)]
 
@@ -161,9 +165,12 @@ def call_tree(ops: list[torch.fx.Node]) -> CallTree:
     """The module calls of ``ops`` (a graph's call nodes in order).
 
     Example:
-        >>> tree = call_tree([n for n in ep.graph.nodes if n.op == "call_function"])  # doctest: +SKIP
-        >>> [c.path for c in tree.runs[0]][:2], tree.num_blocks()  # doctest: +SKIP
-        (['model.layers.0', 'model.layers.1'], 8)
+        >>> from pippy_split import zoo
+        >>> from pippy_split.split.trace import trace_model
+        >>> model = zoo.get("mlp_stack", d=8).model  # 8 residual layers
+        >>> tree = call_tree([n for n in trace_model(model, (torch.randn(2, 8),)).graph.nodes if n.op == "call_function"])
+        >>> [c.path for c in tree.runs[0]][:2], tree.num_blocks()
+        (['layers.0', 'layers.1'], 8)
     """
     calls: dict[str, Call] = {}
     stacks = []
