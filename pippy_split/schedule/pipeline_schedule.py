@@ -350,7 +350,13 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         ``False`` force it.
 
         Example:
-            >>> sched.release_sent_outputs = True   # also on CPU: less memory, slower steps  # doctest: +SKIP
+            >>> import pippy_split as ps
+            >>> pipe = ps.pipeline(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), ["1"],
+            ...                    (torch.randn(2, 4),))
+            >>> sched = ps.build_schedule(pipe, "ZBVZeroBubble", 2)
+            >>> sched.release_sent_outputs is None  # the default: released on accelerators, kept on CPU
+            True
+            >>> sched.release_sent_outputs = True   # also on CPU: less memory, slower steps
         """
         return self._runtime.release_sent
 

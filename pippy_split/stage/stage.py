@@ -91,8 +91,10 @@ class PipelineStage(StageBackward):
     rank broadcasts the outputs' shapes (one small collective per stage, then cached).
 
     Example:
-        >>> stage = PipelineStage(my_block, stage_index=1, num_stages=4, device="cpu",  # doctest: +SKIP
-        ...                       outputs_to={1: [(3, 1)]})   # output 1 skips to stage 3
+        >>> stage = PipelineStage(torch.nn.Linear(4, 4), stage_index=1, num_stages=4, device="cpu",
+        ...                       outputs_to={0: [(3, 1)]})   # output 0 also skips to stage 3, its input 1
+        >>> stage.links()  # (sender, receiver, carries grad): the next stage and the skip
+        [(1, 2, True), (1, 3, True)]
     """
 
     def __init__(self, module: torch.nn.Module, stage_index: int, num_stages: int,
@@ -160,7 +162,12 @@ class PipelineStage(StageBackward):
         the documented entry; the arguments are the same.
 
         Example:
-            >>> stage = PipelineStage.from_pipe(pipe, 1, "cpu")  # doctest: +SKIP
+            >>> import pippy_split as ps
+            >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+            >>> pipe = ps.pipeline(model, ["2"], (torch.randn(2, 4),))
+            >>> stage = PipelineStage.from_pipe(pipe, 1, "cpu")
+            >>> stage.is_last, [(e.src_stage, e.dst_stage) for e in pipe.edges if e.dst_stage == 1]
+            (True, [(0, 1)])
         """
         options = _options(options, activation_checkpoint, mixed_precision, compile, f"stage {stage_index}")
         mixed_precision = options.mixed_precision

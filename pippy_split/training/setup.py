@@ -177,8 +177,10 @@ def data_ranks(pipe: Pipe, schedule: str, world: int) -> set[int]:
     """The ranks holding a stage that reads a model input, or the last stage (which needs the target).
 
     Example:
-        >>> sorted(data_ranks(ps.pipeline(zoo.get("tiny_gpt").model, 4, x), "1F1B", 4))  # doctest: +SKIP
-        [0, 3]
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+        >>> pipe = ps.pipeline(model, ["1", "2", "3"], (torch.randn(2, 4),))  # 4 stages
+        >>> sorted(data_ranks(pipe, "1F1B", 4)), sorted(data_ranks(pipe, "ZBVZeroBubble", 2))
+        ([0, 3], [0])
     """
     where = ORDERS[schedule].stage_placement(pipe.num_stages, world)
     reading = {st.index for st in pipe.stages if any(i.kind == "input" for i in st.inputs)}
