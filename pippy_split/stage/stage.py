@@ -46,11 +46,7 @@ from .saved import (
 )
 from .stage_backward import StageBackward
 
-__all__ = ["PipelineStage", "InputSlot", "Route", "LossRule"]
-
-
-InputSlot = StageInput  # one description of a stage input (split/spec.py); kept under the stage-layer name
-Route = Edge  # a stage's routes are its outgoing edges (dst_input -1: the next free chain input)
+__all__ = ["PipelineStage", "LossRule"]
 
 
 class PipelineStage(StageBackward):
@@ -130,8 +126,10 @@ class PipelineStage(StageBackward):
             for dst, _ in dsts:
                 if not stage_index < dst < num_stages:
                     raise ValueError(f"stage {stage_index}: output {idx} goes to stage {dst}, which is not a later stage")
-        self.in_slots: list[InputSlot] | None = None if stage_index > 0 else []
-        self.routes: list[Route] = []  # hand-built stages: filled by the first step's shape pass
+        self.in_slots: list[StageInput] | None = None if stage_index > 0 else []
+        # Its outgoing edges (dst_input -1: the next free chain input); a hand-built stage's are
+        # filled by the first step's shape pass.
+        self.routes: list[Edge] = []
         self._saved: dict[int, SavedMicrobatch] = {}
         self.results: dict[int, LastStageResult] = {}  # last stage: per microbatch, kept for the whole step
         self.peak_held_microbatches = 0  # most microbatches held at once during the last step
@@ -192,7 +190,7 @@ class PipelineStage(StageBackward):
         stage.routes = [retyped(e) for e in pipe.edges if e.sender_stage == stage_index]
         return stage
 
-    def set_links(self, in_slots: Sequence[InputSlot] | None = None, routes: Sequence[Route] | None = None) -> None:
+    def set_links(self, in_slots: Sequence[StageInput] | None = None, routes: Sequence[Edge] | None = None) -> None:
         """A hand-built stage learns where its inputs come from and where its outputs go
         (the runtime's shape pass on the first step); a stage of a Pipe knows from the start."""
         if in_slots is not None:
