@@ -19,10 +19,16 @@ peer's constructor, and ``step``/``eval`` as the peer has them:
 Extra keyword arguments of the peer that change nothing here
 (``backward_requires_autograd``, ``defer_pp_recv``, ``use_full_backward``) are accepted.
 
-Example:
-    >>> sched = ScheduleGPipe(pipe.build_stage(rank, device), 4, loss_fn=loss_fn)  # doctest: +SKIP
+Example (one stage, so this process is the whole pipeline; on several ranks each builds
+``pipe.build_stage(rank, device)``):
+    >>> from pippy_split.compat import pipeline
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)); x = torch.randn(8, 4)
+    >>> pipe = pipeline(model, (x[:2],), split_spec={})
+    >>> sched = ScheduleGPipe(pipe.build_stage(0, torch.device("cpu")), 4, loss_fn=torch.nn.functional.mse_loss)
     >>> losses = []
-    >>> out = sched.step(x, target=y, losses=losses)   # out and losses on the last rank  # doctest: +SKIP
+    >>> out = sched.step(x, target=torch.zeros(8, 4), losses=losses)   # out and losses on the last rank
+    >>> out.shape, len(losses)
+    (torch.Size([8, 4]), 4)
 """
 
 from __future__ import annotations

@@ -36,10 +36,11 @@ class PipelineStage(_CoreStage):
         **options: pippy_split's own stage options (``inputs_from``, ``outputs_to``,
             ``activation_checkpoint``, ...), passed through.
 
-    Example:
-        >>> stage = PipelineStage(model.layers[rank], rank, world, torch.device("cpu"))  # doctest: +SKIP
-        >>> stage.submod is model.layers[rank]  # doctest: +SKIP
-        True
+    Example (on each rank, ``stage = PipelineStage(layers[rank], rank, world, device)``):
+        >>> layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+        >>> stage = PipelineStage(layers[1], 1, 2, torch.device("cpu"))  # stage 1 of 2
+        >>> stage.submod is layers[1], stage.is_last, stage.group_size  # no process group here: 1
+        (True, True, 1)
     """
 
     def __init__(self, submodule: torch.nn.Module, stage_index: int, num_stages: int, device: torch.device | None,
@@ -121,7 +122,12 @@ def build_stage(stage_module: torch.nn.Module, stage_index: int, pipe_info: Any,
         The :class:`PipelineStage`, with the traced edges (skip connections included).
 
     Example:
-        >>> stage = build_stage(pipe.get_stage_module(rank), rank, pipe.info(), torch.device("cpu"))  # doctest: +SKIP
+        >>> from pippy_split.compat import SplitPoint, pipeline
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+        >>> pipe = pipeline(model, (torch.randn(2, 4),), split_spec={"2": SplitPoint.BEGINNING})
+        >>> stage = build_stage(pipe.get_stage_module(1), 1, pipe.info(), torch.device("cpu"))  # on rank 1
+        >>> stage.stage_index, sorted(stage.submod.state_dict())
+        (1, ['2.bias', '2.weight'])
     """
     pipe = getattr(pipe_info, "pipe", None)
     if pipe is None:

@@ -64,8 +64,15 @@ def translate_cuts(old_ops: list[torch.fx.Node], cuts: list[Cut], new_ops: list[
     ``SplitError`` naming it.
 
     Example:
-        >>> translate_cuts(fp32_ops, plan.cuts, autocast_ops)  # doctest: +SKIP
-        [Cut(index=131, label='blocks.2 (BEGINNING)')]
+        >>> from pippy_split.split.partition import plan_stages
+        >>> from pippy_split.split.trace import trace_model
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)); x = torch.randn(2, 4)
+        >>> fp32 = trace_model(model, (x,))
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     bf16 = trace_model(model, (x,))
+        >>> ops = lambda traced: [n for n in traced.graph.nodes if n.op == "call_function"]
+        >>> translate_cuts(ops(fp32), plan_stages(fp32.graph, ["2"], model).cuts, ops(bf16))
+        [Cut(index=2, label='2 (BEGINNING)')]
     """
     old_tree, new_tree = call_tree(old_ops), call_tree(new_ops)
     old_markers = [i for i, op in enumerate(old_ops) if is_split_marker(op.target)]

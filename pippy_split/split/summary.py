@@ -39,8 +39,13 @@ def imbalance_warning(pipe: "Pipe") -> str | None:
     stage over 1.5x the cheapest.
 
     Example:
-        >>> imbalance_warning(ps.pipeline(model, ["layers.7"], (x,)))  # doctest: +SKIP
-        'imbalanced: stage 0 costs 7.0x stage 1 (flops); consider moving split points'
+        >>> import torch, pippy_split as ps
+        >>> from pippy_split import zoo
+        >>> model = zoo.get("mlp_stack", d=8, n_layer=4).model; x = torch.randn(2, 8)  # 4 equal layers
+        >>> imbalance_warning(ps.pipeline(model, ["layers.3"], (x,)))
+        'imbalanced: stage 0 costs 3.0x stage 1 (flops); consider moving split points'
+        >>> imbalance_warning(ps.pipeline(model, ["layers.2"], (x,))) is None
+        True
     """
     from .balance import TARGET_RATIO
 
@@ -68,8 +73,11 @@ def stage_shares(pipe: "Pipe") -> tuple[str, list[float]]:
     metric (``pipeline(balance=...)``), else by FLOPs.
 
     Example:
-        >>> stage_shares(ps.pipeline(model, 2, (x,)))  # doctest: +SKIP
-        ('flops', [0.49, 0.51])
+        >>> import torch, pippy_split as ps
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+        >>> metric, shares = stage_shares(ps.pipeline(model, 2, (torch.randn(2, 4),)))  # FLOPs 64 + 8 | 64
+        >>> metric, [round(s, 2) for s in shares]
+        ('flops', [0.53, 0.47])
     """
     report = getattr(pipe, "balance", None)
     if report is not None and report.total > 0 and len(report.stage_costs) == pipe.num_stages:

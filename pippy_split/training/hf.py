@@ -92,9 +92,15 @@ class SafetensorsStateDict(Mapping):
     filled from it reads only its own tensors (``read`` lists them). ``aliases`` maps a tied name
     the files leave out (``lm_head.weight``) to the one they hold.
 
-    Example:
-        >>> sd = SafetensorsStateDict("my_pretrained_dir")  # doctest: +SKIP
-        >>> stage = pipe.build_stage(1, "cpu", state_dict=sd); sorted(sd.read)[:2]  # doctest: +SKIP
+    Example (a directory as ``save_pretrained`` writes it):
+        >>> import tempfile, pippy_split as ps
+        >>> from safetensors.torch import save_model
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+        >>> tmp = tempfile.TemporaryDirectory(); save_model(model, f"{tmp.name}/model.safetensors")
+        >>> sd = SafetensorsStateDict(tmp.name)
+        >>> pipe = ps.pipeline(model, ["2"], (torch.randn(2, 4),))
+        >>> stage = pipe.build_stage(1, "cpu", state_dict=sd); sorted(set(sd.read))  # stage 1's tensors only
+        ['2.bias', '2.weight']
     """
 
     def __init__(self, directory: str, aliases: Mapping[str, str] | None = None) -> None:
