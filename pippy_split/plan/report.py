@@ -106,10 +106,15 @@ class Candidate:
         """The Python that builds this candidate's schedule on every rank.
 
         Example:
-            >>> print(plan.best.python_call())  # doctest: +SKIP
-            # example_args: one microbatch (4 samples) of the model's inputs
-            pipe = ps.pipeline(model, ["blocks.2"], example_args)
-            sched = ps.build_schedule(pipe, "1F1B", 8, loss_fn=loss_fn, group=group)
+            >>> import pippy_split as ps
+            >>> from pippy_split import zoo
+            >>> entry = zoo.get("mlp_stack", d=8, n_layer=4); mb = entry.args[0][:2]  # 4 residual layers; batch 8
+            >>> plan = ps.plan(entry.model, (mb,), num_ranks=2, memory_budget="1GB", loss_fn=entry.loss_fn,
+            ...                global_batch=8, schedules=["1F1B"], microbatches=[4], balance=["flops"], measure=False)
+            >>> print(plan.best.python_call())
+            # example_args: one microbatch (2 samples) of the model's inputs
+            pipe = ps.pipeline(model, ["layers.2"], example_args)
+            sched = ps.build_schedule(pipe, "1F1B", 4, loss_fn=loss_fn, group=group)
         """
         problem = self._unnamed_cut()
         if problem is not None:
@@ -132,8 +137,13 @@ class Candidate:
                 or there is no cut (one stage).
 
         Example:
-            >>> plan.best.train_command("zoo:tiny_gpt")  # doctest: +SKIP
-            'pippy-split train --model zoo:tiny_gpt --ranks 2 --schedule 1F1B --microbatches 8 --split blocks.2'
+            >>> import pippy_split as ps
+            >>> from pippy_split import zoo
+            >>> entry = zoo.get("mlp_stack"); mb = entry.args[0][:2]  # 8 layers, batch 8: what zoo:mlp_stack trains
+            >>> plan = ps.plan(entry.model, (mb,), num_ranks=2, memory_budget="1GB", loss_fn=entry.loss_fn,
+            ...                global_batch=8, schedules=["1F1B"], microbatches=[4], balance=["flops"], measure=False)
+            >>> plan.best.train_command("zoo:mlp_stack")
+            'pippy-split train --model zoo:mlp_stack --ranks 2 --schedule 1F1B --microbatches 4 --split layers.4'
         """
         problem = self._unnamed_cut()
         if problem is not None:
@@ -157,9 +167,16 @@ class Candidate:
         its pipe, family, ``n_microbatches`` and checkpointing; ``loss_fn`` defaults to
         the one given to :func:`~pippy_split.plan`.
 
-        Example:
-            >>> sched = plan.best.build_schedule(group=group)  # doctest: +SKIP
-            >>> sched.step(x, target=y)  # doctest: +SKIP
+        Example (one rank, so this process runs every stage; on several, each passes ``group=``):
+            >>> import pippy_split as ps
+            >>> from pippy_split import zoo
+            >>> entry = zoo.get("mlp_stack", d=8, n_layer=4); x, y = entry.args[0], entry.target
+            >>> plan = ps.plan(entry.model, (x[:2],), num_ranks=1, memory_budget="1GB", loss_fn=entry.loss_fn,
+            ...                global_batch=8, schedules=["Interleaved1F1B"], stages_per_rank=[2], microbatches=[4],
+            ...                balance=["flops"], measure=False)
+            >>> sched = plan.best.build_schedule()
+            >>> out = sched.step(x, target=y)
+            >>> torch.testing.assert_close(sched.loss, entry.loss_fn(entry.model(x), y))  # the model's own loss
         """
         from ..schedule.schedules import build_schedule
 
@@ -180,7 +197,12 @@ class Candidate:
         also written to ``path``.
 
         Example:
-            >>> plan.best.to_svg("plan.svg")[:4]  # doctest: +SKIP
+            >>> import pippy_split as ps
+            >>> from pippy_split import zoo
+            >>> entry = zoo.get("mlp_stack", d=8, n_layer=4); mb = entry.args[0][:2]  # 4 residual layers; batch 8
+            >>> plan = ps.plan(entry.model, (mb,), num_ranks=2, memory_budget="1GB", loss_fn=entry.loss_fn,
+            ...                global_batch=8, schedules=["1F1B"], microbatches=[4], balance=["flops"], measure=False)
+            >>> plan.best.to_svg()[:4]  # to_svg("plan.svg") also writes the file
             '<svg'
         """
         from ..schedule.render_web import render_svg
@@ -217,8 +239,15 @@ class Plan:
     candidates the prediction cannot tell apart marked as tied (:func:`ties`).
 
     Example:
-        >>> plan = ps.plan(model, (mb,), num_ranks=2, memory_budget="1GB", loss_fn=loss, global_batch=8)  # doctest: +SKIP
-        >>> plan.too_noisy, plan.best.python_call()  # doctest: +SKIP
+        >>> import pippy_split as ps
+        >>> from pippy_split import zoo
+        >>> entry = zoo.get("mlp_stack", d=8, n_layer=4); mb = entry.args[0][:2]  # 4 residual layers; batch 8
+        >>> plan = ps.plan(entry.model, (mb,), num_ranks=2, memory_budget="1GB", loss_fn=entry.loss_fn,
+        ...                global_batch=8, schedules=["1F1B"], microbatches=[4], balance=["flops"], measure=False)
+        >>> plan
+        Plan(2 candidates, best: 1F1B x1/rank, split layers.2 (2 stages by flops, ...), m=4, AC=off: step ...)
+        >>> plan.too_noisy, [c.activation_checkpoint for c in plan.fitting]  # fastest first
+        (False, [False, True])
     """
 
     candidates: list[Candidate]
