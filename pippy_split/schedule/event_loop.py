@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
 from .actions import Action, ActionKind, Order
 from .deps import DepIndex
@@ -124,28 +124,18 @@ def run_loop(enc: Encoded, table: Sequence[Sequence[tuple[int, float]]], cost: S
     done = [-1.0] * (4 * S * M)  # key -> end time; -1 = not yet
     b_to_i = 2 * S * M  # key of B minus key of I for the same (stage, mb)
     b_first = _B * S
-    # A requirement's key is the action's own key plus a fixed delta.
-    deltas = [tuple((base - sk * M, lat) for base, lat in reqs) for sk, reqs in enumerate(table)]
-    # Ranks by position 0..R-1; the one rank waiting on a key in `waiter` (more in `extra`).
-    R = len(enc.ranks)
-    waiter = [-1] * len(done)
+    deltas = _deltas(table, M)
+    starts, its, pending, free, queue = _rank_state(enc)  # per rank, by position 0..R-1
+    waiter = [-1] * len(done)  # key -> the one rank waiting on it (more in `extra`)
     extra: dict[int, list[int]] = {}
-    starts: list[list[float]] = [[] for _ in range(R)]
-    its = [iter(enc.keys[r]) for r in enc.ranks]
-    pending: list[int | None] = [None] * R  # the key a rank stopped at
-    free = [0.0] * R
-    queue = deque(range(R))
     pop, push = queue.popleft, queue.append
     while queue:
         i = pop()
         append, t = starts[i].append, free[i]
         k = pending[i]
-        if k is None:
-            src = its[i]
-        else:
-            pending[i] = None
-            src = chain((k,), its[i])
-        for k in src:  # resumes where the rank's iterator stopped
+        src = its[i] if k is None else chain((k,), its[i])  # from the key it stopped at
+        pending[i] = None
+        for k in src:
             sk = k // M
             start = t
             miss = -1
@@ -159,11 +149,7 @@ def run_loop(enc: Encoded, table: Sequence[Sequence[tuple[int, float]]], cost: S
                 if e > start:
                     start = e
             if miss >= 0:
-                if waiter[miss] < 0:
-                    waiter[miss] = i
-                else:
-                    extra.setdefault(miss, []).append(i)
-                pending[i] = k
+                _park(i, k, miss, pending, waiter, extra)
                 break
             append(start)
             t = start + cost[sk] * f
@@ -173,8 +159,7 @@ def run_loop(enc: Encoded, table: Sequence[Sequence[tuple[int, float]]], cost: S
                     push(waiter[k])
                     if extra:
                         queue.extend(extra.pop(k, ()))
-            # a full backward also delivers the input gradient (written out twice, not as a loop
-            # over the delivered keys: this runs for every action of every simulation)
+            # a full backward also delivers its I (written out twice, not looped: this runs per action)
             if sk >= b_first:
                 k -= b_to_i
                 if done[k] < 0.0:
@@ -184,11 +169,40 @@ def run_loop(enc: Encoded, table: Sequence[Sequence[tuple[int, float]]], cost: S
                         if extra:
                             queue.extend(extra.pop(k, ()))
         free[i] = t
-    blocked = {}
-    for i, k in enumerate(pending):
-        if k is not None:  # it stopped at k: report the first requirement not done
-            blocked[enc.ranks[i]] = next(k + d for d, _ in deltas[k // M] if done[k + d] < 0.0)
-    return LoopRun(dict(zip(enc.ranks, starts)), dict(zip(enc.ranks, free)), blocked)
+    return LoopRun(dict(zip(enc.ranks, starts)), dict(zip(enc.ranks, free)), _blocked(enc, pending, deltas, done))
+
+
+def _deltas(table: Sequence[Sequence[tuple[int, float]]], M: int) -> list[tuple[tuple[int, float], ...]]:
+    """Per ``code * S + stage``, each requirement as ``(delta, latency)``: its key is the
+    action's own key plus a fixed delta."""
+    return [tuple((base - sk * M, lat) for base, lat in reqs) for sk, reqs in enumerate(table)]
+
+
+def _rank_state(enc: Encoded) -> tuple[list[list[float]], list[Iterator[int]], list[int | None], list[float],
+                                       deque[int]]:
+    """Every rank's state as :func:`run_loop` starts, by position: the start times of what it
+    ran, its keys still to run, the key it stopped at, when it is free; and the queue of
+    ranks to run (all of them)."""
+    R = len(enc.ranks)
+    return [[] for _ in range(R)], [iter(enc.keys[r]) for r in enc.ranks], [None] * R, [0.0] * R, deque(range(R))
+
+
+def _park(i: int, k: int, miss: int, pending: list[int | None], waiter: list[int],
+          extra: dict[int, list[int]]) -> None:
+    """Stop rank ``i`` at key ``k`` until key ``miss`` is done (called once per stop, not per action)."""
+    if waiter[miss] < 0:
+        waiter[miss] = i
+    else:
+        extra.setdefault(miss, []).append(i)
+    pending[i] = k
+
+
+def _blocked(enc: Encoded, pending: list[int | None], deltas: list[tuple[tuple[int, float], ...]],
+             done: list[float]) -> dict[int, int]:
+    """Per stuck rank, the first requirement not done of the key it stopped at."""
+    M = enc.num_mb
+    return {enc.ranks[i]: next(k + d for d, _ in deltas[k // M] if done[k + d] < 0.0)
+            for i, k in enumerate(pending) if k is not None}
 
 
 def stopped_at(enc: Encoded, order: Order, run: LoopRun) -> dict[int, tuple[int, Action]]:

@@ -123,10 +123,9 @@ def simulate(
 
     Args:
         order: ``{rank: [Action | None, ...]}``, compute-only or lowered.
-        costs: time per kind, keys among ``F``, ``I``, ``W`` (default 1 each) and
-            ``B`` (default ``I + W``); or per stage and kind, ``{(stage, "F"): t}``
-            (missing pairs take the kind's value); or a function ``(stage, kind) -> t``.
-            SEND/RECV cost 0.
+        costs: time per kind, keys among ``F``, ``I``, ``W`` (default 1 each) and ``B``
+            (default ``I + W``); or per stage and kind, ``{(stage, "F"): t}`` (missing pairs
+            take the kind's value); or a function ``(stage, kind) -> t``. SEND/RECV cost 0.
         links: ``(src, dst, carries_grad)`` stage links; default the linear chain
             over ``max stage + 1`` stages.
         comm_latency: added when a value crosses ranks: one number, or per link
@@ -138,10 +137,9 @@ def simulate(
             kind, ``{(stage, "I"): bytes, (stage, "B"): bytes}``.
         input_grad_bytes: per stage, what a split backward keeps from its I until its
             W (the output gradients of the ops W differentiates).
-        microbatch_scale: each microbatch's size relative to the one the costs and
-            bytes describe (e.g. its tokens over the traced example's): multiplies that
-            microbatch's action times, message latencies and bytes, so a step of
-            unequal microbatches (packed or bucketed sequences) is priced as it runs.
+        microbatch_scale: each microbatch's size relative to the one the costs and bytes
+            describe (e.g. its tokens over the traced example's, in packed or bucketed
+            sequences): multiplies its action times, message latencies and bytes.
 
     Returns:
         A :class:`Simulation`.
@@ -168,6 +166,14 @@ def simulate(
     except ValueError:  # a SEND/RECV: a lowered order, run under the batch rule
         return _simulate_batches(order, costs, links, latency, activation_bytes, workspace_bytes, input_grad_bytes,
                                  scale)
+    return _simulate_compute(order, enc, costs, links, latency, activation_bytes, workspace_bytes, input_grad_bytes,
+                             scale)
+
+
+def _simulate_compute(order: Order, enc: Encoded, costs: CostSpec, links: Iterable[Link] | None,
+                      latency: Callable[[int, int], float], activation_bytes: Any, workspace_bytes: Any,
+                      input_grad_bytes: Any, scale: list[float] | None) -> Simulation:
+    """A compute-only order (``enc``, its integer form) on the event loop (see the module docstring)."""
     num_stages = enc.num_stages
     table = stage_cost_table(costs, num_stages)
     link_list = chain_links(num_stages) if links is None else list(links)
