@@ -28,9 +28,17 @@ passes of the whole model on the example microbatch per split where the timings 
 at once; on a busy machine more, up to ``budget_s`` seconds.
 
 Example:
-    >>> m = measure_split(costs, loss_fn=None)  # doctest: +SKIP
-    >>> m.stage(ac=False, split_backward=True, stage=0).time("W", 4)  # doctest: +SKIP
-    0.0187
+    >>> from pippy_split.plan.costs import price_split
+    >>> from pippy_split.split.trace import trace_model
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    >>> x = torch.randn(4, 8)  # the example microbatch: 4 samples
+    >>> traced = trace_model(model, (x,))
+    >>> costs = price_split(traced, model, traced.flatten_inputs((x,), {}), 2, example=((x,), {}), batch=4)
+    >>> m = measure_split(costs, only=[(False, True)], budget_s=0.0)  # split backward, no checkpointing
+    >>> m.sizes, m.passes, m.stage(ac=False, split_backward=True, stage=0).kinds  # budget 0: two recorded steps
+    ((2, 4, 8), 2, ['F', 'I', 'W', 'B'])
+    >>> m.stage(ac=False, split_backward=True, stage=0).time("W", 4) > 0  # seconds of one W on 4 samples
+    True
 """
 
 from __future__ import annotations
@@ -272,17 +280,14 @@ def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target
     if model is None:
         raise ValueError("measure_split needs the SplitCosts of a model (price_split keeps it)")
     b0 = costs.batch
-    lo, hi = batch_range if batch_range is not None else (b0 / 2, 2 * b0)
-    sizes = tuple(sorted({b0} | {b for b in (b0 // 2, 2 * b0) if b >= 1 and lo <= b <= hi}))
+    sizes = _sizes(b0, batch_range)
     group = group if group is not None else group_of_one()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     out: dict[tuple[bool, bool], list[StageMeasure]] = {}
     halves: tuple[dict[tuple[bool, bool], list[StageMeasure]], ...] = ({}, {})
     gaps: list[float] = []
     recorded: list[int] = []
-    phases = [(split, [ac for ac in activation_checkpoint if only is None or (ac, split) in only])
-              for split in sorted(split_backward)]
-    phases = [(split, acs) for split, acs in phases if acs]
+    phases = _phases(activation_checkpoint, split_backward, only)
     with _model_untouched(model):
         # plain stages first: the I/W split instruments the (shared) stage modules in place.
         # Within a phase the runs take turns step by step, so a passing disturbance of the
@@ -292,17 +297,10 @@ def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target
                                   example_target, _flush_bytes(costs, b / b0))
                     for ac in acs for b in sizes}
             share = max(budget_s - (time.perf_counter() - t0), 0.0) / (len(phases) - k)  # of what is left
-
-            def step(record: bool, runs: dict = runs) -> None:
-                for run in runs.values():
-                    run.step(record)
-
-            def gap(runs: dict = runs) -> float:
-                return max(half_gap(run.samples) for run in runs.values())
-
-            recorded.append(repeat_until_steady(step, gap, least=max(passes - WARMUP_PASSES, 2), most=max_passes,
-                                                target=target, budget_s=share))
-            gaps.append(gap())
+            steps, gap = _settle(runs, least=max(passes - WARMUP_PASSES, 2), most=max_passes, target=target,
+                                 budget_s=share)
+            recorded.append(steps)
+            gaps.append(gap)
             for run in runs.values():
                 run.close()
             for ac in acs:
@@ -311,6 +309,34 @@ def measure_split(costs: Any, *, loss_fn: Callable | None = None, example_target
                 for i, half in enumerate(halves):
                     half[(ac, split)] = _fit(by_size, sizes, costs.num_stages, b0, half=i)
     return SplitMeasure(out, sizes, time.perf_counter() - t0, max(gaps, default=0.0), halves, min(recorded, default=0))
+
+
+def _sizes(b0: int, batch_range: tuple[float, float] | None) -> tuple[int, ...]:
+    """The microbatch sizes to measure: ``b0``, and half and twice it where within ``batch_range``."""
+    lo, hi = batch_range if batch_range is not None else (b0 / 2, 2 * b0)
+    return tuple(sorted({b0} | {b for b in (b0 // 2, 2 * b0) if b >= 1 and lo <= b <= hi}))
+
+
+def _phases(activation_checkpoint: Sequence[bool], split_backward: Sequence[bool],
+            only: Collection[tuple[bool, bool]] | None) -> list[tuple[bool, list[bool]]]:
+    """``(split backward, checkpointing settings)`` to measure, plain stages first; none empty."""
+    phases = [(split, [ac for ac in activation_checkpoint if only is None or (ac, split) in only])
+              for split in sorted(split_backward)]
+    return [(split, acs) for split, acs in phases if acs]
+
+
+def _settle(runs: dict[tuple[bool, int], _Run], *, least: int, most: int, target: float,
+            budget_s: float) -> tuple[int, float]:
+    """Step ``runs`` in turn until their timings settle (:func:`repeat_until_steady`); the
+    recorded steps and the runs' largest :func:`half_gap` then."""
+    def step(record: bool) -> None:
+        for run in runs.values():
+            run.step(record)
+
+    def gap() -> float:
+        return max(half_gap(run.samples) for run in runs.values())
+
+    return repeat_until_steady(step, gap, least=least, most=most, target=target, budget_s=budget_s), gap()
 
 
 class _Run:
