@@ -70,6 +70,7 @@ def test_a_pretrained_directory_fills_each_stage_from_its_own_tensors_only(tmp_p
         module = pipe.build_stage(i, "cpu", state_dict=sd).module
         own = set(module.state_dict())
         assert set(sd.read) <= own and set(sd.read) >= {n for n, _ in module.named_parameters()}
+        assert len(sd.read) == len(set(sd.read)), f"stage {i} read a tensor from disk more than once: {sd.read}"
         for name, value in module.state_dict().items():
             torch.testing.assert_close(value, source.state_dict()[name], msg=name)
         seen.append(set(sd.read))

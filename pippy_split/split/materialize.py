@@ -101,10 +101,17 @@ def _fill_from_state_dict(module: torch.nn.Module, fresh: dict, meta: dict, stat
                          f"{_with_matches(missing, state_dict)}; pass strict=False to initialise them "
                          "from their modules' reset_parameters() instead")
     loaded = [n for n in meta if n not in computed and n not in missing]
-    _check_shapes({n: fresh[n] for n in loaded}, state_dict)
+    wrong: list[str] = []
     with torch.no_grad():
         for name in loaded:
-            fresh[name].copy_(state_dict[name])
+            value = state_dict[name]  # read once: a lazy mapping (SafetensorsStateDict) reads it from disk
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(fresh[name].shape):
+                wrong.append(f"{name}: {tuple(value.shape)} vs {tuple(fresh[name].shape)}")
+            elif not wrong:  # after a wrong shape the stage is refused: nothing more to copy
+                fresh[name].copy_(value)
+    if wrong:
+        raise SplitError(f"state_dict holds {len(wrong)} tensor(s) of another shape (state_dict vs model): "
+                         f"{', '.join(wrong[:_SHOW])}")
     return {n: t for n, t in meta.items() if n not in loaded}
 
 
@@ -199,14 +206,6 @@ def _with_matches(keys: list[str], candidates: Iterable[str], first: Iterable[st
         shown.append(f"{k} (did you mean {close!r}?)" if close else k)
     more = f" ... and {len(keys) - _SHOW} more" if len(keys) > _SHOW else ""
     return ", ".join(shown) + more
-
-
-def _check_shapes(tensors: Mapping[str, torch.Tensor], state_dict: Mapping[str, Any]) -> None:
-    wrong = [f"{n}: {tuple(state_dict[n].shape)} vs {tuple(t.shape)}" for n, t in tensors.items()
-             if isinstance(state_dict[n], torch.Tensor) and tuple(state_dict[n].shape) != tuple(t.shape)]
-    if wrong:
-        raise SplitError(f"state_dict holds {len(wrong)} tensor(s) of another shape (state_dict vs model): "
-                         f"{', '.join(wrong[:_SHOW])}")
 
 
 def _reset_from_owners(fresh: dict, meta: dict, model: torch.nn.Module, device, seed: int,

@@ -99,8 +99,8 @@ class SafetensorsStateDict(Mapping):
         >>> tmp = tempfile.TemporaryDirectory(); save_model(model, f"{tmp.name}/model.safetensors")
         >>> sd = SafetensorsStateDict(tmp.name)
         >>> pipe = ps.pipeline(model, ["2"], (torch.randn(2, 4),))
-        >>> stage = pipe.build_stage(1, "cpu", state_dict=sd); sorted(set(sd.read))  # stage 1's tensors only
-        ['2.bias', '2.weight']
+        >>> stage = pipe.build_stage(1, "cpu", state_dict=sd); sd.read  # stage 1's tensors only, each once
+        ['2.weight', '2.bias']
     """
 
     def __init__(self, directory: str, aliases: Mapping[str, str] | None = None) -> None:
@@ -129,6 +129,9 @@ class SafetensorsStateDict(Mapping):
         self.read.append(key)
         with safe_open(self.files[name], "pt") as f:
             return f.get_tensor(name)
+
+    def __contains__(self, key: object) -> bool:  # Mapping's would read the tensor to answer
+        return key in self.files or key in self.aliases
 
     def __iter__(self) -> Iterator[str]:
         return iter([*self.files, *self.aliases])
