@@ -12,6 +12,16 @@ backward also re-runs the forward; an unsplit backward ``B`` costs ``I + W``), e
 cross-rank link's ``CommModel.time(bytes)``, and each stage's held bytes; a rank's
 predicted peak is its parameters, gradients and optimizer state plus the simulated
 peak of held activations (and, under checkpointing, one stage's rebuilt activations).
+
+Measuring (``plan(measure=True)``, the default): after a search with the sums of the
+profiled ops, the contenders (candidates within :data:`CONTENDER_WINDOW` of the fastest,
+on at most :data:`MEASURED_SPLITS` splits) have their splits' stages run and timed
+(:mod:`.measure`: each action kind as the contenders run it, at up to three microbatch
+sizes), repeating steps until each split's timings settle (two halves of the samples
+agree within 1%) or ``measure_budget`` is spent, and are simulated again with those
+times. A measured candidate's ``spread`` is how far its prediction moves between the
+halves; where the fastest candidates' spreads stay over 5% the plan is ``too_noisy`` and
+says so. Op sums alone come out optimistic (see :data:`CONTENDER_WINDOW`).
 """
 
 from __future__ import annotations
@@ -59,37 +69,21 @@ ADAM_STATE = 2.0
 """Optimizer state per parameter byte by default (Adam: two moments)."""
 
 
-def plan(
-    model: torch.nn.Module,
-    example_args: tuple | Any,
-    *,
-    num_ranks: int,
-    memory_budget: str | float,
-    loss_fn: Callable | None,
-    global_batch: int,
-    schedules: Sequence[str] | None = None,
-    activation_checkpoint: Iterable[bool] = (False, True),
-    stages_per_rank: Iterable[int] = (1, 2),
-    microbatches: Iterable[int] | None = None,
-    balance: Iterable[str] = ("time",),
-    comm: CommModel | None = None,
-    optimizer_state: float = ADAM_STATE,
-    example_kwargs: dict | None = None,
-    example_target: Any = None,
-    profile_passes: int = PROFILE_PASSES,
-    measure: bool | int = True,
-    measure_budget: float = MEASURE_BUDGET_S,
-    resolution: float = MIN_RESOLUTION,
-    group: GroupArg = None,
-) -> Plan:
+def plan(model: torch.nn.Module, example_args: tuple | Any, *, num_ranks: int, memory_budget: str | float,
+         loss_fn: Callable | None, global_batch: int, schedules: Sequence[str] | None = None,
+         activation_checkpoint: Iterable[bool] = (False, True), stages_per_rank: Iterable[int] = (1, 2),
+         microbatches: Iterable[int] | None = None, balance: Iterable[str] = ("time",), comm: CommModel | None = None,
+         optimizer_state: float = ADAM_STATE, example_kwargs: dict | None = None, example_target: Any = None,
+         profile_passes: int = PROFILE_PASSES, measure: bool | int = True, measure_budget: float = MEASURE_BUDGET_S,
+         resolution: float = MIN_RESOLUTION, group: GroupArg = None) -> Plan:
     """Choose split, schedule, stages per rank, microbatches and checkpointing for ``model``.
 
-    Profiles ``model`` once on ``example_args`` (one microbatch, batch in dim 0),
-    prices every split and simulates every candidate (see the module docstring).
+    Profiles ``model`` once on ``example_args``, prices every split and simulates every
+    candidate, then measures the contenders (see the module docstring).
 
     Args:
         model: the model (not modified).
-        example_args: one microbatch of inputs.
+        example_args: one microbatch of inputs (batch in dim 0).
         num_ranks: pipeline ranks.
         memory_budget: per-rank bytes (a number, or ``"2GB"``, ``"40GiB"``).
         loss_fn: the loss the schedules will use (kept for ``plan.best.build_schedule``).
@@ -107,20 +101,11 @@ def plan(
         example_target: the example microbatch's target: with it, the stages are measured
             with ``loss_fn``; without, with the mean of the outputs as the loss.
         profile_passes: whole-graph profiling passes (more resist a busy machine better).
-        measure: after a search with the sums of the profiled ops, run the stages of
-            the contenders' splits (candidates within :data:`CONTENDER_WINDOW` of the
-            fastest, on at most :data:`MEASURED_SPLITS` splits, or this many if an int;
-            :mod:`.measure`: each action kind as the contenders run it, at up to three
-            microbatch sizes) and simulate the contenders again with those times.
-            ``False``: op sums only (faster; they come out optimistic, see
-            :data:`CONTENDER_WINDOW`).
+        measure: run and time the contenders' stages and simulate them again (on at most
+            :data:`MEASURED_SPLITS` splits, or this many if an int); ``False``: op sums only.
         measure_budget: seconds the measurement may spend repeating steps until each
-            split's timings settle (two halves of the samples agree within 1%), shared
-            by the measured splits. A measured candidate's ``spread`` is how far its
-            prediction moves between the halves; where the fastest candidates' spreads
-            stay over 5% the plan is ``too_noisy`` and says so.
-        resolution: relative step-time difference always marked as a tie; candidates
-            whose spreads overlap tie too.
+            split's timings settle, shared by the measured splits.
+        resolution: relative step-time difference always a tie (overlapping spreads tie too).
         group: the pipeline's process group or DeviceMesh dimension (``mesh["pp"]``): the
             default link model is measured between its first two ranks. Every rank of
             the default group calls ``plan()`` and gets rank 0's plan.
@@ -137,28 +122,33 @@ def plan(
         >>> entry = zoo.get("mlp_stack", d=16)  # 8 layers, batch 8
         >>> plan = ps.plan(entry.model, (entry.args[0][:2],), num_ranks=2, memory_budget="1GB",
         ...                loss_fn=entry.loss_fn, global_batch=8, schedules=["1F1B", "GPipe"])
-        >>> plan.best.schedule in ("1F1B", "GPipe"), plan.best.fits
+        >>> plan.best.schedule in ("1F1B", "GPipe"), plan.best.fits  # print(plan): the candidates' table
         (True, True)
-        >>> print(plan)  # doctest: +SKIP
         >>> sched = plan.best.build_schedule(group=group)  # on every rank  # doctest: +SKIP
     """
+    return _plan(model, example_args, num_ranks, memory_budget, loss_fn, global_batch, schedules,
+                 activation_checkpoint, stages_per_rank, microbatches, balance, comm, optimizer_state, example_kwargs,
+                 example_target, profile_passes, measure, measure_budget, resolution, group)
+
+
+def _plan(model: torch.nn.Module, example_args: tuple | Any, num_ranks: int, memory_budget: str | float,
+          loss_fn: Callable | None, global_batch: int, schedules: Sequence[str] | None,
+          activation_checkpoint: Iterable[bool], stages_per_rank: Iterable[int], microbatches: Iterable[int] | None,
+          balance: Iterable[str], comm: CommModel | None, optimizer_state: float, example_kwargs: dict | None,
+          example_target: Any, profile_passes: int, measure: bool | int, measure_budget: float, resolution: float,
+          group: GroupArg) -> Plan:
+    """:func:`plan`'s steps, its arguments in its order: check them, trace and profile the model
+    once, search, measure the contenders, rank."""
     if num_ranks < 1 or global_batch < 1:
         raise ValueError(f"plan() needs num_ranks >= 1 and global_batch >= 1, got {num_ranks}, {global_batch}")
     budget = parse_bytes(memory_budget)
     example_args = example_args if isinstance(example_args, tuple) else (example_args,)
     b0 = _batch_size(example_args)
-    names = list(schedules) if schedules is not None else list(ORDERS)
-    for name in names:
-        get_order_spec(name)  # an unknown name is refused before anything runs
+    names = _schedule_names(schedules)
     comm = comm if comm is not None else _default_comm(group)
     traced = trace_model(model, example_args, example_kwargs)
     flat = traced.flatten_inputs(example_args, example_kwargs or {})
-    ms = sorted(set(microbatches)) if microbatches is not None else _default_microbatches(global_batch, num_ranks)
-    uneven = [m for m in ms if m < 1 or global_batch % m]
-    if uneven:
-        raise ValueError(f"plan(): microbatches {uneven} do not divide global_batch={global_batch}; a traced "
-                         f"microbatch has a fixed size. Divisors: "
-                         f"{[m for m in range(1, global_batch + 1) if global_batch % m == 0][:16]}")
+    ms = _microbatch_counts(microbatches, global_batch, num_ranks)
     grid = itertools.product(names, sorted(set(stages_per_rank)), list(balance))
     notes: list[str] = []
     overhead = _agree_profile(traced, model, flat, profile_passes)
@@ -178,6 +168,27 @@ def plan(
     if not result.fitting:
         raise PlanError(result.no_fit_message())
     return result
+
+
+def _schedule_names(schedules: Sequence[str] | None) -> list[str]:
+    """The families to try (default every one of ``ORDERS``); an unknown name is refused
+    before anything runs."""
+    names = list(schedules) if schedules is not None else list(ORDERS)
+    for name in names:
+        get_order_spec(name)
+    return names
+
+
+def _microbatch_counts(microbatches: Iterable[int] | None, global_batch: int, num_ranks: int) -> list[int]:
+    """The ``m`` values to try, sorted (default :func:`_default_microbatches`); ``ValueError``
+    unless each divides ``global_batch`` (a traced microbatch has a fixed size)."""
+    ms = sorted(set(microbatches)) if microbatches is not None else _default_microbatches(global_batch, num_ranks)
+    uneven = [m for m in ms if m < 1 or global_batch % m]
+    if uneven:
+        raise ValueError(f"plan(): microbatches {uneven} do not divide global_batch={global_batch}; a traced "
+                         f"microbatch has a fixed size. Divisors: "
+                         f"{[m for m in range(1, global_batch + 1) if global_batch % m == 0][:16]}")
+    return ms
 
 
 def _measure_contenders(candidates: list[Candidate], measure: Callable[..., SplitMeasure], limit: int,
