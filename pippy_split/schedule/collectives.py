@@ -56,7 +56,7 @@ def agree_on_order(name: str, lowered: Order, n_microbatches: int, num_stages: i
 def gather_links(mine: Sequence[Link], pg: PipelineGroup) -> list[Link]:
     """Hand-built stages declare their own skips: every rank shares its stages'
     links once (a small int tensor), so all ranks lower the same order."""
-    if not pg.distributed:
+    if pg.world == 1:
         return sorted(set(mine))
     width = 256
     if len(mine) > width:
@@ -84,7 +84,7 @@ def shared_item_count(loss_count: Callable[[Any], Any], targets: list | None, pg
                 failure = f"microbatch {mb}: loss_count raised {type(e).__name__}: {e}"
                 break
     total = torch.tensor([float("nan") if failure else sum(counts)], dtype=torch.float64)
-    if pg.distributed:
+    if pg.world > 1:
         total = total.to(pg.device)
         dist.broadcast(total, group=pg.group, group_src=last_rank)
     value = float(total.item())
@@ -105,7 +105,7 @@ def share_loss(mb_losses: list, rule: LossRule | None, pg: PipelineGroup, src_ra
     known = rule is not None and bool(mb_losses) and all(loss is not None for loss in mb_losses)
     value = rule.step_loss(mb_losses) if known and rule is not None else torch.zeros(())
     value = value.to(torch.float32).clone()
-    if pg.distributed:
+    if pg.world > 1:
         # Waited for here: a step leaves no work outstanding, so destroy_process_group()
         # right after the last step() finds nothing in flight.
         value = value.to(pg.device)
@@ -129,7 +129,7 @@ def sync_shared_grads(pipe: PipeView | None, stages: Sequence[PipelineStage], pg
         for p in local.values():
             if p.grad is not None:
                 total += p.grad
-        if pg.distributed:
+        if pg.world > 1:
             dist.all_reduce(total, group=pg.group)
         for p in local.values():
             p.grad = total.clone() if len(local) > 1 else total

@@ -78,7 +78,7 @@ def share_sizes(symbols: Sequence[SymbolSource], mine: torch.Tensor, pg: Pipelin
     """Every microbatch's ``{symbol: size}`` on every rank: one all-gather of each rank's
     :func:`local_sizes` (ranks without inputs send -1). Ranks given inputs must agree;
     where they do not, every rank raises the same error before any message."""
-    if pg.distributed:
+    if pg.world > 1:
         every = [torch.empty_like(mine, device=pg.device) for _ in range(pg.world)]
         dist.all_gather(every, mine.to(pg.device), group=pg.group)
         gathered = [t.cpu() for t in every]

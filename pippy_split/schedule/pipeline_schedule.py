@@ -11,8 +11,7 @@ runs this rank's actions on the one :class:`.runtime.Interpreter`.
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -35,9 +34,9 @@ from .lower import lower
 from .manual_shapes import refuse_unequal_microbatches
 from .orders import get_order_spec
 from .placement import replace_placement
+from .run_controls import RunControls
 from .runtime import Interpreter, StepContext
 from .simulate import simulate
-from .timing import ActionRecorder, ActionTiming
 from .train_mode import refuse_train_mode_graph
 from .validate import validate
 
@@ -62,9 +61,10 @@ class _ScheduleClass(type):
         return cls.placement_style
 
 
-class PipelineSchedule(metaclass=_ScheduleClass):
+class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
     """Base of every schedule class; a subclass names its family (``order_name``) and the
-    placement that family needs (``placement_style``), nothing else.
+    placement that family needs (``placement_style``), nothing else. The run's probe and
+    memory knob (``timed_actions``, ``release_sent_outputs``) come from :class:`.run_controls.RunControls`.
 
     Args:
         stage_or_stages: this rank's stage, or its stages (any order).
@@ -309,61 +309,12 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         self._last.results.clear()
         return out
 
-    @contextlib.contextmanager
-    def timed_actions(self, probe: Callable[[], Any] | None = None) -> Iterator[list[ActionTiming]]:
-        """Record every compute action this rank runs inside the block: its start and end
-        (``time.perf_counter()`` seconds) and, with ``probe``, what ``probe()`` returns right
-        before and right after it (e.g. ``torch.cuda.memory_allocated``). A time includes
-        waiting for the action's received inputs; on an accelerator the device is
-        synchronised around each action (which slows the run: for measuring, not training).
-
-        Example:
-            >>> import pippy_split as ps; from torch.nn import Linear, ReLU, Sequential
-            >>> pipe = ps.pipeline(Sequential(Linear(4, 8), ReLU(), Linear(8, 2)), ["2"], (torch.randn(2, 4),))
-            >>> sched = ps.build_schedule(pipe, "ZBVZeroBubble", 4, loss_fn=torch.nn.functional.mse_loss)
-            >>> with sched.timed_actions() as times: _ = sched.step(torch.randn(8, 4), target=torch.randn(8, 2))
-            >>> [str(t.action) for t in times][:4], all(t.seconds >= 0 for t in times)
-            (['0F0', '1F0', '1I0', '1W0'], True)
-        """
-        recorder = ActionRecorder(self.stages[0].device, probe)
-        previous, self._runtime.observer = self._runtime.observer, recorder
-        try:
-            yield recorder.times
-        finally:
-            self._runtime.observer = previous
-
     def _merge(self, ctx: StepContext, last: PipelineStage) -> Any:
         """The last stage's outputs of the step, merged (or kept per microbatch)."""
         outputs = [last.results[mb].output for mb in range(ctx.n_microbatches)]
         if ctx.per_microbatch:  # given Microbatches: unequal shapes do not concatenate
             return Microbatches(outputs)
         return merge_chunks(outputs, self.output_merge_spec)
-
-    @property
-    def release_sent_outputs(self) -> bool | None:
-        """Free the memory of a forward output once it is sent to another rank.
-
-        Backward needs only the output's autograd node and shape, so its values are
-        dropped unless autograd saved them. ``None`` (default): on accelerators
-        (CUDA's caching allocator makes it free), not on CPU, where handing the pages
-        back costs more time than it saves (see README, performance). ``True`` /
-        ``False`` force it.
-
-        Example:
-            >>> import pippy_split as ps
-            >>> pipe = ps.pipeline(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), ["1"],
-            ...                    (torch.randn(2, 4),))
-            >>> sched = ps.build_schedule(pipe, "ZBVZeroBubble", 2)
-            >>> sched.release_sent_outputs is None  # the default: released on accelerators, kept on CPU
-            True
-            >>> sched.release_sent_outputs = True   # also on CPU: less memory, slower steps
-        """
-        return self._runtime.release_sent
-
-    @release_sent_outputs.setter
-    def release_sent_outputs(self, on: bool | None) -> None:
-        self._runtime.release_sent = None if on is None else bool(on)
-        self._runtime.track_sent_outputs()
 
     @property
     def loss(self) -> torch.Tensor | None:

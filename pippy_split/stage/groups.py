@@ -69,8 +69,8 @@ class PipelineGroup:
 
     Example:
         >>> g = PipelineGroup.of(None, torch.device("cpu"))  # no process group: one rank
-        >>> g.rank, g.world, g.distributed
-        (0, 1, False)
+        >>> g.rank, g.world, g.group is None
+        (0, 1, True)
     """
 
     group: ProcessGroup | None
@@ -96,8 +96,3 @@ class PipelineGroup:
                                     "before building the schedule, or every rank would run the whole pipeline alone")
             return cls(group=pg, rank=0, world=1, device=torch.device(device))
         return cls(group=pg, rank=dist.get_rank(pg), world=dist.get_world_size(pg), device=torch.device(device))
-
-    @property
-    def distributed(self) -> bool:
-        """Whether there is anyone to talk to (more than one rank)."""
-        return self.world > 1

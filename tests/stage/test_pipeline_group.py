@@ -18,7 +18,7 @@ from pippy_split.stage.groups import PipelineGroup
 
 def test_without_a_process_group_it_is_rank_0_of_1_on_the_given_device():
     pg = PipelineGroup.of(None, "cpu")
-    assert (pg.group, pg.rank, pg.world, pg.device, pg.distributed) == (None, 0, 1, torch.device("cpu"), False)
+    assert (pg.group, pg.rank, pg.world, pg.device) == (None, 0, 1, torch.device("cpu"))
 
 
 def test_it_is_frozen_and_keyword_only():
