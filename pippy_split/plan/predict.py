@@ -11,7 +11,7 @@ parameters, gradients and optimizer state plus the simulated peak of held activa
 
 Sits between the priced split (:mod:`.costs`) and the search (:mod:`.search` calls it for
 every candidate, and again for the contenders once measured); its result is a
-:class:`~.report.Candidate`.
+:class:`~.candidate.Candidate`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from ..schedule.actions import Order
 from ..schedule.orders import get_order_spec
 from ..schedule.placement import placement_of_order
 from ..schedule.simulate import Simulation, simulate
+from .candidate import Candidate
 from .costs import CommModel, SplitCosts
-from .report import Candidate
 
 __all__ = ["evaluate"]
 

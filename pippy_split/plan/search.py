@@ -35,10 +35,11 @@ from ..split.errors import SplitError
 from ..split.profile import DEFAULT_PASSES, op_overhead, op_profiles
 from ..split.trace import trace_model
 from ..stage.groups import GroupArg
+from .candidate import Candidate
 from .costs import CommModel, SplitCosts, parse_bytes, price_split
 from .measure import SplitMeasure, group_of_one, measure_split
 from .predict import evaluate
-from .report import Candidate, Plan, PlanError
+from .report import Plan, PlanError
 
 __all__ = ["plan", "evaluate"]
 
