@@ -233,6 +233,26 @@ def _cheapest(costs: list[float], pens: list[float], n: int, bound: float) -> tu
     return prev[m], sorted(cuts)
 
 
+def _most_even(costs: list[float], pens: list[float], n: int, best: float, allowed: float,
+               ideal: float) -> list[int]:
+    """The most even split among those with the cleanest cuts: the least penalty of
+    :func:`_cheapest` with stages of at most ``allowed``, then the bound bisected down
+    towards ``best`` (to a thousandth of ``ideal``) while that penalty holds. Returns the
+    cut groups."""
+    penalty, groups = _cheapest(costs, pens, n, allowed)
+    lo, hi = best, allowed
+    for _ in range(12):
+        if hi - lo <= 1e-3 * max(ideal, 1e-30):
+            break
+        mid = (lo + hi) / 2
+        p, g = _cheapest(costs, pens, n, mid)
+        if p <= penalty + 1e-9:
+            hi, groups = mid, g
+        else:
+            lo = mid
+    return groups
+
+
 def cut_positions(ops: list[torch.fx.Node], n: int, costs: list[float], real: list[bool], tree: CallTree,
                   metric: str = "flops") -> tuple[list[int], BalanceReport]:
     """Cut ``ops`` into ``n`` stages: positions (cut before ``ops[p]``) and the report.
@@ -277,17 +297,7 @@ def cut_positions(ops: list[torch.fx.Node], n: int, costs: list[float], real: li
     allowed = best + CUT_SLACK * ideal
     if best <= TARGET_RATIO * ideal:
         allowed = min(allowed, TARGET_RATIO * ideal)
-    penalty, groups = _cheapest(group_costs, group_pens, n, allowed)
-    lo, hi = best, allowed  # the most even split among those with the cleanest cuts
-    for _ in range(12):
-        if hi - lo <= 1e-3 * max(ideal, 1e-30):
-            break
-        mid = (lo + hi) / 2
-        p, g = _cheapest(group_costs, group_pens, n, mid)
-        if p <= penalty + 1e-9:
-            hi, groups = mid, g
-        else:
-            lo = mid
+    groups = _most_even(group_costs, group_pens, n, best, allowed, ideal)
     positions = [starts[g] for g in groups]
     edges = [0] + positions + [len(ops)]
     stage_costs = tuple(sum(costs[edges[s]:edges[s + 1]]) for s in range(n))
