@@ -34,6 +34,7 @@ class Channel:
     keys: list[Any]  # sends: the key of its value in InFlight.to_send / grads_to_send; receives: where it lands
     specs: list[TensorSpec]  # receives: how to size the buffer
     shapes: list[tuple[int, ...] | None]  # ... its shape where no microbatch changes it (None: dynamic)
+    dim_orders: list[tuple[int, ...] | None]  # the memory order it travels in, both ways (None: row-major)
     carries_grad: list[bool]  # forward receives: a gradient flows back along it
     releasable: list[bool]  # forward sends: a stage output (not a forwarded model input)
     tag: int
@@ -105,6 +106,7 @@ def wire(stage: PipelineStage, slots: list[StageInput], stage_rank: Mapping[int,
             sender, receiver = (me, peer) if sending else (peer, me)
             out.append(Channel(peer, stage_rank[peer], [key(x) for x in mine], specs,
                                [None if s is None or s.is_dynamic else s.shape for s in specs],
+                               [None if s is None else s.dim_order for s in specs],
                                [s is not None and s.carries_grad for s in specs],
                                [sending and not backward and not x.from_input for x in mine],
                                ((backward * n + sender) * n + receiver) * 64, 2 * n * n * 64))

@@ -267,7 +267,7 @@ class Interpreter:
                     f"stage {ch.peer_stage} on rank {ch.peer_rank}")
             values = [(i, waiting.pop(key)) for i, key in enumerate(ch.keys) if key in waiting]
             tag = ch.tag + ch.mb_stride * (a.mb % 1024)
-            ops += [P2P.send_op(v, ch.peer_rank, what, tag + k % 64) for k, (_, v) in enumerate(values)]
+            ops += [P2P.send_op(v, ch.peer_rank, what, tag + k % 64, ch.dim_orders[i]) for k, (i, v) in enumerate(values)]
             sent += [v for i, v in values if ch.releasable[i]]
         stage = self.stages[a.stage]
         if stage.track_saved_storages:  # a value read by several stages: only after its last send
@@ -290,7 +290,7 @@ class Interpreter:
             tag = ch.tag + ch.mb_stride * (a.mb % 1024)
             for k, (key, spec, shape) in enumerate(zip(ch.keys, ch.specs, ch.shapes)):
                 op, _ = P2P.recv_op(shape if shape is not None else self._shape(spec, ctx, a.mb), spec.dtype, device,
-                                    ch.peer_rank, what, tag + k % 64)
+                                    ch.peer_rank, what, tag + k % 64, ch.dim_orders[k])
                 landing.append(Arrival(key, ch.carries_grad[k], op))
                 ops.append(op)
         return ops

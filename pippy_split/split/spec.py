@@ -48,6 +48,10 @@ class TensorSpec:
     shape: tuple
     dtype: torch.dtype
     requires_grad: bool
+    dim_order: tuple[int, ...] | None = None
+    """The order of its dims in memory, outermost first, where it is not row-major (a
+    channels-last activation: ``(0, 2, 3, 1)``); None for row-major. A message keeps it, so a
+    receiving stage's kernels see the strides they see in the unsplit model."""
 
     @property
     def is_complex(self) -> bool:

@@ -62,7 +62,22 @@ def spec_of(node: torch.fx.Node, requires_grad: bool, known: set, rename: dict |
             dims.append(expr.xreplace(rename) if rename else expr)
         else:
             dims.append(int(d))
-    return TensorSpec(tuple(dims), val.dtype, requires_grad)
+    return TensorSpec(tuple(dims), val.dtype, requires_grad, dim_order_of(val))
+
+
+def dim_order_of(value: torch.Tensor) -> tuple[int, ...] | None:
+    """``value``'s dims in memory order where that is not row-major (None where it is, or where
+    its strides do not say: symbolic, or not one dense block).
+
+    Example:
+        >>> dim_order_of(torch.zeros(2, 3, 4, 4).to(memory_format=torch.channels_last)), dim_order_of(torch.zeros(2, 3))
+        ((0, 2, 3, 1), None)
+    """
+    try:
+        order = tuple(int(d) for d in value.dim_order())
+    except Exception:  # symbolic strides, or an overlapping / gapped layout: sent row-major
+        return None
+    return None if order == tuple(range(value.dim())) else order
 
 
 def symbol_sources(traced: Traced, placeholders: dict[str, torch.fx.Node]) -> list[SymbolSource]:

@@ -9,6 +9,7 @@ rank works this out alike from the same Pipe, so senders and receivers agree.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,7 +68,7 @@ def autocast_edge_specs(pipe: PipeView, dtype: torch.dtype, device_type: str) ->
         for edge in pipe.edges:
             if edge.src_stage == info.index:
                 out = outs[edge.src_output]
-                specs[id(edge)] = TensorSpec(edge.spec.shape, out.dtype, edge.spec.requires_grad)
+                specs[id(edge)] = replace(edge.spec, dtype=out.dtype)
     cache[key] = specs
     return specs
 

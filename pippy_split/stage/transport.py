@@ -38,6 +38,7 @@ class P2POp:
     what: str  # "stage 2 waiting for the forward of microbatch 5 from stage 0 on rank 0"
     tag: int = 0
     complex_dtype: torch.dtype | None = None  # a receive of complex values, as a real view
+    dim_order: tuple[int, ...] | None = None  # a receive laid out in this memory order (not row-major)
     batch: Batch | None = None
     index: int = 0
 
@@ -82,17 +83,24 @@ class P2P:
 
     @staticmethod
     def recv_op(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, peer: int, what: str,
-                tag: int = 0) -> tuple[P2POp, torch.dtype | None]:
-        """A receive op with a fresh buffer sized exactly ``shape`` (complex as a real view)."""
+                tag: int = 0, dim_order: tuple[int, ...] | None = None) -> tuple[P2POp, torch.dtype | None]:
+        """A receive op with a fresh buffer sized exactly ``shape`` (complex as a real view), its
+        memory in ``dim_order`` (the sender's layout, see :meth:`send_op`) where one is given."""
         complex_dtype = dtype if dtype.is_complex else None
+        stored = shape if dim_order is None else tuple(shape[d] for d in dim_order)
         if complex_dtype is not None:
-            buf = torch.empty((*shape, 2), dtype=torch.empty((), dtype=dtype).real.dtype, device=device)
+            buf = torch.empty((*stored, 2), dtype=torch.empty((), dtype=dtype).real.dtype, device=device)
         else:
-            buf = torch.empty(shape, dtype=dtype, device=device)
-        return P2POp(False, buf, peer, what, tag, complex_dtype), complex_dtype
+            buf = torch.empty(stored, dtype=dtype, device=device)
+        return P2POp(False, buf, peer, what, tag, complex_dtype, dim_order), complex_dtype
 
     @staticmethod
-    def send_op(tensor: torch.Tensor, peer: int, what: str, tag: int = 0) -> P2POp:
+    def send_op(tensor: torch.Tensor, peer: int, what: str, tag: int = 0,
+                dim_order: tuple[int, ...] | None = None) -> P2POp:
+        """A send op of ``tensor``'s values in ``dim_order``'s memory order (a channels-last
+        tensor goes without a copy, and is received channels-last), else row-major."""
+        if dim_order is not None:
+            tensor = tensor.permute(dim_order)
         if tensor.is_complex():
             tensor = torch.view_as_real(tensor)
         return P2POp(True, tensor.detach().contiguous(), peer, what, tag)
@@ -126,7 +134,10 @@ class P2P:
         assert batch is not None, "a receive is waited for only once posted"
         if not batch.done:
             self._wait(batch, [op.index] if len(batch.works) == len(batch.what) else range(len(batch.works)), op.what)
-        return torch.view_as_complex(op.tensor) if op.complex_dtype is not None else op.tensor
+        value = torch.view_as_complex(op.tensor) if op.complex_dtype is not None else op.tensor
+        if op.dim_order is not None:  # the buffer holds the dims in memory order: back to the logical order
+            value = value.permute(sorted(range(len(op.dim_order)), key=op.dim_order.__getitem__))
+        return value
 
     def _wait(self, batch: Batch, indices: Any, what: str) -> None:
         for i in indices:
