@@ -24,8 +24,9 @@ Example:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -34,9 +35,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import pippy_split as ps
 
+from ..zoo.entry import layer_split
 from .config import TrainConfig
 
-__all__ = ["Layout", "fsdp_patterns", "tp_plan_for", "parallelize_stages"]
+__all__ = ["Layout", "fsdp_patterns", "tp_plan_for", "parallelize_stages", "block_split"]
 
 _HF_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _HF_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
@@ -99,6 +101,39 @@ def _block_list(model: torch.nn.Module) -> str | None:
     lists = [(sum(p.numel() for p in m.parameters()), name) for name, m in model.named_modules()
              if isinstance(m, torch.nn.ModuleList) and len(m)]
     return max(lists)[1] if lists else None
+
+
+def block_split(cfg: TrainConfig, model: torch.nn.Module, num_stages: int, given: Any) -> Any:
+    """The split of a ``--dp``/``--tp`` run: FSDP2 and TP apply to whole blocks, so every cut falls between blocks.
+
+    ``given`` (the user's ``--split`` or a factory's FQNs) is kept when no cut enters a block, else refused
+    by name; without one (or with a stage count) the blocks are dealt out evenly, where a plain run balances
+    by cost and may cut inside blocks. A run without ``--dp``/``--tp`` gets ``given`` or ``num_stages`` (balanced).
+
+    Example:
+        >>> from pippy_split.zoo.gpt import TinyGPT
+        >>> gpt = TinyGPT(vocab_size=8, d_model=8, n_layer=4, n_head=2, block_size=8)
+        >>> block_split(TrainConfig(dp=2), gpt, 2, None), block_split(TrainConfig(), gpt, 2, None)
+        (['blocks.2'], 2)
+    """
+    if cfg.dp == 1 and cfg.tp == 1:
+        return given or num_stages
+    blocks = _block_list(model)
+    flags = f"--dp {cfg.dp}" if cfg.tp == 1 else f"--tp {cfg.tp}" if cfg.dp == 1 else f"--dp {cfg.dp} --tp {cfg.tp}"
+    if isinstance(given, (list, tuple, dict)) and given:  # FQNs (a dict's keys: FQN -> SplitPoint)
+        inside = [c for c in given if blocks is not None and re.match(rf"{re.escape(blocks)}\.\d+\.", str(c))]
+        if inside:
+            raise SystemExit(f"{flags} shards whole blocks ({blocks}.*), so the split must fall between blocks; "
+                             f"{', '.join(map(str, inside))} is inside one: split at blocks (e.g. "
+                             f"{blocks}.1) or leave --split out")
+        return given
+    n = len(cast(torch.nn.ModuleList, model.get_submodule(blocks))) if blocks is not None else 0
+    if n < num_stages:
+        raise SystemExit(f"{flags} shards whole blocks, so each of the {num_stages} stages needs one: "
+                         f"{type(model).__name__} has {n} ({blocks or 'no nn.ModuleList of blocks'}); use fewer "
+                         "ranks, or a schedule with one stage per rank (1F1B)")
+    assert blocks is not None
+    return layer_split(blocks, n, num_stages)
 
 
 def fsdp_patterns(model: torch.nn.Module) -> list[str] | None:

@@ -24,6 +24,7 @@ from .config import TrainConfig
 from .corpus import CharCorpus, addition_corpus
 from .factory import data_example, factory_loss, load_factory, unpack_entry, vocab_size_of
 from .hf import SafetensorsStateDict, causal_lm_loss, hf_model, is_hf, pretrained_dir, tied_aliases
+from .nd import block_split
 from .text import read_documents, token_corpora
 
 if TYPE_CHECKING:
@@ -195,7 +196,8 @@ def _builtin(cfg: TrainConfig, num_stages: int, resume_state: dict | None) -> tu
         gpt_cfg = resume_state["meta"]["gpt_config"]
     torch.manual_seed(cfg.seed)
     model = TinyGPT(**gpt_cfg)
-    split_spec = parse_split(cfg.split) or layer_split("blocks", gpt_cfg["n_layer"], num_stages)
+    split_spec = block_split(cfg, model, num_stages,
+                             parse_split(cfg.split) or layer_split("blocks", gpt_cfg["n_layer"], num_stages))
     B, M = cfg.batch_size, cfg.microbatches
     x0, _ = corpus.batch(B, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1))
     prep = Prepared(world=0, corpus=corpus, gpt_cfg=gpt_cfg, model=model, loss_fn=lm_loss, args=(), kwargs={},
@@ -240,7 +242,7 @@ def _hf(cfg: TrainConfig, num_stages: int) -> tuple:
     """--model hf:CONFIG: the causal LM on --data's tokens, split over its decoder layers."""
     pretrained = pretrained_dir(cfg)
     model = hf_model(cfg, meta=pretrained is not None)  # pretrained: each rank fills only its stages
-    split_spec = parse_split(cfg.split) or num_stages
+    split_spec = block_split(cfg, model, num_stages, parse_split(cfg.split))
     prep = Prepared(world=0, corpus=None, gpt_cfg=None, model=model, loss_fn=causal_lm_loss, args=(), kwargs={},
                     target=None, batch_size=cfg.batch_size, vocab_size=model.config.vocab_size,
                     state_dict=None if pretrained is None else SafetensorsStateDict(pretrained, tied_aliases(model)))
@@ -252,7 +254,7 @@ def _factory(cfg: TrainConfig, num_stages: int) -> tuple:
     assert cfg.model is not None
     torch.manual_seed(cfg.seed)
     model, args, kwargs, spec, loss_fn, target = unpack_entry(load_factory(cfg.model)())
-    split_spec = parse_split(cfg.split) or spec or num_stages
+    split_spec = block_split(cfg, model, num_stages, parse_split(cfg.split) or spec)
     example = data_example(cfg, model, args, kwargs) if cfg.data else None
     loss = factory_loss(cfg, model, loss_fn, target)
     if example is not None:

@@ -1,0 +1,35 @@
+"""`pippy-split train --dp N`: the job's own split falls between blocks (FSDP2 and TP shard whole blocks),
+and a head tied to its embedding trains exactly under pipeline x FSDP2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pippy_split.training.config import TrainConfig
+from pippy_split.training.nd import block_split
+from pippy_split.training.setup import model_source
+from pippy_split.zoo.gpt import TinyGPT
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 128, "tie_word_embeddings": True}
+
+
+def test_dp_and_tp_runs_cut_between_blocks_or_refuse_by_name(tmp_path):
+    (tmp_path / "tiny.json").write_text(json.dumps(CONFIG))
+    for flags in ({"dp": 2}, {"tp": 2}):
+        cfg = TrainConfig(model=f"hf:{tmp_path / 'tiny.json'}", data="unused.txt", **flags)
+        assert model_source(cfg, 4)[1] == ["model.layers.1", "model.layers.2", "model.layers.3"]
+    assert model_source(TrainConfig(model=f"hf:{tmp_path / 'tiny.json'}", data="x"), 4)[1] == 4  # plain: balanced
+    gpt = TinyGPT(vocab_size=8, d_model=8, n_layer=2, n_head=2, block_size=8)
+    with pytest.raises(SystemExit, match=r"--dp 2 shards whole blocks, so each of the 4 stages needs one: TinyGPT "
+                                         r"has 2 \(blocks\)"):
+        block_split(TrainConfig(dp=2), gpt, 4, None)
+    with pytest.raises(SystemExit, match=r"--dp 2 --tp 2 shards whole blocks \(blocks\.\*\), so the split must fall "
+                                         r"between blocks; blocks\.1\.mlp is inside one"):
+        block_split(TrainConfig(dp=2, tp=2), gpt, 2, ["blocks.1.mlp"])
+    assert block_split(TrainConfig(dp=2), gpt, 2, ["blocks.1"]) == ["blocks.1"]
