@@ -70,6 +70,9 @@ class WeightGradPlan:
     whole_params: list[torch.nn.Parameter]  # parameters whose gradient I computes in full
     sink: CaptureSink = field(default_factory=CaptureSink)  # what the instrumented graph calls
     names: dict[int, str] = field(default_factory=dict)  # id of each planned parameter -> its FQN in the module
+    # the capture sets (per microbatch: which captures, for which parameters) proven to cover
+    # every parameter exactly (``coverage.uncovered_parameters``); checked once each
+    proven: set[tuple] = field(default_factory=set)
 
     @property
     def num_captures(self) -> int:

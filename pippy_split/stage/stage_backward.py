@@ -18,6 +18,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from .backward import WeightGradPlan, plan_weight_grads
+from .coverage import uncovered_parameters
 from .data_parallel import unsplittable_backward
 from .errors import PipelineError
 from .saved import CaptureGrads, SavedMicrobatch, WeightCaptures, WeightRoots, accumulate
@@ -102,10 +103,13 @@ class StageBackward:
         tensors, grads = self._roots(mb, saved, output_grads, loss_divisor)
         leaves = self._grad_inputs(saved)
         plan, work = self._wplan, saved.weight_work
-        captures = [(k, c) for k, c in enumerate(work.values)
-                    if isinstance(c, GradientEdge) or (isinstance(c, torch.Tensor) and c.requires_grad)] \
-            if plan is not None and isinstance(work, WeightCaptures) else []
-        multi = plan.whole_params + work.whole_now if plan is not None and isinstance(work, WeightCaptures) else []
+        groups: list[list[torch.nn.Parameter]] = []
+        multi: list[torch.nn.Parameter] = []
+        if plan is not None and isinstance(work, WeightCaptures):
+            groups, multi = self._covering(plan, tensors, work)
+        captures = [(k, c) for k, c in enumerate(work.values) if groups[k]
+                    and (isinstance(c, GradientEdge) or (isinstance(c, torch.Tensor) and c.requires_grad))] \
+            if isinstance(work, WeightCaptures) else []
         targets: list[Any] = [a for _, a in leaves] + [c for _, c in captures] + multi
         results: Sequence[torch.Tensor | None] = []
         if tensors and targets:
@@ -121,7 +125,7 @@ class StageBackward:
             in_grads[i] = g if g is not None else torch.zeros_like(a)
         if isinstance(work, WeightCaptures):
             cap_grads = results[len(leaves): len(leaves) + len(captures)]
-            saved.weight_work = CaptureGrads([(c, g, work.params[k]) for (k, c), g in zip(captures, cap_grads)
+            saved.weight_work = CaptureGrads([(c, g, groups[k]) for (k, c), g in zip(captures, cap_grads)
                                               if g is not None])
             for p, g in zip(multi, results[len(leaves) + len(captures):]):
                 accumulate(p, g)
@@ -129,6 +133,37 @@ class StageBackward:
             saved.weight_work = WeightRoots(tensors, grads)  # W runs backward again, for the stage's parameters
         saved.outputs = ()
         return in_grads
+
+    def _covering(self, plan: WeightGradPlan, roots: Sequence[torch.Tensor],
+                  work: WeightCaptures) -> tuple[list[list[torch.nn.Parameter]], list[torch.nn.Parameter]]:
+        """This microbatch's W groups and the parameters I computes whole, with every parameter
+        B would reach covered exactly once: proven on the autograd graph the first time a
+        forward hands over this set of captures (:func:`~.coverage.uncovered_parameters`);
+        a parameter it cannot cover moves to I for good, with a note saying which."""
+        whole_ids = {id(p) for p in plan.whole_params}
+        groups = [[p for p in g if id(p) not in whole_ids] for g in work.params]
+        key = tuple(tuple(id(p) for p in g) if work.values[k] is not None else None for k, g in enumerate(groups)) \
+            + tuple(id(p) for p in work.whole_now)
+        if key not in plan.proven:
+            captures = [(c, g) for c, g in zip(work.values, groups) if c is not None and g]
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            missed = uncovered_parameters(roots, captures, plan.whole_params + work.whole_now, params)
+            if missed:
+                self._cover_whole(plan, missed)
+                return self._covering(plan, roots, work)
+            plan.proven.add(key)
+        return groups, list({id(p): p for p in plan.whole_params + work.whole_now}.values())
+
+    def _cover_whole(self, plan: WeightGradPlan, missed: list[torch.nn.Parameter]) -> None:
+        plan.whole_params = plan.whole_params + missed
+        plan.proven.clear()
+        names = [plan.names.get(id(p), "?") for p in missed]
+        numel = sum(p.numel() for p in missed)
+        warnings.warn(f"stage {self.stage_index}: the I/W split computes {len(missed)} parameter(s) whole in I "
+                      f"({', '.join(names[:8])}{', ...' if len(names) > 8 else ''}; {numel} elements): each is read on "
+                      "a path no captured op isolates (e.g. a module reads a child's weight without calling the child), "
+                      "so W alone would miss part of its gradient. Exact; the cost is that their weight gradients run "
+                      "in I instead of filling the bubble", stacklevel=4)
 
     def _backward_input_and_weights(self, mb: int, saved: SavedMicrobatch, output_grads: Mapping[int, torch.Tensor],
                                     loss_divisor: float | None) -> dict[int, torch.Tensor]:
