@@ -136,7 +136,7 @@ class _Builder:
                 for leaf in self.output_leaves:
                     if isinstance(leaf, torch.fx.Node) and self.stage_of(leaf) != s:
                         seen.setdefault(leaf, None)
-            for a in call_inputs(set(ops), self.plan.ops, self.calls, self.traced.module_signatures, self.by_name,
+            for a in call_inputs(set(ops), self.plan.ops, self.calls, self.traced.callable_signatures, self.by_name,
                                  user_module_path):
                 seen.setdefault(a, None)
             reads.append(list(seen))
@@ -203,7 +203,7 @@ class _Builder:
         modules, flops = self._copy_ops(g, env, root, ops)
         g.output(tuple(env[v] for v in outs))
         module = self._module(s, root, g, installs)
-        for fqn in swap_in_module_calls(module, set(ops), env, self.plan.ops, self.calls, self.traced.module_signatures,
+        for fqn in swap_in_module_calls(module, set(ops), env, self.plan.ops, self.calls, self.traced.callable_signatures,
                                         self.by_name, self.model, user_module_path):
             # the user's module brings all its tensors, also those the trace never read
             sub = module.get_submodule(fqn)

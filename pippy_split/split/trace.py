@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import TraceError
 from .input_checks import check_input, input_check
+from .state_writes import StateWrite, modules_kept_traced, watch_state_writes
 
 __all__ = ["Traced", "trace_model", "ROOT_PREFIX", "user_module_path"]
 
@@ -99,6 +100,9 @@ class Traced:
     input_checks: list[Any] = field(default_factory=list)
     # The user's FQN (``@k`` for the k-th repeat of a call) -> export's ModuleCallSignature
     module_signatures: dict[str, Any] = field(default_factory=dict)
+    # Modules a stage must not call as the user's object, each with a write that keeps it
+    # traced (its subtree's Python state is set by a forward outside it: state_writes.py)
+    kept_traced: dict[str, StateWrite] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # ExportedProgram.call_spec builds a new NamedTuple class on every access: read it once.
@@ -108,6 +112,13 @@ class Traced:
     @property
     def graph(self) -> torch.fx.Graph:
         return self.ep.graph
+
+    @property
+    def callable_signatures(self) -> dict[str, Any]:
+        """The kept call signatures of the modules a stage may call as the user's objects
+        (``module_signatures`` less the modules in ``kept_traced``)."""
+        return {key: sig for key, sig in self.module_signatures.items()
+                if key.split("@", 1)[0] not in self.kept_traced}
 
     def example_inputs(self) -> list[Any]:
         """Per flat user input as traced: a tensor's ``(shape, dtype)`` (dynamic sizes at
@@ -253,8 +264,6 @@ def _plain_export(model: torch.nn.Module, export: Any, reason: str) -> ExportedP
 def _modules_with_opaque_values(model: torch.nn.Module, args: tuple, kwargs: dict) -> set[str]:
     """Modules that take or return a value export cannot flatten into tensors and scalars,
     found by one forward on fake tensors (no compute, no memory)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     plain = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
     opaque: set[str] = set()
     handles = []
@@ -273,15 +282,24 @@ def _modules_with_opaque_values(model: torch.nn.Module, args: tuple, kwargs: dic
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post, with_kwargs=True))
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
-            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
-            model(*fake[0], **fake[1])
-    except Exception:
-        pass  # the probe only narrows what is kept; export decides
+        _fake_forward(model, args, kwargs)
     finally:
         for h in handles:
             h.remove()
     return opaque
+
+
+def _fake_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """One forward of ``model`` on fake tensors (no compute, no memory), for the probes that
+    watch it; an exception ends it quietly (a probe only narrows what is kept)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+            model(*fake[0], **fake[1])
+    except Exception:
+        pass
 
 
 def _same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> bool:
@@ -322,7 +340,10 @@ def trace_model(
     kwargs = dict(kwargs or {})
     root = _root_for(model)
     try:
-        ep = _export_keeping_calls(model, root, tuple(args), kwargs, dynamic_shapes, strict)
+        with watch_state_writes(model) as writes:
+            if strict:  # TorchDynamo traces the bytecode: the writes are seen in an eager run only
+                _fake_forward(model, tuple(args), kwargs)
+            ep = _export_keeping_calls(model, root, tuple(args), kwargs, dynamic_shapes, strict)
     except Exception as e:  # export raises many types; all mean "cannot trace"
         reason = f"{type(e).__name__}: {e}"
         raise TraceError(
@@ -349,6 +370,7 @@ def trace_model(
     return Traced(
         ep=ep,
         module_signatures=signatures,
+        kept_traced=modules_kept_traced(writes),
         user_inputs=user_inputs,
         params=params,
         buffers=buffers,

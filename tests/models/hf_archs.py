@@ -209,6 +209,17 @@ def granite() -> Arch:
     return _causal(t.GraniteForCausalLM(cfg), ["model.layers.*.mlp"])
 
 
+def recurrent_gemma() -> Arch:
+    import transformers as t
+
+    # Its recurrent block resets ``rg_lru.recurrent_states`` in Python before calling it: where
+    # 4 stages cut inside a block, the rg_lru stays traced with it (issue 29 item 3).
+    cfg = t.RecurrentGemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                                 num_attention_heads=4, num_key_value_heads=1, lru_width=32, attention_window_size=16,
+                                 conv1d_width=4, block_types=["recurrent", "recurrent", "attention"], use_cache=False)
+    return _causal(t.RecurrentGemmaForCausalLM(cfg), ["model.layers.*.mlp_block"])
+
+
 # ---- encoders (masked LM) ------------------------------------------------------------
 
 
@@ -323,6 +334,7 @@ BUILDERS: dict[str, Callable[[], Arch]] = {
     "opt": opt, "bloom": bloom, "falcon": falcon, "deberta_v2": deberta_v2, "distilbert": distilbert,
     "electra": electra, "bart": bart, "whisper": whisper, "clip": clip, "swin": swin, "convnext": convnext,
     "mamba": mamba, "dinov2": dinov2, "granite": granite,
+    "recurrent_gemma": recurrent_gemma,
 }
 # The transformers class each builder needs (a missing one skips that architecture, named).
 CLASSES = {
@@ -333,6 +345,7 @@ CLASSES = {
     "whisper": "WhisperForConditionalGeneration", "clip": "CLIPModel", "swin": "SwinForImageClassification",
     "convnext": "ConvNextForImageClassification", "mamba": "MambaForCausalLM",
     "dinov2": "Dinov2ForImageClassification", "granite": "GraniteForCausalLM",
+    "recurrent_gemma": "RecurrentGemmaForCausalLM",
 }
 # Which per-item sum loss an architecture's loss_count check uses: causal LMs count next tokens.
 COUNTS: dict[Callable, Callable[[torch.Tensor], torch.Tensor]] = {
