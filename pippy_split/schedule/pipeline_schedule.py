@@ -25,7 +25,7 @@ from ..stage.loss import LossRule
 from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
 from .actions import Action, ActionKind, Order
-from .agree import agree_before_step
+from .agree import FailureChannel, StepGuard, agree_before_step
 from .collectives import agree_on_order, gather_links, share_loss, shared_item_count, sync_shared_grads
 from .deps import edge_links
 from .dynamic_sizes import inputs_given_anyway, local_sizes, share_sizes
@@ -37,6 +37,7 @@ from .placement import replace_placement
 from .run_controls import RunControls
 from .runtime import Interpreter, StepContext
 from .simulate import simulate
+from .target_check import TargetCheck
 from .train_mode import refuse_train_mode_graph
 from .validate import validate
 
@@ -151,6 +152,9 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         if self.world > 1:
             agree_on_order(type(self).__name__, self.lowered, self.n_microbatches, self.num_stages, self.links,
                            self.pipeline_group)
+        # last: a schedule whose construction failed on some rank takes no key (see FailureChannel)
+        self._failures = FailureChannel(self.pipeline_group, self._runtime.p2p, owner=self)
+        self._target_check: TargetCheck | None = None  # made at the first step (loss_fn may change until then)
         self._loss: torch.Tensor | None = None
 
     # ---- set-up checks ----------------------------------------------------------
@@ -253,11 +257,16 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         ctx.per_microbatch = any_per_microbatch(args, kwargs, target)
         if pipe is None and ctx.mb_args is not None:
             refuse_unequal_microbatches(ctx.mb_args, ctx.mb_kwargs or [])
-        if pipe is None or not pipe.symbols:
+        if pipe is None:
             return None
-        flat = ctx.flat_inputs if needs_inputs else inputs_given_anyway(
+        flat = ctx.flat_inputs if needs_inputs or not pipe.symbols else inputs_given_anyway(
             pipe, args, kwargs, n, self.args_chunk_spec, self.kwargs_chunk_spec)
-        return local_sizes(pipe.symbols, flat, n, pipe.input_names)
+        sizes = local_sizes(pipe.symbols, flat, n, pipe.input_names) if pipe.symbols else None
+        if ctx.targets is not None and last is not None and self.loss_fn is not None:
+            if self._target_check is None or self._target_check.loss_fn is not self.loss_fn:
+                self._target_check = TargetCheck(self.loss_fn, pipe, last.stage_index, last.device)
+            self._target_check(ctx.targets, flat)
+        return sizes
 
     def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
         """One training step over ``n_microbatches``; the same call on every rank.
@@ -266,26 +275,34 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         ``losses`` (a list) is replaced by this step's per-microbatch losses there;
         ``self.loss`` is the step's mean loss on every rank.
         """
-        ctx = self._context(args, kwargs, target, True, self.n_microbatches)
-        for st in self.stages:
-            st.peak_held_microbatches = 0
+        with self._failures.guard("step()") as guard:
+            ctx = self._context(args, kwargs, target, True, self.n_microbatches)
+            for st in self.stages:
+                st.peak_held_microbatches = 0
+            self._run(self.actions, ctx, guard)
+            sync_shared_grads(self.stages[0].pipe, self.stages, self.pipeline_group)
+            for st in self.stages:
+                sync_data_parallel(st.module)
+            last = self._last
+            mb_losses = [last.results[mb].loss for mb in range(self.n_microbatches)] if last else []
+            out = self._merge(ctx, last) if last is not None else None
+            for st in self.stages:
+                st.clear()
+            if last is not None and losses is not None:
+                losses[:] = mb_losses  # replaced, not appended: a list reused every step holds this step's
+            self._loss = share_loss(mb_losses, ctx.loss, self.pipeline_group, self.placement[self.num_stages - 1])
+        return out
+
+    def _run(self, actions: list[Action], ctx: StepContext, guard: StepGuard) -> None:
+        """This rank's actions: from the first message on, a failure stops every rank (:mod:`.agree`)."""
+        guard.communicating()
         try:
-            self._runtime.run(self.actions, ctx)
-        except Exception:
+            self._runtime.run(actions, ctx)
+        except BaseException:
+            guard.where = self._runtime.failed_at or guard.where
             self._runtime.reset()
             raise
-        sync_shared_grads(self.stages[0].pipe, self.stages, self.pipeline_group)
-        for st in self.stages:
-            sync_data_parallel(st.module)
-        last = self._last
-        mb_losses = [last.results[mb].loss for mb in range(self.n_microbatches)] if last else []
-        out = self._merge(ctx, last) if last is not None else None
-        for st in self.stages:
-            st.clear()
-        if last is not None and losses is not None:
-            losses[:] = mb_losses  # replaced, not appended: a list reused every step holds this step's
-        self._loss = share_loss(mb_losses, ctx.loss, self.pipeline_group, self.placement[self.num_stages - 1])
-        return out
+        guard.where = "after its actions (merging outputs, sharing the loss or tied gradients)"
 
     def eval(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, no gradients; works before the first ``step()``.
@@ -296,17 +313,14 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         ``ps.pipeline(model.eval(), ...)`` for it.
         """
         refuse_train_mode_graph(self.stages[0].pipe)
-        ctx = self._context(args, kwargs, None, False, self.n_microbatches)
-        try:
+        with self._failures.guard("eval()") as guard:
+            ctx = self._context(args, kwargs, None, False, self.n_microbatches)
             with torch.no_grad():
-                self._runtime.run(self._eval_actions, ctx)
-        except Exception:
-            self._runtime.reset()
-            raise
-        if self._last is None:
-            return None
-        out = self._merge(ctx, self._last)
-        self._last.results.clear()
+                self._run(self._eval_actions, ctx, guard)
+            if self._last is None:
+                return None
+            out = self._merge(ctx, self._last)
+            self._last.results.clear()
         return out
 
     def _merge(self, ctx: StepContext, last: PipelineStage) -> Any:

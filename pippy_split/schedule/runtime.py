@@ -81,6 +81,7 @@ class Interpreter:
         self._sends: list[Batch] = []
         self._shapes: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = {}
         self._steps: dict[int, list[Action | list[Action]]] = {}  # id(actions) -> compute actions and batches
+        self.failed_at: str | None = None  # after a failed run: the action it failed in, in words
         # measuring only: called right before and right after each compute action
         self.observer: ActionObserver | None = None
         if all(st.pipe is not None for st in self.stages.values()):
@@ -124,24 +125,31 @@ class Interpreter:
                     steps[-1].append(a)
                 else:
                     steps.append([a])
-        for step in steps:
-            if isinstance(step, list):
-                self._post_batch(step, ctx)
-                continue
-            if last_backward.get(step.stage) is step:
-                set_grad_sync(self.stages[step.stage].module, True)  # data-parallel sync once, on the last backward
-            if self.observer is not None:
-                self.observer.before(step)
-            self.handlers[step.kind](step, ctx)
-            if self.observer is not None:
-                self.observer.after(step)
-            if len(self._sends) > 8:  # release delivered send buffers (else they live to the step's end)
-                done = [b for b in self._sends if b.is_completed()]
-                for b in done:
-                    assert self.p2p is not None  # it was posted through it
-                    self.p2p.wait(b)  # already complete: surfaces an error without blocking
-                self._sends = [b for b in self._sends if b not in done]
-        self.finish()
+        self.failed_at = None
+        step: Action | list[Action] | None = None
+        try:
+            for step in steps:
+                if isinstance(step, list):
+                    self._post_batch(step, ctx)
+                    continue
+                if last_backward.get(step.stage) is step:
+                    set_grad_sync(self.stages[step.stage].module, True)  # data-parallel sync once, on the last backward
+                if self.observer is not None:
+                    self.observer.before(step)
+                self.handlers[step.kind](step, ctx)
+                if self.observer is not None:
+                    self.observer.after(step)
+                if len(self._sends) > 8:  # release delivered send buffers (else they live to the step's end)
+                    done = [b for b in self._sends if b.is_completed()]
+                    for b in done:
+                        assert self.p2p is not None  # it was posted through it
+                        self.p2p.wait(b)  # already complete: surfaces an error without blocking
+                    self._sends = [b for b in self._sends if b not in done]
+            step = None
+            self.finish()
+        except BaseException:
+            self.failed_at = _where(step)
+            raise
 
     def _post_batch(self, batch: list[Action], ctx: StepContext) -> None:
         ops: list[P2POp] = []
@@ -294,6 +302,19 @@ class Interpreter:
                 landing.append(Arrival(key, ch.carries_grad[k], op))
                 ops.append(op)
         return ops
+
+
+_KIND_WORDS = {ActionKind.F: "forward", ActionKind.B: "backward", ActionKind.I: "input backward",
+               ActionKind.W: "weight backward"}
+
+
+def _where(step: Action | list[Action] | None) -> str:
+    """Where a run failed, for the other ranks: "in 2F3 (stage 2, microbatch 3, forward)"."""
+    if step is None:
+        return "waiting for its sends at the end of the step"
+    if isinstance(step, list):
+        return f"posting the messages of {', '.join(str(a) for a in step)}"
+    return f"in {step} (stage {step.stage}, microbatch {step.mb}, {_KIND_WORDS[step.kind]})"
 
 
 def _received(t: torch.Tensor, carries_grad: bool) -> torch.Tensor:

@@ -1,11 +1,11 @@
 """The stage layer: PipelineStage, transports, the backward split, errors."""
 
 from ..split.spec import Edge, StageInput
-from .errors import PipelineError, PipelineTimeout
+from .errors import PipelineAborted, PipelineError, PipelineTimeout
 from .options import StageOptions
 from .stage import LossRule, PipelineStage
 
 InputSlot = StageInput  # earlier names of a stage's input slot and outgoing edge, kept for importers
 Route = Edge
 
-__all__ = ["PipelineError", "PipelineTimeout", "PipelineStage", "InputSlot", "Route", "LossRule", "StageOptions"]
+__all__ = ["PipelineAborted", "PipelineError", "PipelineTimeout", "PipelineStage", "InputSlot", "Route", "LossRule", "StageOptions"]

@@ -7,6 +7,10 @@ order. Matching is by order, as on NCCL: by default (``ordered=True``) every
 message goes with tag 0 on every backend, so a gloo run that would only be
 right thanks to tags fails here instead of on a cluster. Complex tensors go as
 real views. Every wait has a timeout whose error says what was awaited.
+
+After a rank fails in the middle of a step nobody knows which messages paired up, so
+:meth:`P2P.abort` breaks every message of this rank on the group, pending or future
+(the schedule layer decides when: :mod:`pippy_split.schedule.agree`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from .errors import PipelineError, PipelineTimeout
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+# A tag no message of the pipeline uses (ordered mode sends tag 0; the per-edge tags of the
+# unordered mode stay below it up to about a hundred stages): a receive posted with it never takes a real message.
+_ABORT_TAG = 2**31 - 1
 
 __all__ = ["P2P", "P2POp", "Batch"]
 
@@ -138,6 +146,32 @@ class P2P:
         if op.dim_order is not None:  # the buffer holds the dims in memory order: back to the logical order
             value = value.permute(sorted(range(len(op.dim_order)), key=op.dim_order.__getitem__))
         return value
+
+    def abort(self) -> None:
+        """Break every message of this rank on the group, posted or still to come: a blocked
+        wait here or in a collective on the group raises at once, and the ranks connected
+        to this one see their connection close. The group carries no message afterwards
+        (as after a wait that ran past its timeout, only sooner).
+
+        On gloo (CPU) this is gloo's own timeout path: a receive that no rank will ever
+        send to, waited for a millisecond; gloo then closes every connection of the group
+        on this rank and wakes every blocked wait (``ProcessGroup.abort()`` does not wake
+        them there). On other backends (NCCL) the group's ``abort()``.
+        """
+        group = self.group if self.group is not None else dist.group.WORLD
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if world < 2 or group is None:
+            return
+        if "gloo" not in str(dist.get_backend(group)):
+            group.abort()
+            return
+        for k in range(1, world):  # through any peer whose connection is still open
+            try:
+                work = group.recv([torch.empty(1)], (rank + k) % world, _ABORT_TAG)
+                work.wait(datetime.timedelta(milliseconds=1))
+            except Exception as e:  # expected: the timeout that closes the group's connections
+                if "timed out" in str(e).lower():
+                    return
 
     def _wait(self, batch: Batch, indices: Any, what: str) -> None:
         for i in indices:

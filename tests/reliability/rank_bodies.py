@@ -31,3 +31,68 @@ def one_rank_fails_its_checks(rank: int, world: int):
     out.append(_outcome(lambda: sched.step(*entry.args, target=entry.target, **entry.kwargs)))
     out.append(float(sched.loss))
     return out
+
+
+def _mlp(width: int = 16, depth: int = 6) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def _raise_on_call(n: int):
+    """A forward hook that raises on its ``n``-th call (0-based): a failure in the middle of a step."""
+    calls = [0]
+
+    def hook(module, args, output):
+        calls[0] += 1
+        if calls[0] == n + 1:
+            raise ValueError(f"a bad batch seen by the user's hook (call {n})")
+
+    return hook
+
+
+def fails_mid_step_and_lives_on(rank: int, world: int, failing: int, timeout: float):
+    """1F1B over ``world`` ranks, one stage each; rank ``failing`` raises in its stage's forward of
+    microbatch 2 (a hook on the user's module), catches it, calls step() again, and stays alive
+    (sleeping, up to 60 s, until every other rank has said it is done). Every other rank returns
+    how long its step() took to raise, what it raised, and what its next step() raised."""
+    import time
+
+    import torch.distributed as dist
+
+    model = _mlp(depth=2 * world)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    pipe = ps.pipeline(model, [str(2 * k) for k in range(1, world)], (x[:2],))
+    sched = ps.build_schedule(pipe, "1F1B", 4, loss_fn=torch.nn.functional.mse_loss, timeout=timeout)
+    sched.step(x, target=y)  # a good step first: the failure comes once the pipeline runs
+    if rank == failing:
+        model[2 * rank].register_forward_hook(_raise_on_call(2))
+    start = time.monotonic()
+    first = _outcome(lambda: sched.step(x, target=y))
+    took = time.monotonic() - start
+    start = time.monotonic()
+    again = _outcome(lambda: sched.step(x, target=y))
+    again_took = time.monotonic() - start
+    store = dist.distributed_c10d._get_default_store()
+    if rank == failing:  # a notebook or a loop that skips the batch: the process lives on
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not store.check([f"test/reported/{r}" for r in range(world) if r != rank]):
+            time.sleep(0.2)
+    else:
+        store.set(f"test/reported/{rank}", "1")
+    return first, took, again, again_took
+
+
+def a_target_that_does_not_fit(rank: int, world: int):
+    """2 ranks, 1F1B: every rank passes a target of 12 rows for 16 inputs (3 per microbatch
+    against 4), then a good batch. The last stage's rank finds it before any message."""
+    model = _mlp(depth=4)
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    pipe = ps.pipeline(model, ["4"], (x[:4],))
+    sched = ps.build_schedule(pipe, "1F1B", 4, loss_fn=torch.nn.functional.mse_loss, timeout=600)
+    out = [_outcome(lambda: sched.step(x, target=y[:12]))]
+    out.append(_outcome(lambda: sched.step(x, target=y)))
+    out.append(float(sched.loss))
+    return out
