@@ -31,6 +31,7 @@ _HOMES = {
     **dict.fromkeys(["MODEL_INPUT", "Edge", "Pipe", "SplitError", "SplitPoint", "SymbolSource", "TensorSpec",
                      "TraceError", "pipe_split", "pipeline"], ".split"),
     "BalanceReport": ".split.balance",
+    **dict.fromkeys(["Generation", "GenerationError"], ".generate"),
     **dict.fromkeys(["PipelineAborted", "PipelineError", "PipelineStage", "PipelineTimeout"], ".stage"),
 }
 _SUBMODULES = {"checkpoint"}  # public submodules reached as attributes (ps.checkpoint.save)
@@ -38,6 +39,7 @@ _SUBMODULES = {"checkpoint"}  # public submodules reached as attributes (ps.chec
 if TYPE_CHECKING:
     from . import checkpoint
     from .clip import clip_grad_norm_
+    from .generate import Generation, GenerationError
     from .grad_scaler import PipelineGradScaler
     from .microbatch import Microbatches, Replicate, TensorChunkSpec, merge_chunks, split_args_kwargs
     from .parallelize import parallelize
@@ -135,4 +137,5 @@ __all__ = ["checkpoint", "clip_grad_norm_", "PipelineGradScaler", "MODEL_INPUT",
            "split_args_kwargs", "Action", "PipelineSchedule", "Schedule1F1B", "ScheduleDualPipeV", "ScheduleGPipe",
            "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble",
            "ScheduleFromOrder", "ScheduleError", "build_schedule", "get_schedule_class", "simulate", "stage_to_rank",
-           "validate", "BalanceReport", "plan", "Plan", "Candidate", "PlanError", "CommModel", "parallelize"]
+           "validate", "BalanceReport", "plan", "Plan", "Candidate", "PlanError", "CommModel", "parallelize",
+           "Generation", "GenerationError"]

@@ -181,6 +181,22 @@ class Pipe:
             cache[key] = pipe
         return cache[key]
 
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        """Generate from the split model in this process, with a KV cache per stage: the same
+        result as ``sched.generate`` (see :meth:`pippy_split.schedule.PipelineSchedule.generate`
+        for the arguments), equal to the unsplit model's Hugging Face ``generate``.
+
+        Example:
+            >>> from pippy_split import zoo
+            >>> e = zoo.get("tiny_gpt")
+            >>> pipe = pipeline(e.model, e.split_spec, e.args)
+            >>> pipe.generate(e.args[0][:2, :4], max_new_tokens=3).sequences.shape
+            torch.Size([2, 7])
+        """
+        from ..generate.local import generate_in_process  # generation builds on the Pipe
+
+        return generate_in_process(self, input_ids, **kwargs)
+
     # ---- building stages for ranks -------------------------------------------------
     def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: GroupArg = None, *,
                     state_dict: Any = None, seed: int = 0,

@@ -101,6 +101,14 @@ def traced_range(traced: Traced, symbol: sympy.Symbol) -> tuple[int, int | None]
     vr = traced.ep.range_constraints.get(symbol)
     if vr is None:
         return 0, None
-    lower = int(vr.lower) if vr.lower.is_finite else 0
-    upper = int(vr.upper) if vr.upper.is_finite else None
-    return lower, upper
+    lower, upper = _bound(vr.lower), _bound(vr.upper)
+    return (0 if lower is None else lower), upper
+
+
+def _bound(value: sympy.Expr) -> int | None:
+    """A range bound as an int, None for an infinite one (sympy's ``oo`` or torch's ``int_oo``,
+    whose ``is_finite`` is True: ``Dim.DYNAMIC`` dims are traced for ``[2, int_oo]``)."""
+    try:
+        return int(value) if value.is_finite else None
+    except (OverflowError, AttributeError, TypeError):
+        return None

@@ -17,6 +17,7 @@ batches, and `generate` for greedy sampling.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,21 @@ TEXT = (
 _CHARS = sorted(set(TEXT))
 
 
+def padded_causal_mask(attention_mask: torch.Tensor | None, T: int, device: torch.device) -> torch.Tensor | None:
+    """(B, 1, T, S) bool for the last ``T`` of ``S`` slots: a query attends to the slots up to its
+    own whose ``attention_mask`` is 1, and always to itself (a left pad attends to itself only,
+    so no row of the softmax is empty). None without a mask (plain causal attention)."""
+    if attention_mask is None:
+        return None
+    S = attention_mask.shape[1]
+    slots = torch.arange(S, device=device)  # (S,)
+    query = slots[S - T:]  # (T,)
+    causal = slots[None, :] <= query[:, None]  # (T, S)
+    own = slots[None, :] == query[:, None]  # (T, S)
+    real = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S)
+    return (causal & real) | own  # (B, 1, T, S)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with one fused qkv projection."""
 
@@ -49,12 +65,18 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: Any = None,
+                layer_idx: int = 0) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
         # (B, T, C) -> (B, H, T, C/H)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
+        if cache is not None:  # generation: keys and values of the earlier tokens too
+            k, v = cache.update(k, v, layer_idx)  # (B, H, P + T, C/H)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, C/H)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return self.proj(y)
 
@@ -81,8 +103,9 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = MLP(d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: Any = None,
+                layer_idx: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), mask, cache, layer_idx)
         return x + self.mlp(self.ln2(x))
 
 
@@ -100,6 +123,7 @@ class TinyGPT(nn.Module):
     ) -> None:
         super().__init__()
         self.block_size = block_size
+        self.max_positions = block_size  # what generation may reach (pos_emb's rows)
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(block_size, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
@@ -109,12 +133,21 @@ class TinyGPT(nn.Module):
         if tie_weights:
             self.head.weight = self.tok_emb.weight  # one Parameter, used by first and last stage
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values: Any = None) -> torch.Tensor:
+        """Training: ``forward(idx)``. Generation (``pipe.generate``) also passes left-padded
+        rows' ``attention_mask`` (B, P + T), their ``position_ids`` (B, T) and a cache whose
+        ``update(k, v, layer_idx)`` returns the keys and values so far (Hugging Face's protocol)."""
         T = idx.shape[1]
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        pos = torch.arange(T, device=idx.device) if position_ids is None else position_ids  # (T,) or (B, T)
         x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)  # (B, T, C)
+        if attention_mask is None and past_key_values is None:
+            for block in self.blocks:
+                x = block(x)  # (B, T, C)
+        else:
+            mask = padded_causal_mask(attention_mask, T, idx.device)  # (B, 1, T, P + T)
+            for i, block in enumerate(self.blocks):
+                x = block(x, mask, past_key_values, i)  # (B, T, C)
         return self.head(self.ln_f(x))  # (B, T, V)
 
 

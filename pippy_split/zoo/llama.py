@@ -16,12 +16,14 @@ boundary, as in torchtitan's Llama, where `freqs_cis` is shared by all layers.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pippy_split.zoo.entry import ZooEntry, layer_split
-from pippy_split.zoo.gpt import lm_loss, text_batch
+from pippy_split.zoo.gpt import lm_loss, padded_causal_mask, text_batch
 
 __all__ = ["TinyLlama", "apply_rotary", "precompute_freqs_cis", "tiny_llama"]
 
@@ -68,18 +70,23 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor,
-        documents: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None, cached: tuple[torch.Tensor, Any, int] | None = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
         shape = (B, T, -1, self.head_dim)  # -1: n_head, or this rank's heads under tensor parallelism
         q = apply_rotary(self.wq(x).view(shape), freqs)  # (B, T, H, hd)
         k = apply_rotary(self.wk(x).view(shape), freqs)  # (B, T, H, hd)
         v = self.wv(x).view(shape)  # (B, T, H, hd)
-        # query t may attend to key s iff positions[s] <= positions[t]
-        mask = (positions[:, None, :] <= positions[:, :, None]).unsqueeze(1)  # (B, 1, T, T) bool
-        if documents is not None:  # packed rows: ... and both lie in the same document
-            mask = mask & (documents[:, None, :] == documents[:, :, None]).unsqueeze(1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
+        if cached is not None:  # generation: (padded causal mask (B, 1, T, P + T), cache, layer index)
+            mask, cache, layer_idx = cached
+            if cache is not None:
+                k, v = cache.update(k, v, layer_idx)  # (B, H, P + T, hd)
+        else:
+            # query t may attend to key s iff positions[s] <= positions[t]
+            mask = (positions[:, None, :] <= positions[:, :, None]).unsqueeze(1)  # (B, 1, T, T) bool
+            if documents is not None:  # packed rows: ... and both lie in the same document
+                mask = mask & (documents[:, None, :] == documents[:, :, None]).unsqueeze(1)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, hd)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
@@ -109,9 +116,11 @@ class TransformerBlock(nn.Module):
 
     def forward(
         self, x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor,
-        documents: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None, cached: tuple[torch.Tensor, Any, int] | None = None,
     ) -> torch.Tensor:
-        extra = () if documents is None else (documents,)
+        extra: tuple = () if documents is None else (documents,)
+        if cached is not None:
+            extra = (documents, cached)
         h = x + self.attention(self.attention_norm(x), freqs, positions, *extra)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -133,6 +142,7 @@ class TinyLlama(nn.Module):
         max_seq: int = 64,
     ) -> None:
         super().__init__()
+        self.max_positions = max_seq  # what generation may reach (freqs_cis's rows)
         self.tok_embeddings = nn.Embedding(vocab_size, d_model)
         self.layers = nn.ModuleList(TransformerBlock(d_model, n_head) for _ in range(n_layer))
         self.norm = RMSNorm(d_model)
@@ -142,13 +152,26 @@ class TinyLlama(nn.Module):
             "freqs_cis", precompute_freqs_cis(d_model // n_head, max_seq), persistent=False
         )
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None, *, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values: Any = None) -> torch.Tensor:
+        """Training: ``forward(tokens, positions)``. Generation (``pipe.generate``) passes
+        left-padded rows' ``attention_mask`` (B, P + T), ``position_ids`` (B, T) and a cache whose
+        ``update(k, v, layer_idx)`` returns the keys and values so far (Hugging Face's protocol)."""
+        if positions is None:
+            if position_ids is None:
+                raise TypeError("TinyLlama.forward needs positions (or position_ids)")
+            positions = position_ids
         freqs = self.freqs_cis[positions]  # (B, T, hd/2) complex64
         h = self.tok_embeddings(tokens)  # (B, T, C)
-        extra = () if documents is None else (documents,)
-        for layer in self.layers:
-            h = layer(h, freqs, positions, *extra)  # (B, T, C)
+        if attention_mask is None and past_key_values is None:
+            extra = () if documents is None else (documents,)
+            for layer in self.layers:
+                h = layer(h, freqs, positions, *extra)  # (B, T, C)
+        else:
+            mask = padded_causal_mask(attention_mask, tokens.shape[1], tokens.device)  # (B, 1, T, P + T)
+            for i, layer in enumerate(self.layers):
+                h = layer(h, freqs, positions, documents, (mask, past_key_values, i))  # (B, T, C)
         return self.output(self.norm(h))  # (B, T, V)
 
 

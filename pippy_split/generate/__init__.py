@@ -1,0 +1,17 @@
+"""Generation on the split you train: a KV cache per stage, lanes in flight, live weights.
+
+Where this sits: beside the training flow, reusing it. ``pipe.generate`` and
+``sched.generate`` hand over here. :mod:`.decode_model` is the decode step as a module,
+:mod:`.program` its trace cut where the training pipe is cut (each stage keeps its own
+layers' cache), :mod:`.stage_step` one stage's step for a lane, :mod:`.lanes` what each
+lane feeds and what the rows produced, :mod:`.sampling` the token choice, :mod:`.local`
+the one-process driver.
+"""
+
+from __future__ import annotations
+
+from .errors import GenerationError
+from .options import GenerateOptions
+from .result import Generation
+
+__all__ = ["Generation", "GenerateOptions", "GenerationError"]

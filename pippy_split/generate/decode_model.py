@@ -1,0 +1,161 @@
+"""The decode step as a module: what generation traces (generate → split, once per Pipe).
+
+:class:`DecodeRoot` shares the user's model's submodules, parameters and buffers (same
+objects, same FQNs) and has one ``forward``: extend each row by ``T`` tokens given the
+KV cache so far as explicit tensors (``past``, two per attention layer: keys, values of
+shape ``(B, H, P, D)``), returning the last position's logits and the cache after the
+step. Inside, the cache is the model's own kind (a Hugging Face ``DynamicCache``, or
+:class:`KVCache` for models that are not Hugging Face's), filled from ``past``, so the
+model's attention runs its own ``cache.update`` code: nothing of the model is rewritten.
+
+The cache protocol (what a model must accept to generate): ``forward(input_ids,
+attention_mask=, position_ids=, <cache>=)`` where ``<cache>`` is ``cache`` or
+``past_key_values`` (Hugging Face's names) and each attention layer calls
+``<cache>.update(keys, values, layer_idx)`` and attends over what it returns; the
+output is the logits ``(B, T, V)`` or an object with ``.logits``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from .errors import GenerationError
+
+__all__ = ["DecodeRoot", "KVCache", "cache_argument", "kv_layout"]
+
+
+class KVCache:
+    """The smallest cache the protocol needs, for models that are not Hugging Face's:
+    ``update(keys, values, layer_idx)`` appends along the sequence dim (2) and returns the
+    layer's keys and values so far; ``get_seq_length(layer_idx=0)`` is the length so far."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *_: Any, **__: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx < len(self.keys):
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], keys], dim=2)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], values], dim=2)
+        elif layer_idx == len(self.keys):
+            self.keys.append(keys)
+            self.values.append(values)
+        else:
+            raise GenerationError(f"KVCache: layer {layer_idx} updated before layer {len(self.keys)}")
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if layer_idx >= len(self.keys) else int(self.keys[layer_idx].shape[2])
+
+    def layer_tensors(self) -> list[torch.Tensor]:
+        return [t for k, v in zip(self.keys, self.values) for t in (k, v)]
+
+
+def _is_hf(model: torch.nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name of ``model.forward``'s cache argument (``cache`` or ``past_key_values``);
+    a :class:`GenerationError` saying what works when it has none."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            missing = [n for n in ("attention_mask", "position_ids") if n not in params]
+            if missing:
+                raise GenerationError(f"{type(model).__name__}.forward takes {name}= but not {', '.join(missing)}=; "
+                                      "generation calls forward(input_ids, attention_mask=, position_ids=, "
+                                      f"{name}=) (as Hugging Face causal LMs take them)")
+            return name
+    raise GenerationError(
+        f"{type(model).__name__}.forward cannot take a KV cache (it has no cache= or past_key_values= argument), "
+        "so it cannot generate without recomputing every token, which pippy_split refuses. What works: a Hugging "
+        "Face causal LM (LlamaForCausalLM, GPT2LMHeadModel, ...), the zoo's tiny_gpt / tiny_llama, or a forward("
+        "input_ids, attention_mask=, position_ids=, past_key_values=) whose attention layers call "
+        "past_key_values.update(keys, values, layer_idx) and attend over what it returns")
+
+
+def _filled_cache(model: torch.nn.Module, past: list[torch.Tensor]) -> Any:
+    """The model's kind of cache holding ``past``, set without any op: the first op that reads
+    layer ``j``'s past is that layer's own ``update`` (in the stage holding the layer)."""
+    pairs = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
+    if not _is_hf(model):
+        ours = KVCache()
+        ours.keys = [k for k, _ in pairs]
+        ours.values = [v for _, v in pairs]
+        return ours
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    hf = DynamicCache()
+    for k, v in pairs:
+        layer = DynamicLayer()
+        layer.device, layer.keys, layer.values, layer.is_initialized = k.device, k, v, True
+        hf.layers.append(layer)
+    return hf
+
+
+def _cache_tensors(cache: Any) -> list[torch.Tensor]:
+    if isinstance(cache, KVCache):
+        return cache.layer_tensors()
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def _logits(out: Any) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+class DecodeRoot(torch.nn.Module):
+    """The model's decode step: ``forward(input_ids (B, T), attention_mask (B, P + T),
+    position_ids (B, T), past [2 x layers of (B, H, P, D)]) -> (logits (B, V), [keys,
+    values after the step, per layer])``. Its submodules, parameters and buffers are the
+    model's own objects under the same names (no copy)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_modules", model._modules)
+        object.__setattr__(self, "_parameters", model._parameters)
+        object.__setattr__(self, "_buffers", model._buffers)
+        object.__setattr__(self, "_non_persistent_buffers_set", model._non_persistent_buffers_set)
+        self._user_model: torch.nn.Module
+        object.__setattr__(self, "_user_model", model)
+        self.cache_arg = cache_argument(model)
+        params = inspect.signature(model.forward).parameters
+        self.keep_last = "logits_to_keep" in params  # as HF generate: logits of the last position only
+        self.use_cache = "use_cache" in params
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                past: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        cache = _filled_cache(self._user_model, past)
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask, "position_ids": position_ids,
+                                  self.cache_arg: cache}
+        if self.keep_last:
+            kwargs["logits_to_keep"] = 1
+        if self.use_cache:
+            kwargs["use_cache"] = True
+        logits = _logits(self._user_model.forward(input_ids, **kwargs))  # (B, T or 1, V)
+        return logits[:, -1], _cache_tensors(cache)
+
+
+def kv_layout(model: torch.nn.Module, device: torch.device | str) -> list[tuple[int, int]]:
+    """``(heads, head_dim)`` of each cache tensor the model keeps (keys and values of each
+    attention layer, in order), from one step of two tokens (on ``meta`` when the model's
+    tensors are)."""
+    root = DecodeRoot(model)
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    with torch.no_grad():
+        _, kv = root(ids, torch.ones_like(ids), torch.arange(2, device=device)[None], [])
+    if not kv:
+        raise GenerationError(f"{type(model).__name__} called cache.update for no layer: it keeps no KV cache, "
+                              "so it cannot generate step by step")
+    return [(int(t.shape[1]), int(t.shape[3])) for t in kv]

@@ -1,0 +1,198 @@
+"""Each stage's decode program and where its KV cache lives (generate, built once per Pipe).
+
+:func:`decode_program` traces :class:`~.decode_model.DecodeRoot` once, with the batch, the
+new tokens ``T`` and the past ``P`` dynamic, and cuts it where the training pipe was cut
+(:func:`pippy_split.split.retrace.trace_again`). One program serves the prefill (``P = 0``)
+and every decode step (``T = 1``).
+
+The cache tensors are the trace's own inputs and outputs, so the splitter sees them as
+model inputs and as values flowing to the output. :class:`DecodeProgram` turns them into
+stage state: the stage that reads layer ``j``'s past is the stage that makes its new
+cache (checked here, refused by name otherwise), it keeps both, and they never cross a
+cut: the last stage, which returns every output leaf, gets ``None`` for a cache tensor
+another stage made (its graph only returns it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ..split.spec import MODEL_INPUT, InputKind, StageInput, gather_inputs
+from .decode_model import DecodeRoot, kv_layout
+from .errors import GenerationError
+
+__all__ = ["DecodeProgram", "StagePlan", "decode_program", "N_STEP_INPUTS"]
+
+N_STEP_INPUTS = 3  # input_ids, attention_mask, position_ids; the cache tensors follow
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What one stage of the decode program reads and keeps."""
+
+    index: int
+    kv: tuple[int, ...]
+    """The cache tensors (flat indices: layer ``j`` keys ``2j``, values ``2j + 1``) this stage keeps."""
+    kv_inputs: dict[int, int] = field(default_factory=dict)
+    """Stage input position -> cache tensor it reads (the past)."""
+    kv_shapes: dict[int, int] = field(default_factory=dict)
+    """Stage input position -> cache tensor of another stage whose sizes only it reads (given a
+    stand-in of that shape with no memory)."""
+    kv_outputs: dict[int, int] = field(default_factory=dict)
+    """Cache tensor -> the stage output that is its new value."""
+    dropped_inputs: frozenset[int] = frozenset()
+    """Inputs of the last stage that are another stage's new cache (given ``None``)."""
+    step_inputs: dict[int, int] = field(default_factory=dict)
+    """Stage input position -> step input (0 ids, 1 mask, 2 positions) it reads."""
+
+
+class DecodeProgram:
+    """The decode Pipe with each stage's :class:`StagePlan` and the cache layout."""
+
+    def __init__(self, pipe: Any, layout: list[tuple[int, int]]) -> None:
+        self.pipe = pipe
+        self.layout = layout
+        self.num_stages: int = pipe.num_stages
+        self.plans = _stage_plans(pipe, len(layout))
+        last_outputs = len(pipe.stages[-1].output_names)
+        logits_out, _ = pipe.unflatten_outputs(list(range(last_outputs)))
+        self.logits_output: int = logits_out
+
+    def stage_module(self, s: int) -> torch.nn.Module:
+        return self.pipe.stages[s].module
+
+    def inputs(self, s: int) -> list[StageInput]:
+        return self.pipe.stages[s].inputs
+
+    def gather(self, s: int, step: Sequence[torch.Tensor], produced: dict[tuple[int, int], Any],
+               kv: dict[int, torch.Tensor]) -> list[Any]:
+        """Stage ``s``'s arguments: ``step`` (ids, mask, positions), values from other stages in
+        ``produced`` (keyed ``(stage, output)``; the step inputs also under ``(MODEL_INPUT, i)``),
+        its own cache ``kv`` (flat index -> tensor)."""
+        plan = self.plans[s]
+        flat: list[Any] = [*step, *([None] * (2 * len(self.layout)))]
+        for i, x in enumerate(step):
+            produced[(MODEL_INPUT, i)] = x
+        for j, t in kv.items():
+            flat[N_STEP_INPUTS + j] = t
+            produced[(MODEL_INPUT, N_STEP_INPUTS + j)] = t
+        for slot in self.inputs(s):
+            if slot.index in plan.dropped_inputs:
+                produced.setdefault(slot.key, None)
+        bindings = self.bindings(step, kv)
+        return gather_inputs(self.inputs(s), flat, produced, bindings)
+
+    def bindings(self, step: Sequence[torch.Tensor], kv: dict[int, torch.Tensor]) -> dict:
+        out = {}
+        for src in self.pipe.symbols:
+            i = src.input_index
+            if i < N_STEP_INPUTS:
+                out[src.symbol] = int(step[i].shape[src.dim])
+            elif (i - N_STEP_INPUTS) in kv:
+                out[src.symbol] = int(kv[i - N_STEP_INPUTS].shape[src.dim])
+        past = int(step[1].shape[1]) - int(step[0].shape[1])
+        for src in self.pipe.symbols:  # a cache dim read where this stage holds no cache
+            if src.symbol not in out and src.input_index >= N_STEP_INPUTS:
+                out[src.symbol] = past if src.dim == 2 else int(step[0].shape[0])
+        return out
+
+
+def _model_input_of(slot: StageInput) -> int | None:
+    if slot.kind is InputKind.MODEL:
+        return slot.model_input
+    if slot.kind is InputKind.EDGE and slot.edge is not None and slot.edge.src_stage == MODEL_INPUT:
+        return slot.edge.src_output
+    return None
+
+
+def _stage_plans(pipe: Any, n_kv: int) -> list[StagePlan]:
+    n = pipe.num_stages
+    last = pipe.stages[-1]
+    _, kv_leaves = pipe.unflatten_outputs(list(range(len(last.output_names))))
+    # Where each new cache tensor is made: (stage, output) of that stage.
+    made: dict[int, tuple[int, int]] = {}
+    dropped: set[int] = set()
+    out_node = next(nd for nd in last.module.graph.nodes if nd.op == "output")
+    returned = out_node.args[0]
+    placeholders = [nd for nd in last.module.graph.nodes if nd.op == "placeholder"]
+    for j, o in enumerate(kv_leaves):
+        value = returned[o]
+        if isinstance(value, torch.fx.Node) and value.op == "placeholder":
+            pos = placeholders.index(value)
+            slot = last.inputs[pos]
+            if slot.kind is not InputKind.EDGE or slot.edge is None or slot.edge.src_stage == MODEL_INPUT:
+                raise GenerationError(f"cache tensor {j} is returned unchanged by the decode step: the model does "
+                                      "not update its cache")
+            if set(value.users) != {out_node}:
+                raise GenerationError(f"the last stage computes with the cache of layer {j // 2} that stage "
+                                      f"{slot.edge.src_stage} makes; cut the model at its blocks' boundaries")
+            made[j] = (slot.edge.src_stage, slot.edge.src_output)
+            dropped.add(pos)
+        else:
+            made[j] = (n - 1, o)
+    reads: dict[int, dict[int, int]] = {s: {} for s in range(n)}
+    shapes: dict[int, dict[int, int]] = {s: {} for s in range(n)}
+    steps: dict[int, dict[int, int]] = {s: {} for s in range(n)}
+    for s in range(n):
+        for slot in pipe.stages[s].inputs:
+            i = _model_input_of(slot)
+            if i is None:
+                continue
+            if i >= N_STEP_INPUTS:
+                node = [nd for nd in pipe.stages[s].module.graph.nodes if nd.op == "placeholder"][slot.index]
+                sizes_only = all(u.op == "call_function" and u.target is torch.ops.aten.sym_size.int
+                                 for u in node.users)
+                (shapes if sizes_only else reads)[s][slot.index] = i - N_STEP_INPUTS
+            else:
+                steps[s][slot.index] = i
+    plans = []
+    for s in range(n):
+        kv = tuple(sorted(j for j, (src, _) in made.items() if src == s))
+        for j in reads[s].values():
+            if made[j][0] != s:
+                raise GenerationError(
+                    f"layer {j // 2}'s KV cache would cross a cut: stage {s} reads its past but stage {made[j][0]} "
+                    "makes its new value (the split cuts inside that attention layer). Cut the model at block "
+                    "boundaries (e.g. split_spec=['model.layers.2']) so each stage keeps its own layers' cache")
+        plans.append(StagePlan(s, kv, dict(reads[s]), dict(shapes[s]), {j: made[j][1] for j in kv},
+                               frozenset(dropped) if s == n - 1 else frozenset(), dict(steps[s])))
+    return plans
+
+
+def _example(layout: list[tuple[int, int]], device: torch.device | str, dtype: torch.dtype
+             ) -> tuple[tuple, dict]:
+    b, t, p = 2, 3, 4  # distinct sizes above 1: export keeps each dim general
+    ids = torch.zeros(b, t, dtype=torch.long, device=device)
+    mask = torch.ones(b, p + t, dtype=torch.long, device=device)
+    pos = torch.arange(p, p + t, device=device).expand(b, t).contiguous()
+    past = [torch.zeros(b, h, p, d, device=device, dtype=dtype) for h, d in layout]
+    return (ids, mask, pos, past), {}
+
+
+def decode_program(pipe: Any) -> DecodeProgram:
+    """The pipe's decode program, traced on first use and kept in ``pipe.derived``."""
+    cached = pipe.derived.get("decode_program")
+    if cached is not None:
+        return cached
+    from ..split.retrace import trace_again
+
+    model = pipe._model
+    if model is None:
+        raise GenerationError("this Pipe does not hold its model (it was not built by pipeline()); generation "
+                              "traces the model's decode step, so build the Pipe with pippy_split.pipeline()")
+    root = DecodeRoot(model)
+    tensors = [*model.parameters(), *model.buffers()]
+    device = next((t.device for t in tensors), torch.device("cpu"))
+    dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
+    layout = kv_layout(model, device)
+    args, kwargs = _example(layout, device, dtype)
+    dyn = torch.export.Dim.DYNAMIC
+    shapes = {"input_ids": {0: dyn, 1: dyn}, "attention_mask": {0: dyn, 1: dyn},
+              "position_ids": {0: dyn, 1: dyn}, "past": [{0: dyn, 2: dyn} for _ in layout]}
+    decode_pipe = trace_again(pipe, root, args, kwargs, dynamic_shapes=shapes)
+    program = DecodeProgram(decode_pipe, layout)
+    pipe.derived["decode_program"] = program
+    return program

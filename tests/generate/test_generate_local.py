@@ -1,0 +1,72 @@
+"""``pipe.generate`` equals the unsplit model's Hugging Face ``generate`` (greedy, fp32), token
+for token, with the log-probabilities an RL loss needs; and bad calls are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pippy_split as ps
+
+from .models import HF, hf_model, hf_reference, prompts
+
+N_NEW = 8
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", sorted(HF))
+def test_greedy_equals_hf_generate(name: str) -> None:
+    model, spec = hf_model(name)
+    ids, _ = prompts(False)
+    pipe = ps.pipeline(model, spec, (ids[:2],))
+    for padded in (False, True):
+        ids, mask = prompts(padded)
+        ref, ref_logprobs = hf_reference(model, ids, mask, N_NEW)
+        out = pipe.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, return_logprobs=True)
+        # HF stops once every row has finished; past that point its rows are pad
+        assert torch.equal(out.sequences[:, : ref.shape[1]], ref), (name, padded)
+        n = ref.shape[1] - ids.shape[1]
+        live = _live(ref[:, ids.shape[1]:], model.generation_config.eos_token_id)
+        torch.testing.assert_close(out.logprobs[:, :n][live], ref_logprobs[live], atol=1e-5, rtol=0)
+
+
+def _live(new: torch.Tensor, eos: int | list[int] | None) -> torch.Tensor:
+    """Steps at which a row had not finished yet (its EOS step included)."""
+    if eos is None:
+        return torch.ones_like(new, dtype=torch.bool)
+    hit = torch.isin(new, torch.tensor(eos if isinstance(eos, list) else [eos]))
+    return (hit.cumsum(1) - hit.long()) == 0
+
+
+def _zoo_reference(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, n: int, positions_arg: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding with the unsplit model and no cache: the whole sequence every token."""
+    seq, m, logprobs = ids, mask, []
+    for _ in range(n):
+        pos = (m.cumsum(-1) - 1).masked_fill(m == 0, 1)
+        with torch.no_grad():
+            if positions_arg:
+                logits = model(seq, pos, attention_mask=m)[:, -1]
+            else:
+                logits = model(seq, attention_mask=m, position_ids=pos)[:, -1]
+        token = logits.argmax(-1)
+        logprobs.append(torch.log_softmax(logits, -1).gather(1, token[:, None])[:, 0])
+        seq = torch.cat([seq, token[:, None]], 1)
+        m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
+    return seq, torch.stack(logprobs, 1)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["tiny_gpt", "tied_lm", "tiny_llama"])
+def test_zoo_greedy_equals_unsplit_model(name: str) -> None:
+    from pippy_split import zoo
+
+    entry = zoo.get(name)
+    pipe = ps.pipeline(entry.model, entry.split_spec, entry.args)
+    for padded in (False, True):
+        ids, mask = prompts(padded, low=1)
+        ids = ids % 64
+        ref, ref_logprobs = _zoo_reference(entry.model, ids, mask, N_NEW, name == "tiny_llama")
+        out = pipe.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, return_logprobs=True, lanes=2)
+        assert torch.equal(out.sequences, ref), (name, padded)
+        torch.testing.assert_close(out.logprobs, ref_logprobs, atol=1e-5, rtol=0)
