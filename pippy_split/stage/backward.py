@@ -17,6 +17,7 @@ whose gradient comes from the receiving stage.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-__all__ = ["WeightGradPlan", "CaptureSink", "Captured", "plan_weight_grads", "capturing", "weight_captures"]
+__all__ = ["WeightGradPlan", "CaptureSink", "Captured", "LeafCaptureHook", "plan_weight_grads", "capturing", "weight_captures"]
 
 
 class Captured(dict):
@@ -109,6 +110,39 @@ def _owned_by_inner_modules(gm: GraphModule, params_by_id: dict[int, torch.nn.Pa
     return out
 
 
+class LeafCaptureHook:
+    """The one forward hook a leaf module of the user's carries, however many stages capture
+    from it (several pipes, schedules built again): it hands the module's output to every
+    live :class:`CaptureSink` (each a no-op unless its forward is collecting), and removes
+    itself when the last of them is gone, leaving the module as the user made it."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.sinks: weakref.WeakSet[CaptureSink] = weakref.WeakSet()
+        self.handle = module.register_forward_hook(self)
+
+    @classmethod
+    def on(cls, module: torch.nn.Module) -> "LeafCaptureHook":
+        """The module's hook, registered on first use."""
+        for hook in module._forward_hooks.values():
+            if isinstance(hook, cls):
+                return hook
+        return cls(module)
+
+    def add(self, sink: CaptureSink) -> None:
+        if sink not in self.sinks:
+            self.sinks.add(sink)
+            weakref.finalize(sink, self._release_if_unused)
+
+    def _release_if_unused(self) -> None:
+        if next(iter(self.sinks), None) is None:  # iteration skips a sink whose removal is pending
+            self.handle.remove()
+
+    @torch.compiler.disable
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        for sink in list(self.sinks):
+            sink.capture_module(module, args, output)
+
+
 def _hook_leaf_modules(gm: GraphModule, sink: CaptureSink) -> None:
     """Let every parameter-owning leaf module (``nn.Linear``, a norm, an embedding) inside the
     user's modules the stage calls hand its output to ``sink``: W differentiates just that
@@ -120,7 +154,7 @@ def _hook_leaf_modules(gm: GraphModule, sink: CaptureSink) -> None:
                     p is not None and p.requires_grad for p in owner._parameters.values()):
                 continue
             seen.add(id(owner))
-            owner.register_forward_hook(sink.capture_module)
+            LeafCaptureHook.on(owner).add(sink)
 
 
 def _params_reaching_outputs(graph: torch.fx.Graph, param_only: dict[torch.fx.Node, set[int]]) -> set[int]:

@@ -122,6 +122,9 @@ class RegionRecorder:
         self.storages: set[int] | None = None
         self.region_calls = 0  # region calls run with checkpointing that saved something for backward
         self.recomputes = 0  # region reruns in backward
+        # (module, its checkpointed forward): set on the instance only while the stage's forward
+        # runs (``recording``), so the user's module is left as it was between stage calls
+        self.wrappers: list[tuple[torch.nn.Module, Callable]] = []
 
     def recording(self, on: bool, storages: set[int] | None) -> "_Recording":
         return _Recording(self, on, storages)
@@ -133,9 +136,17 @@ class _Recording:
 
     def __enter__(self) -> None:
         self.recorder.active, self.recorder.storages = self.on, self.storages
+        self.before = [(sub, sub.__dict__.get("forward")) for sub, _ in self.recorder.wrappers]
+        for sub, forward in self.recorder.wrappers:
+            sub.forward = forward
 
     def __exit__(self, *exc: Any) -> None:
         self.recorder.active, self.recorder.storages = False, None
+        for sub, forward in reversed(self.before):
+            if forward is None:
+                del sub.forward
+            else:
+                sub.forward = forward
 
 
 class _RegionCall:
@@ -306,14 +317,15 @@ def checkpointed_graph_module(gm: GraphModule, patterns: Sequence[str], recorder
 
 
 def _wrap(sub: torch.nn.Module, recorder: RegionRecorder) -> None:
-    """Run ``sub`` as a checkpointed region: its ``forward`` is wrapped on the instance."""
+    """Run ``sub`` as a checkpointed region: its ``forward`` is wrapped on the instance while
+    the stage's forward runs (:meth:`RegionRecorder.recording`)."""
     inner, state = getattr(sub.forward, "_pippy_split_unwrapped", sub.forward), list(sub.buffers())
 
     def forward(*a: Any, _f: Callable = inner, _s: list = state, **kw: Any) -> Any:
         return _run_region(_f, recorder, a, kw, _s)
 
     forward._pippy_split_unwrapped = inner  # type: ignore[attr-defined]  # a second stage rewraps, not nests
-    sub.forward = forward
+    recorder.wrappers.append((sub, forward))
 
 
 def checkpoint_submodules(module: torch.nn.Module, patterns: Sequence[str], recorder: RegionRecorder,
