@@ -30,7 +30,7 @@ from .actions import Action, ActionKind
 from .exchange import Arrival, InFlight, Wiring, wire
 from .manual_shapes import infer_manual_shapes
 
-__all__ = ["StepContext", "Interpreter", "ActionObserver"]
+__all__ = ["StepContext", "Interpreter", "ActionObserver", "profiler_label"]
 
 
 class ActionObserver(Protocol):
@@ -126,17 +126,26 @@ class Interpreter:
                 else:
                     steps.append([a])
         self.failed_at = None
+        profiled = torch.autograd.profiler._is_profiler_enabled  # a profiler sees every action by name
         step: Action | list[Action] | None = None
         try:
             for step in steps:
                 if isinstance(step, list):
-                    self._post_batch(step, ctx)
+                    if profiled:
+                        with torch.profiler.record_function(profiler_label(step)):
+                            self._post_batch(step, ctx)
+                    else:
+                        self._post_batch(step, ctx)
                     continue
                 if last_backward.get(step.stage) is step:
                     set_grad_sync(self.stages[step.stage].module, True)  # data-parallel sync once, on the last backward
                 if self.observer is not None:
                     self.observer.before(step)
-                self.handlers[step.kind](step, ctx)
+                if profiled:
+                    with torch.profiler.record_function(profiler_label(step)):
+                        self.handlers[step.kind](step, ctx)
+                else:
+                    self.handlers[step.kind](step, ctx)
                 if self.observer is not None:
                     self.observer.after(step)
                 if len(self._sends) > 8:  # release delivered send buffers (else they live to the step's end)
@@ -306,6 +315,24 @@ class Interpreter:
 
 _KIND_WORDS = {ActionKind.F: "forward", ActionKind.B: "backward", ActionKind.I: "input backward",
                ActionKind.W: "weight backward"}
+
+
+_WORDS = {ActionKind.F: "forward", ActionKind.B: "backward", ActionKind.I: "backward input",
+          ActionKind.W: "backward weight"}
+
+
+def profiler_label(step: Action | list[Action]) -> str:
+    """The name a profiler trace shows for one compute action, or one batch of comm actions.
+
+    Example:
+        >>> profiler_label(Action(1, ActionKind.I, 3))
+        'pippy_split 1I3: stage 1 backward input, mb 3'
+        >>> profiler_label([Action(0, ActionKind.SEND_F, 2), Action(0, ActionKind.RECV_B, 0)])
+        'pippy_split comm 0SEND_F2 0RECV_B0'
+    """
+    if isinstance(step, list):
+        return "pippy_split comm " + " ".join(str(a) for a in step)
+    return f"pippy_split {step}: stage {step.stage} {_WORDS[step.kind]}, mb {step.mb}"
 
 
 def _where(step: Action | list[Action] | None) -> str:
