@@ -17,6 +17,7 @@ calls (a repeated block's boundary splits none) and send the fewest bytes.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import sympy
@@ -254,7 +255,7 @@ def _most_even(costs: list[float], pens: list[float], n: int, best: float, allow
 
 
 def cut_positions(ops: list[torch.fx.Node], n: int, costs: list[float], real: list[bool], tree: CallTree,
-                  metric: str = "flops") -> tuple[list[int], BalanceReport]:
+                  metric: str = "flops", sealed: Sequence[tuple[int, int]] = ()) -> tuple[list[int], BalanceReport]:
     """Cut ``ops`` into ``n`` stages: positions (cut before ``ops[p]``) and the report.
 
     Args:
@@ -264,6 +265,8 @@ def cut_positions(ops: list[torch.fx.Node], n: int, costs: list[float], real: li
         real: per op, whether it counts towards a stage being non-empty.
         tree: the module calls of ``ops`` (``calls.call_tree``).
         metric: the name of the cost model, for the report.
+        sealed: ``(first, last)`` op spans no cut may enter (modules that apply a custom
+            autograd Function).
 
     Example:
         >>> from pippy_split import zoo
@@ -276,6 +279,8 @@ def cut_positions(ops: list[torch.fx.Node], n: int, costs: list[float], real: li
         ([6, 12, 18], True)
     """
     legal, crossing = legal_cuts(ops)
+    for first, last in sealed:
+        legal[first + 1:last + 1] = [False] * (last - first)
     calls_split = tree.cut_penalties()
     usable = [crossing[i] for i in range(1, len(ops)) if legal[i]]
     scale = max(usable, default=0.0) or 1.0
@@ -286,7 +291,7 @@ def cut_positions(ops: list[torch.fx.Node], n: int, costs: list[float], real: li
         raise SplitError(
             f"cannot balance into {n} stages: the graph has only {len(starts)} pieces that a cut can separate "
             f"(a cut never separates a value from an in-place write to it, a tuple from its getitem, or a "
-            f"value whose size depends on data)"
+            f"value whose size depends on data, nor enters a module that applies a custom autograd Function)"
         )
     bounds = starts + [len(ops)]
     group_costs = [sum(costs[bounds[g]:bounds[g + 1]]) for g in range(len(starts))]

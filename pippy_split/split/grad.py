@@ -4,14 +4,20 @@
 ``requires_grad=False``. We derive it the way autograd would: a float/complex
 result of a differentiable op on something that needs grad needs grad too,
 except inside ``no_grad`` regions and for ops with no derivative (``detach``,
-``*_like`` factories). The stage layer double-checks this at run time.
+``*_like`` factories). A custom autograd Function's forward is traced in no-grad mode,
+but its results carry the Function's gradient: inside a module that applies one, a no-grad
+region counts as differentiable (``functions.py``). The stage layer double-checks this at
+run time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
+
+from .functions import in_function
 
 __all__ = ["infer_requires_grad"]
 
@@ -36,8 +42,10 @@ def _is_grad_mode_hop(target: Any) -> bool:
     return getattr(target, "__name__", "") == "wrap_with_set_grad_enabled" or str(target) == "wrap_with_set_grad_enabled"
 
 
-def infer_requires_grad(graph: torch.fx.Graph, placeholder_grad: dict[str, bool]) -> dict[torch.fx.Node, bool]:
-    """``{node: needs grad}`` for every node; ``placeholder_grad`` seeds the graph inputs by name."""
+def infer_requires_grad(graph: torch.fx.Graph, placeholder_grad: dict[str, bool],
+                        functions: Collection[str] = ()) -> dict[torch.fx.Node, bool]:
+    """``{node: needs grad}`` for every node; ``placeholder_grad`` seeds the graph inputs by name,
+    ``functions`` names the modules that apply a custom autograd Function (``Traced.functions``)."""
     rg: dict[torch.fx.Node, bool] = {}
     grad_enabled = True
     for node in graph.nodes:
@@ -49,12 +57,12 @@ def infer_requires_grad(graph: torch.fx.Graph, placeholder_grad: dict[str, bool]
             continue
         target = node.target
         if target is torch._C._set_grad_enabled:
-            grad_enabled = bool(node.args[0])
+            grad_enabled = bool(node.args[0]) or in_function(node, functions)
             rg[node] = False
             continue
         any_in = any(rg.get(a, False) for a in node.all_input_nodes)
         if _is_grad_mode_hop(target):
-            any_in = any_in and bool(node.args[0])
+            any_in = any_in and (bool(node.args[0]) or in_function(node, functions))
         elif getattr(target, "overloadpacket", None) in _NO_GRAD_PACKETS:
             any_in = False
         val = node.meta.get("val")

@@ -13,7 +13,7 @@ import enum
 import operator
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ from .calls import all_module_paths as _all_module_paths
 from .calls import call_tree, module_paths
 from .cost import BALANCE_METRICS, node_costs
 from .errors import SplitError
+from .functions import check_cuts, sealed_calls
 from .grad import infer_requires_grad
 from .markers import SplitPoint, is_split_marker
 from .trace import Traced
@@ -167,7 +168,7 @@ def op_costs(ops: list[torch.fx.Node], balance: str, model: torch.nn.Module, tra
     if balance == "memory":
         seed = {name: t.requires_grad for name, t in tensors.items()}
         seed.update(traced.requires_grad_inputs)
-        rg = infer_requires_grad(traced.graph, seed)
+        rg = infer_requires_grad(traced.graph, seed, traced.functions)
     return node_costs(ops, balance, tensors, rg)
 
 
@@ -175,12 +176,13 @@ def _is_free(op: torch.fx.Node) -> bool:
     return op.target is operator.getitem or is_split_marker(op.target)
 
 
-def _balanced_cuts(ops: list[torch.fx.Node], n: int, costs: list[float],
-                   metric: str) -> tuple[list[Cut], BalanceReport]:
+def _balanced_cuts(ops: list[torch.fx.Node], n: int, costs: list[float], metric: str,
+                   functions: Collection[str] = ()) -> tuple[list[Cut], BalanceReport]:
     if n == 1:
         return [], BalanceReport(metric, (float(sum(costs)),), 1.0)
     tree = call_tree(ops)
-    positions, report = cut_positions(ops, n, costs, [_is_real(op) for op in ops], tree, metric)
+    sealed = [(c.first, c.last) for c in sealed_calls(tree, functions)]
+    positions, report = cut_positions(ops, n, costs, [_is_real(op) for op in ops], tree, metric, sealed)
     warning = balance_warning(report, n, tree.num_blocks(costs))
     if warning:
         warnings.warn(warning, stacklevel=4)
@@ -202,6 +204,7 @@ def plan_stages(graph: torch.fx.Graph, split_spec: Any, model: torch.nn.Module, 
     every plan carries each stage's cost under that model (``plan.balance``).
     """
     ops = [n for n in graph.nodes if n.op == "call_function"]
+    functions = traced.functions if traced is not None else {}
     int_spec = isinstance(split_spec, int) and not isinstance(split_spec, bool)
     if int_spec and split_spec < 1:
         raise SplitError(f"split_spec as an int must be >= 1, got {split_spec}")
@@ -215,9 +218,10 @@ def plan_stages(graph: torch.fx.Graph, split_spec: Any, model: torch.nn.Module, 
         raise SplitError("split_spec must be a dict, a list of FQNs, an int or None, not a bool")
     elif isinstance(split_spec, int):
         assert costs is not None  # worked out above for an int split_spec
-        cuts, report = _balanced_cuts(ops, split_spec, costs, balance)
+        cuts, report = _balanced_cuts(ops, split_spec, costs, balance, functions)
     else:
         cuts = _fqn_cuts(ops, _normalize_spec(split_spec), model)
+    check_cuts(cuts, sealed_calls(call_tree(ops), functions), functions)
     plan = plan_from_cuts(ops, cuts)
     if costs is not None:  # what the stages hold (getitems moved), with the search's findings
         plan.balance = BalanceReport(balance, _stage_costs(plan, costs), report.best_ratio if report else None,

@@ -16,7 +16,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .autocast_trace import TraceRecipe
+from .calls import call_tree
 from .errors import SplitError
+from .functions import check_functions_called
+from .module_calls import called_module_names
 from .partition import Plan, check_balance, check_split_spec, plan_from_cuts, plan_stages
 from .spec import MODEL_INPUT, Edge, SymbolSource, gather_inputs
 from .stage_graph import StageInfo, build_stages
@@ -335,6 +338,11 @@ def pipeline(
 
 def _build_pipe(model: torch.nn.Module, traced: Traced, plan: Plan, recipe: TraceRecipe) -> Pipe:
     built = build_stages(traced, plan, model)
+    if traced.functions:
+        called = {fqn for st in built.stages for fqn in called_module_names(st.module)}
+        trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        check_functions_called(plan.ops, call_tree(plan.ops), traced.functions, called, traced.kept_traced,
+                               traced.module_signatures, traced.params, trainable)
     return Pipe(traced, built.stages, built.edges, built.symbols, built.output_leaves, built.shared_parameters,
                 type(model).__name__, model=model, balance=plan.balance, recipe=recipe, plan=plan)
 

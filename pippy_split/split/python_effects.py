@@ -1,31 +1,36 @@
-"""Python state a model's ``forward`` writes on its modules (split, while tracing).
+"""What a model's ``forward`` does that its traced graph does not hold (split, while tracing).
 
-``self.rg_lru.recurrent_states = None`` in a forward is no op of the traced graph: the
-trace bakes in what the code read at trace time and drops the assignment. That is exact
-for traced ops (the glue), but not for a module swapped back in as the user's object
-(``split/module_calls.py``): it runs its own ``forward`` and reads the attribute as the
-last call left it, because the glue that would have reset it no longer runs. In a
-pipeline that last call is the previous microbatch's, and autograd links the two.
+Two things run in Python, not in ops, and a stage that runs traced ops (the glue) loses them:
 
-So while the model is traced, every ``setattr`` on one of its modules is recorded with
-the module whose ``forward`` made it (:func:`watch_state_writes`), and
-:func:`modules_kept_traced` names the modules a stage must not call as the user's object:
-those whose subtree is written from outside it. A module whose own forward writes all the
-state it reads (HF RecurrentGemma's recurrent block, resetting and then updating its
-``rg_lru``) is still called whole where the cut leaves it whole; only where the cut
-enters it do its written children stay traced ops with it.
+- **State written on a module.** ``self.rg_lru.recurrent_states = None`` is no op: the
+  trace bakes in what the code read at trace time. That is exact for glue, but not for a
+  module swapped back in as the user's object (``split/module_calls.py``): it runs its own
+  ``forward`` and reads the attribute as its last call left it, because the glue that
+  would have reset it no longer runs. In a pipeline that last call is the previous
+  microbatch's, and autograd links the two. :func:`modules_kept_traced` names the modules
+  a stage must therefore not call: those whose subtree is written from outside it. A
+  module whose own forward writes all the state it reads (HF RecurrentGemma's recurrent
+  block, resetting and then updating its ``rg_lru``) is still called whole where the cut
+  leaves it whole.
+- **A custom ``torch.autograd.Function``.** Export traces its ``forward`` only; its
+  ``backward`` (a reversible layer's recomputation, a clipped derivative, a fused
+  kernel's) exists only where the user's module that applies it runs as itself. Those
+  modules are recorded so that the split keeps them whole and calls them, or refuses.
+
+:func:`watch_forward` records both while the model is traced, with the module whose
+``forward`` was running, and puts every attribute it saw written back as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["StateWrite", "watch_state_writes", "modules_kept_traced"]
+__all__ = ["StateWrite", "ForwardEffects", "watch_forward", "modules_kept_traced"]
 
 _UNSET = object()
 
@@ -46,25 +51,55 @@ class StateWrite:
         return f"{where} sets {self.target + '.' if self.target else ''}{self.attr}"
 
 
+@dataclass
+class ForwardEffects:
+    """What :func:`watch_forward` saw."""
+
+    writes: list[StateWrite] = field(default_factory=list)
+    """Every attribute assigned on a module of the model while one of its forwards ran."""
+    functions: dict[str, list[str]] = field(default_factory=dict)
+    """``{module FQN: [custom autograd Function, ...]}``: the innermost module whose
+    ``forward`` applied each Function (``""``: the model's own forward)."""
+
+
 @contextlib.contextmanager
-def watch_state_writes(model: torch.nn.Module) -> Iterator[list[StateWrite]]:
-    """Record, into the yielded list, every attribute assigned on a module of ``model``
-    while one of its modules' ``forward`` runs (an attribute set outside any forward, by
-    the tracer, is not the model's); on exit every such attribute is put back as it was,
-    so a trace leaves no traced value on the user's modules."""
+def watch_forward(model: torch.nn.Module, *, functions: bool = True) -> Iterator[ForwardEffects]:
+    """Record what ``model``'s forwards do in Python (see :class:`ForwardEffects`) while the
+    block runs. An attribute set outside any forward (by the tracer) is not the model's; on
+    exit every recorded attribute is put back as it was, so a trace leaves no traced value
+    on the user's modules.
+
+    ``functions``: also watch ``torch.autograd.Function.apply``, and after each call set
+    the grad mode it found again (autograd restores it in C++, which a tracer does not
+    see: without this, export traces everything after a Function whose ``forward`` holds a
+    ``torch.no_grad()`` block as if in that block). Only for eager tracing: TorchDynamo
+    traces ``apply`` itself.
+    """
     names = {id(m): n for n, m in model.named_modules()}
     stack: list[str] = []
-    writes: list[StateWrite] = []
+    effects = ForwardEffects()
     saved: dict[tuple[int, str], tuple[torch.nn.Module, Any]] = {}
-    original = torch.nn.Module.__setattr__
+    original_setattr = torch.nn.Module.__setattr__
+    original_apply = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
 
     def setattr_watched(self: torch.nn.Module, name: str, value: Any) -> None:
         fqn = names.get(id(self))
         if stack and fqn is not None:
-            writes.append(StateWrite(stack[-1], fqn, name))
+            effects.writes.append(StateWrite(stack[-1], fqn, name))
             if (id(self), name) not in saved:
                 saved[(id(self), name)] = (self, getattr(self, name, _UNSET))
-        original(self, name, value)
+        original_setattr(self, name, value)
+
+    def apply_watched(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        grad_mode = torch.is_grad_enabled()
+        if stack:
+            found = effects.functions.setdefault(stack[-1], [])
+            if cls.__qualname__ not in found:
+                found.append(cls.__qualname__)
+        try:
+            return original_apply(cls, *args, **kwargs)
+        finally:
+            torch.set_grad_enabled(grad_mode)
 
     def enter(module: torch.nn.Module, *_: Any) -> None:
         stack.append(names[id(module)])
@@ -76,15 +111,18 @@ def watch_state_writes(model: torch.nn.Module) -> Iterator[list[StateWrite]]:
     handles = [h for m in {id(m): m for m in model.modules()}.values()
                for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave, always_call=True))]
     torch.nn.Module.__setattr__ = setattr_watched  # type: ignore[method-assign]
+    if functions:
+        torch.autograd.Function.apply = classmethod(apply_watched)  # type: ignore[assignment, method-assign]
     try:
-        yield writes
+        yield effects
     finally:
-        torch.nn.Module.__setattr__ = original  # type: ignore[method-assign]
+        torch.nn.Module.__setattr__ = original_setattr  # type: ignore[method-assign]
+        torch.autograd.Function.apply = classmethod(original_apply)  # type: ignore[assignment, method-assign]
         for h in handles:
             h.remove()
         for (_, name), (module, value) in saved.items():
             if value is not _UNSET:
-                original(module, name, value)
+                original_setattr(module, name, value)
             elif hasattr(module, name):
                 delattr(module, name)
 

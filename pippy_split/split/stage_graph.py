@@ -79,7 +79,7 @@ class _Builder:
         self.input_index = {name: i for i, name in enumerate(traced.user_inputs)}
         seed = {name: p.requires_grad for name, p in self._param_tensors().items()}
         seed.update(traced.requires_grad_inputs)
-        self.rg = infer_requires_grad(self.graph, seed)
+        self.rg = infer_requires_grad(self.graph, seed, traced.functions)
         raw_symbols = symbol_sources(traced, self.placeholders)
         self.known_symbols = {s.symbol for s in raw_symbols}  # export's own symbols
         self.rename = user_symbol_names(self.placeholders)  # shown and bound under the user's Dim names

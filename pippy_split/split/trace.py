@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import TraceError
 from .input_checks import check_input, input_check
-from .state_writes import StateWrite, modules_kept_traced, watch_state_writes
+from .python_effects import ForwardEffects, StateWrite, modules_kept_traced, watch_forward
 
 __all__ = ["Traced", "trace_model", "ROOT_PREFIX", "user_module_path"]
 
@@ -101,8 +101,10 @@ class Traced:
     # The user's FQN (``@k`` for the k-th repeat of a call) -> export's ModuleCallSignature
     module_signatures: dict[str, Any] = field(default_factory=dict)
     # Modules a stage must not call as the user's object, each with a write that keeps it
-    # traced (its subtree's Python state is set by a forward outside it: state_writes.py)
+    # traced (its subtree's Python state is set by a forward outside it: python_effects.py)
     kept_traced: dict[str, StateWrite] = field(default_factory=dict)
+    # FQN of each module whose forward applies a custom torch.autograd.Function -> the Functions
+    functions: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # ExportedProgram.call_spec builds a new NamedTuple class on every access: read it once.
@@ -225,11 +227,13 @@ def _aliases(model: torch.nn.Module) -> dict[str, list[str]]:
 
 
 def _export_keeping_calls(model: torch.nn.Module, root: torch.nn.Module, args: tuple, kwargs: dict,
-                          dynamic_shapes: Any, strict: bool) -> ExportedProgram:
+                          dynamic_shapes: Any, strict: bool, effects: ForwardEffects) -> ExportedProgram:
     """Export with every module's call signature kept (so stages can call the user's
     modules), except modules whose arguments or results export cannot flatten (an HF
     ``DynamicCache``): those stay traced ops. Where a signature cannot be kept safely, the
-    plain export, with a warning that names what no longer applies to the modules."""
+    signatures outside the modules that apply a custom autograd Function (``effects``,
+    filled by the first export), or the plain export, with a warning that names what no
+    longer applies to the modules."""
 
     def export(preserve: tuple[str, ...]) -> ExportedProgram:
         return torch.export.export(root, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict,
@@ -249,6 +253,12 @@ def _export_keeping_calls(model: torch.nn.Module, root: torch.nn.Module, args: t
         # cross it; keep them only where the graph is the plain one.
         plain = export(())
         if not _same_graph(ep.graph_module, plain.graph_module):
+            # A Function's forward runs in no-grad mode: keep no signature inside it.
+            inside = [n for n in names if any(n.startswith(f + ".") for f in effects.functions)]
+            if inside:
+                kept = export(tuple(ROOT_PREFIX + n for n in names if n not in inside))
+                if _same_graph(kept.graph_module, plain.graph_module):
+                    return kept
             return _plain_export(model, lambda _: plain, "keeping them changes the graph around a higher-order "
                                  "region (torch.no_grad() or autocast inside forward)")
     return ep
@@ -340,10 +350,13 @@ def trace_model(
     kwargs = dict(kwargs or {})
     root = _root_for(model)
     try:
-        with watch_state_writes(model) as writes:
-            if strict:  # TorchDynamo traces the bytecode: the writes are seen in an eager run only
+        if strict:  # TorchDynamo traces the bytecode: Python's effects are seen in an eager run only
+            with watch_forward(model) as effects:
                 _fake_forward(model, tuple(args), kwargs)
-            ep = _export_keeping_calls(model, root, tuple(args), kwargs, dynamic_shapes, strict)
+            ep = _export_keeping_calls(model, root, tuple(args), kwargs, dynamic_shapes, strict, effects)
+        else:
+            with watch_forward(model) as effects:
+                ep = _export_keeping_calls(model, root, tuple(args), kwargs, dynamic_shapes, strict, effects)
     except Exception as e:  # export raises many types; all mean "cannot trace"
         reason = f"{type(e).__name__}: {e}"
         raise TraceError(
@@ -370,7 +383,8 @@ def trace_model(
     return Traced(
         ep=ep,
         module_signatures=signatures,
-        kept_traced=modules_kept_traced(writes),
+        kept_traced=modules_kept_traced(effects.writes),
+        functions=dict(effects.functions),
         user_inputs=user_inputs,
         params=params,
         buffers=buffers,

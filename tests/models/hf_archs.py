@@ -199,6 +199,28 @@ def mamba() -> Arch:
     return _causal(t.MambaForCausalLM(cfg), ["backbone.layers.*.mixer"])
 
 
+def mamba6() -> Arch:
+    import transformers as t
+
+    # 6 blocks: a stage holds whole mixers, whose forward reads conv1d's and dt_proj's weights without
+    # calling them (they had no gradient under the I/W split, issue 29).
+    cfg = t.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=6, expand=2,
+                        conv_kernel=4, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return _causal(t.MambaForCausalLM(cfg), ["backbone.layers.*.mixer"])
+
+
+def jamba() -> Arch:
+    import transformers as t
+
+    # Mamba mixers (their weights read without a call, as in mamba6), attention every 3rd layer, MoE every 2nd.
+    cfg = t.JambaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                        expert_layer_period=2, expert_layer_offset=1, attn_layer_period=3, attn_layer_offset=1,
+                        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False,
+                        use_cache=False, max_position_embeddings=64)
+    return _causal(t.JambaForCausalLM(cfg), ["model.layers.*.mamba"])
+
+
 def granite() -> Arch:
     import transformers as t
 
@@ -220,6 +242,22 @@ def recurrent_gemma() -> Arch:
     return _causal(t.RecurrentGemmaForCausalLM(cfg), ["model.layers.*.mlp_block"])
 
 
+def reformer() -> Arch:
+    import transformers as t
+
+    # Reversible layers: one torch.autograd.Function, applied by the encoder, runs every layer under
+    # torch.no_grad() and recomputes them in its own backward. Stages call the encoder whole, so no
+    # cut enters it: 2 and 4 stages hold it in stage 0 (issue 29 item 2). Its layers run inside the
+    # Function's no-grad forward, where there is nothing to checkpoint: selective AC takes the embeddings.
+    cfg = t.ReformerConfig(vocab_size=VOCAB, hidden_size=32, attention_head_size=8, num_attention_heads=4,
+                           attn_layers=["local"] * LAYERS, axial_pos_shape=[2, 4], axial_pos_embds_dim=[16, 16],
+                           feed_forward_size=64, local_attn_chunk_length=4, local_num_chunks_before=1,
+                           local_num_chunks_after=0, max_position_embeddings=SEQ, is_decoder=True,
+                           hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0, use_cache=False,
+                           pad_token_id=0, eos_token_id=2)
+    return _causal(t.ReformerModelWithLMHead(cfg), ["reformer.embeddings"])
+
+
 # ---- encoders (masked LM) ------------------------------------------------------------
 
 
@@ -232,6 +270,18 @@ def deberta_v2() -> Arch:
                             norm_rel_ebd="layer_norm", share_att_key=True, position_biased_input=False,
                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     return _masked(t.DebertaV2ForMaskedLM(cfg), ["deberta.encoder.layer.*.intermediate"])
+
+
+def mobilebert() -> Arch:
+    import transformers as t
+
+    # Its head multiplies by cat([decoder.weight.t(), dense.weight]): weights read by an op that is
+    # no module call (dense.weight had no gradient under the I/W split, issue 29); decoder tied to the embedding.
+    cfg = t.MobileBertConfig(vocab_size=VOCAB, hidden_size=32, embedding_size=16, num_hidden_layers=LAYERS,
+                             num_attention_heads=4, intermediate_size=32, intra_bottleneck_size=16,
+                             true_hidden_size=16, num_feedforward_networks=2, max_position_embeddings=64,
+                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return _masked(t.MobileBertForMaskedLM(cfg), ["mobilebert.encoder.layer.*.intermediate"])
 
 
 def distilbert() -> Arch:
@@ -334,7 +384,8 @@ BUILDERS: dict[str, Callable[[], Arch]] = {
     "opt": opt, "bloom": bloom, "falcon": falcon, "deberta_v2": deberta_v2, "distilbert": distilbert,
     "electra": electra, "bart": bart, "whisper": whisper, "clip": clip, "swin": swin, "convnext": convnext,
     "mamba": mamba, "dinov2": dinov2, "granite": granite,
-    "recurrent_gemma": recurrent_gemma,
+    "mamba6": mamba6, "jamba": jamba, "mobilebert": mobilebert,
+    "recurrent_gemma": recurrent_gemma, "reformer": reformer,
 }
 # The transformers class each builder needs (a missing one skips that architecture, named).
 CLASSES = {
@@ -345,8 +396,11 @@ CLASSES = {
     "whisper": "WhisperForConditionalGeneration", "clip": "CLIPModel", "swin": "SwinForImageClassification",
     "convnext": "ConvNextForImageClassification", "mamba": "MambaForCausalLM",
     "dinov2": "Dinov2ForImageClassification", "granite": "GraniteForCausalLM",
-    "recurrent_gemma": "RecurrentGemmaForCausalLM",
+    "mamba6": "MambaForCausalLM", "jamba": "JambaForCausalLM", "mobilebert": "MobileBertForMaskedLM",
+    "recurrent_gemma": "RecurrentGemmaForCausalLM", "reformer": "ReformerModelWithLMHead",
 }
+# Built in train mode (with every dropout 0): Reformer's reversible backward refuses eval mode.
+TRAIN_MODE = {"reformer"}
 # Which per-item sum loss an architecture's loss_count check uses: causal LMs count next tokens.
 COUNTS: dict[Callable, Callable[[torch.Tensor], torch.Tensor]] = {
     causal_sum_loss: causal_count, token_sum_loss: valid_items, class_sum_loss: valid_items,
@@ -377,7 +431,7 @@ def build(name: str, eager_attention: bool = False) -> Arch:
     tracing-time difference the other way round."""
     torch.manual_seed(0)
     arch = BUILDERS[name]()
-    arch.model.eval()
+    arch.model.train(name in TRAIN_MODE)
     if eager_attention and name not in ("dinov2",) and hasattr(arch.model, "set_attn_implementation"):
         try:
             arch.model.set_attn_implementation("eager")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pippy_split as ps
-from pippy_split.split.state_writes import StateWrite
+from pippy_split.split.python_effects import StateWrite
 from pippy_split.split.trace import trace_model
 
 
