@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..stage.errors import PipelineError
 from ..stage.groups import PipelineGroup
@@ -114,22 +115,89 @@ def share_loss(mb_losses: list, rule: LossRule | None, pg: PipelineGroup, src_ra
 
 
 def sync_shared_grads(pipe: PipeView | None, stages: Sequence[PipelineStage], pg: PipelineGroup) -> None:
-    """Tied parameters held by several stages end the step with the summed gradient."""
+    """Tied parameters held by several stages end the step with the summed gradient.
+
+    Each rank sums its own holders' gradients and the pipeline group all-reduces that sum
+    (zeros where a rank holds none). A holder sharded by FSDP2 or TP (a DTensor) takes
+    part with its local shard: the holders of one tied parameter on the ranks of a
+    pipeline group sit at the same place of their data-parallel meshes, so their shards
+    cover the same elements, and summing the shards is summing the gradient. The shards'
+    sizes are agreed first in one small all-reduce (a rank without a holder learns the
+    size there), which also finds holders sharded differently and refuses them by name on
+    every rank: their sum would be wrong.
+    """
     if pipe is None or not pipe.shared_parameters:
         return
     mine = {st.stage_index: st for st in stages}
-    for _fqn, holders in sorted(pipe.shared_parameters.items()):
-        local = {}
-        for s, names in holders:
-            if s in mine:
-                p = mine[s].module.get_parameter(names[0])
-                local[id(p)] = p
-        ref = pipe.stages[holders[0][0]].module.get_parameter(holders[0][1][0])
-        total = torch.zeros_like(ref, device=pg.device)
-        for p in local.values():
-            if p.grad is not None:
-                total += p.grad
+    tied = sorted(pipe.shared_parameters.items())
+    local: list[list[torch.nn.Parameter]] = []
+    for _fqn, holders in tied:
+        held = {id(p): p for p in (mine[s].module.get_parameter(names[0]) for s, names in holders if s in mine)}
+        local.append(list(held.values()))
+    sizes = _agreed_shard_sizes([fqn for fqn, _ in tied], local, pg)
+    for (_fqn, holders), params, numel in zip(tied, local, sizes):
+        ref = pipe.stages[holders[0][0]].module.get_parameter(holders[0][1][0])  # its dtype, known on every rank
+        shards = [_local_part(p.grad) for p in params if p.grad is not None]
+        total = torch.zeros(numel, dtype=ref.dtype, device=pg.device)
+        for g in shards:
+            total += g.reshape(-1)
         if pg.world > 1:
             dist.all_reduce(total, group=pg.group)
-        for p in local.values():
-            p.grad = total.clone() if len(local) > 1 else total
+        for p in params:
+            shape = _local_part(p).shape
+            if not isinstance(p.grad, DTensor):
+                p.grad = _with_shape_of(p, total.view(shape).clone() if len(params) > 1 else total.view(shape))
+            else:
+                with torch.no_grad():
+                    _local_part(p.grad).copy_(total.view(shape))
+
+
+def _local_part(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself, not a copy), or a plain tensor as it is."""
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():  # no autograd wrapper: to_local() returns the shard itself
+        return t.to_local()
+
+
+def _with_shape_of(p: torch.nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """A gradient for ``p`` from its local part: a DTensor like ``p`` where ``p`` is one."""
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+
+def _shard_key(p: torch.Tensor) -> int:
+    """Where ``p``'s local part sits in the whole parameter: a DTensor's placements, mesh
+    coordinate and local shape (a plain tensor: its shape), as one number."""
+    if isinstance(p, DTensor):
+        text = f"{tuple(p.shape)}|{p.placements}|{p.device_mesh.get_coordinate()}|{tuple(_local_part(p).shape)}"
+    else:
+        text = f"{tuple(p.shape)}|whole"
+    return zlib.crc32(text.encode())
+
+
+def _agreed_shard_sizes(fqns: Sequence[str], local: Sequence[Sequence[torch.nn.Parameter]],
+                        pg: PipelineGroup) -> list[int]:
+    """Each tied parameter's local size, agreed by every rank of the pipeline group (one all-reduce of
+    small ints: the largest and smallest size and shard key among the holders); a PipelineError on
+    every rank where two holders are sharded differently."""
+    low = -(2**62)  # a rank holding none of a parameter takes no part in its max and min
+    rows = []
+    for params in local:
+        sizes = [_local_part(p).numel() for p in params]
+        keys = [_shard_key(p) for p in params]
+        rows.append([max(sizes, default=low), -min(sizes, default=-low), max(keys, default=low),
+                     -min(keys, default=-low)])
+    agreed = torch.tensor(rows, dtype=torch.int64, device=pg.device).reshape(len(local), 4)
+    if pg.world > 1:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=pg.group)
+    out = []
+    for fqn, (big, neg_small, key_hi, neg_key_lo) in zip(fqns, agreed.tolist()):
+        if big != -neg_small or key_hi != -neg_key_lo:
+            raise PipelineError(f"the tied parameter {fqn} is sharded differently by the stages holding it (local "
+                                f"sizes {-neg_small}..{big}): their gradients cannot be summed exactly. Shard every "
+                                "holder alike (the same FSDP2 / TP on each stage root, the same data-parallel "
+                                "mesh position), or untie it")
+        out.append(big)
+    return out
