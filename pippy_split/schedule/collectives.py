@@ -75,16 +75,19 @@ def shared_item_count(loss_count: Callable[[Any], Any], targets: list | None, pg
     """The batch's item count (``loss_count`` over every microbatch's target), worked out
     where the last stage lives and shared with every rank before the first action, so
     that a bad count stops every rank with the same error instead of leaving them waiting."""
-    counts: list[float] = []
+    counts: list[torch.Tensor] = []  # summed where they are: one host read for the batch, not one per microbatch
     failure = ""
     if targets is not None:
         for mb, t in enumerate(targets):
             try:
-                counts.append(float(loss_count(t)))
+                counts.append(torch.as_tensor(loss_count(t), dtype=torch.float64).reshape(()))
             except Exception as e:  # reported on every rank below
                 failure = f"microbatch {mb}: loss_count raised {type(e).__name__}: {e}"
                 break
-    total = torch.tensor([float("nan") if failure else sum(counts)], dtype=torch.float64)
+    if failure or not counts:
+        total = torch.tensor([float("nan") if failure else 0.0], dtype=torch.float64)
+    else:
+        total = torch.stack([c.to(counts[0].device) for c in counts]).sum().reshape(1)
     if pg.world > 1:
         total = total.to(pg.device)
         dist.broadcast(total, group=pg.group, group_src=last_rank)
@@ -93,7 +96,7 @@ def shared_item_count(loss_count: Callable[[Any], Any], targets: list | None, pg
     if value != value:  # NaN: loss_count failed there
         raise PipelineError(f"{where}: {failure or 'loss_count failed on that rank (see its error)'}")
     if not value > 0:
-        per_mb = f" (per microbatch: {counts})" if counts else ""
+        per_mb = f" (per microbatch: {[float(c) for c in counts]})" if counts else ""
         raise PipelineError(f"{where}: loss_count gives {value:g} items for the whole batch{per_mb}; there is "
                             "nothing to average the loss over — check the padding value it looks for, or drop "
                             "loss_count for a mean over microbatches")

@@ -156,6 +156,7 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         self._failures = FailureChannel(self.pipeline_group, self._runtime.p2p, owner=self)
         self._target_check: TargetCheck | None = None  # made at the first step (loss_fn may change until then)
         self._loss: torch.Tensor | None = None
+        self._unchecked: tuple[LossRule | None, list] = (None, [])  # the step's rule and losses, until checked
 
     # ---- set-up checks ----------------------------------------------------------
     def _plan(self) -> tuple[Order, dict[int, int]]:
@@ -291,7 +292,21 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
             if last is not None and losses is not None:
                 losses[:] = mb_losses  # replaced, not appended: a list reused every step holds this step's
             self._loss = share_loss(mb_losses, ctx.loss, self.pipeline_group, self.placement[self.num_stages - 1])
+        # NaN/inf: checked with one host read for the whole step, now where the schedule raises on it,
+        # else when the caller first reads ``loss``
+        self._unchecked = (ctx.loss, mb_losses if last is not None else [self._loss])
+        if ctx.loss is not None and ctx.loss.on_nonfinite == "raise":
+            self._check_loss()
         return out
+
+    def _check_loss(self) -> None:
+        rule, mb_losses = self._unchecked
+        self._unchecked = (None, [])
+        if rule is None:
+            return
+        last, rank = self.num_stages - 1, self.placement[self.num_stages - 1]
+        rule.check_finite(mb_losses, (lambda mb: f"stage {last}, microbatch {mb}") if self._last is not None
+                          else (lambda _: f"the step's loss (from stage {last} on rank {rank})"))
 
     def _run(self, actions: list[Action], ctx: StepContext, guard: StepGuard) -> None:
         """This rank's actions: from the first message on, a failure stops every rank (:mod:`.agree`)."""
@@ -333,7 +348,10 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
     @property
     def loss(self) -> torch.Tensor | None:
         """The last step's loss, on every rank (None before the first step): the mean over
-        microbatches, or with ``loss_count`` the loss sum over the batch's item count."""
+        microbatches, or with ``loss_count`` the loss sum over the batch's item count. The first
+        read after a step checks it (``on_nonfinite="warn"``): a NaN/inf warns, naming the microbatch."""
+        if self._unchecked[0] is not None:
+            self._check_loss()
         return self._loss
 
     # ---- summaries ---------------------------------------------------------------

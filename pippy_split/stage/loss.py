@@ -82,10 +82,29 @@ class LossRule:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise PipelineError(f"{where}: loss_fn must return a scalar tensor, got {shape}")
-        loss = loss.reshape(())
-        if self.on_nonfinite != "ignore" and not bool(torch.isfinite(loss.detach())):
-            msg = f"{where}: the loss is {loss.item()}"
-            if self.on_nonfinite == "raise":
-                raise PipelineError(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        return loss
+        return loss.reshape(())  # checked to be finite with the step's losses (check_finite), not here: no host read
+
+    def check_finite(self, mb_losses: Sequence[torch.Tensor | None], where: Callable[[int], str]) -> None:
+        """Warn or raise (``on_nonfinite``) for a NaN/inf among a step's microbatch losses,
+        naming the first such microbatch (``where(mb)``), with one host read for them all.
+
+        Example:
+            >>> rule = LossRule(torch.nn.functional.mse_loss, on_nonfinite="raise")
+            >>> rule.check_finite([torch.tensor(1.0), torch.tensor(float("inf"))], lambda mb: f"microbatch {mb}")
+            Traceback (most recent call last):
+            ...
+            pippy_split.stage.errors.PipelineError: microbatch 1: the loss is inf
+        """
+        known = [(mb, loss) for mb, loss in enumerate(mb_losses) if loss is not None]
+        if self.on_nonfinite == "ignore" or not known:
+            return
+        values = torch.stack([loss.detach().float() for _, loss in known]).tolist()  # the one host read
+        bad = [(mb, v) for (mb, _), v in zip(known, values) if v != v or v in (float("inf"), float("-inf"))]
+        if not bad:
+            return
+        msg = f"{where(bad[0][0])}: the loss is {bad[0][1]}"
+        if len(bad) > 1:
+            msg += f" (and in {len(bad) - 1} more microbatch{'es' if len(bad) > 2 else ''})"
+        if self.on_nonfinite == "raise":
+            raise PipelineError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
