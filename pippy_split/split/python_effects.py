@@ -18,7 +18,7 @@ Two things run in Python, not in ops, and a stage that runs traced ops (the glue
   modules are recorded so that the split keeps them whole and calls them, or refuses.
 
 :func:`watch_forward` records both while the model is traced, with the module whose
-``forward`` was running, and puts every attribute it saw written back as it was.
+``forward`` was running, and puts every tensor attribute it saw written back as it was.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ class ForwardEffects:
 def watch_forward(model: torch.nn.Module, *, functions: bool = True) -> Iterator[ForwardEffects]:
     """Record what ``model``'s forwards do in Python (see :class:`ForwardEffects`) while the
     block runs. An attribute set outside any forward (by the tracer) is not the model's; on
-    exit every recorded attribute is put back as it was, so a trace leaves no traced value
-    on the user's modules.
+    exit every recorded attribute that holds a tensor is put back as it was, so a trace
+    leaves no traced value on the user's modules.
 
     ``functions``: also watch ``torch.autograd.Function.apply``, and after each call set
     the grad mode it found again (autograd restores it in C++, which a tracer does not
@@ -121,9 +121,11 @@ def watch_forward(model: torch.nn.Module, *, functions: bool = True) -> Iterator
         for h in handles:
             h.remove()
         for (_, name), (module, value) in saved.items():
+            if not isinstance(getattr(module, name, None), torch.Tensor):
+                continue  # a flag may go with work done once (HF installs its output hooks): left as set
             if value is not _UNSET:
                 original_setattr(module, name, value)
-            elif hasattr(module, name):
+            else:
                 delattr(module, name)
 
 
