@@ -82,22 +82,44 @@ class DecodeProgram:
         for slot in self.inputs(s):
             if slot.index in plan.dropped_inputs:
                 produced.setdefault(slot.key, None)
-        bindings = self.bindings(step, kv)
-        return gather_inputs(self.inputs(s), flat, produced, bindings)
+        return gather_inputs(self.inputs(s), flat, produced, self.bindings_of(step))
 
-    def bindings(self, step: Sequence[torch.Tensor], kv: dict[int, torch.Tensor]) -> dict:
+    def bindings_of(self, step: Sequence[Any]) -> dict:
+        """The decode pipe's symbols for a step of ``step`` (ids or None, mask, positions)."""
+        mask, positions = step[1], step[2]
+        return self.bindings(int(mask.shape[0]), int(positions.shape[1]), int(mask.shape[1]) - int(positions.shape[1]))
+
+    def bindings(self, batch: int, new: int, past: int) -> dict:
+        """The decode pipe's symbols for ``batch`` rows extended by ``new`` tokens after ``past``:
+        a step input's dims, and each cache tensor's ``(batch, heads, past, head_dim)``."""
+        sizes = {0: (batch, new), 1: (batch, past + new), 2: (batch, new)}
         out = {}
         for src in self.pipe.symbols:
             i = src.input_index
             if i < N_STEP_INPUTS:
-                out[src.symbol] = int(step[i].shape[src.dim])
-            elif (i - N_STEP_INPUTS) in kv:
-                out[src.symbol] = int(kv[i - N_STEP_INPUTS].shape[src.dim])
-        past = int(step[1].shape[1]) - int(step[0].shape[1])
-        for src in self.pipe.symbols:  # a cache dim read where this stage holds no cache
-            if src.symbol not in out and src.input_index >= N_STEP_INPUTS:
-                out[src.symbol] = past if src.dim == 2 else int(step[0].shape[0])
+                out[src.symbol] = sizes[i][src.dim]
+            else:
+                h, d = self.layout[i - N_STEP_INPUTS]
+                out[src.symbol] = (batch, h, past, d)[src.dim]
         return out
+
+    def links(self) -> dict[int, set[int]]:
+        """``{stage: stages it reads values from}``, cache tensors left out (they never cross)."""
+        out: dict[int, set[int]] = {}
+        for e in self.messages():
+            out.setdefault(e.dst_stage, set()).add(e.src_stage)
+        return out
+
+    def messages(self) -> list[Any]:
+        """The decode pipe's edges between stages that carry values (not the cache), sorted."""
+        dropped = self.plans[-1].dropped_inputs
+        return sorted((e for e in self.pipe.edges if e.src_stage != MODEL_INPUT
+                       and not (e.dst_stage == self.num_stages - 1 and e.dst_input in dropped)),
+                      key=lambda e: (e.src_stage, e.dst_stage, e.src_output, e.dst_input))
+
+    def token_readers(self) -> set[int]:
+        """The stages that read ``input_ids``."""
+        return {p.index for p in self.plans if 0 in p.step_inputs.values()}
 
 
 def _model_input_of(slot: StageInput) -> int | None:

@@ -26,7 +26,7 @@ from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
 from .actions import Action, ActionKind, Order
 from .agree import FailureChannel, StepGuard, agree_before_step
-from .collectives import agree_on_order, gather_links, share_loss, shared_item_count, sync_shared_grads
+from .collectives import agree_on_order, gather_links, item_count, refuse_no_items, share_loss, sync_shared_grads
 from .deps import edge_links
 from .dynamic_sizes import inputs_given_anyway, local_sizes, share_sizes
 from .errors import ScheduleError
@@ -44,6 +44,7 @@ from .validate import validate
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from ..generate.result import Generation
     from ..stage.pipe_view import PipeView
 
 __all__ = ["PipelineSchedule"]
@@ -208,15 +209,19 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         rank knows they all passed, :func:`.agree.agree_before_step`) what needs messages."""
         ctx = StepContext(n_microbatches=n, train=train)
         error: Exception | None = None
+        counted = train and self.loss_count is not None
+        last_where = f"stage {self.num_stages - 1} (rank {self.placement[self.num_stages - 1]})"
+        local_items = None
         try:
             sizes = self._local_context(ctx, args, kwargs, target, train)
+            if counted and self._last is not None and ctx.targets is not None:
+                assert self.loss_count is not None
+                local_items = item_count(self.loss_count, ctx.targets, last_where)
         except Exception as e:  # raised on every rank alike below, before any rank waits for a message
             error = e
-        agree_before_step(error, self.pipeline_group, "step()" if train else "eval()")
-        items = None
-        if train and self.loss_count is not None:
-            items = shared_item_count(self.loss_count, ctx.targets if self._last is not None else None,
-                                      self.pipeline_group, self.num_stages - 1, self.placement[self.num_stages - 1])
+        items = agree_before_step(error, self.pipeline_group, "step()" if train else "eval()", share=local_items)
+        if counted:
+            refuse_no_items(items if items is not None else 0.0, last_where)
         if self.loss_fn is not None:
             ctx.loss = LossRule.for_step(self.loss_fn, n_microbatches=self.n_microbatches, scale_grads=self.scale_grads,
                                          items=items, scale=self.loss_scale, on_nonfinite=self.on_nonfinite)
@@ -318,6 +323,43 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
             self._runtime.reset()
             raise
         guard.where = "after its actions (merging outputs, sharing the loss or tied gradients)"
+
+    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int | None = None, lanes: int | None = None,
+                 return_logprobs: bool = False) -> Generation:
+        """Generate on these stages and ranks, with the training parameters as they are now
+        (no copy): a KV cache per stage and lane, ``lanes`` groups of rows in flight (default:
+        one per stage), decoded in an order built, lowered and validated like a training order.
+        The same call on every rank; the result is the same on every rank.
+
+        Args:
+            input_ids: ``(batch, prompt_len)`` prompts, left-padded (Hugging Face's convention).
+            max_new_tokens: tokens to add to every row.
+            attention_mask: ``(batch, prompt_len)`` 1 for real tokens (None: all real).
+            do_sample / temperature / top_k / top_p: Hugging Face's meanings; row ``r``'s
+                token at step ``t`` is drawn from a generator seeded from ``(seed, r, t)``.
+            eos_token_id / pad_token_id: a row stops at EOS and is padded after it (None: the
+                model's ``generation_config``'s, as Hugging Face does).
+            lanes: groups of rows in flight.
+            return_logprobs: also return each chosen token's log-probability.
+
+        Returns:
+            A :class:`pippy_split.Generation` (``sequences``, ``logprobs``).
+
+        Example::
+
+            sched = ps.build_schedule(pipe, "1F1B", 4, loss_fn=loss_fn)
+            out = sched.generate(ids, max_new_tokens=32, attention_mask=mask)   # every rank
+            out.sequences  # (batch, prompt_len + 32), the same on every rank
+        """
+        from ..generate.distributed import generate_on_schedule  # generation runs on the schedule's stages
+
+        return generate_on_schedule(self, input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
+                                    do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id, lanes=lanes,
+                                    return_logprobs=return_logprobs)
 
     def eval(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, no gradients; works before the first ``step()``.

@@ -1,0 +1,73 @@
+"""``sched.generate`` on gloo ranks: the same sequences on every rank, equal to the unsplit
+model's, under looped and V schedules on 1, 2 and 4 ranks (HF Llama's rotary tables and mask
+reach every stage from stage 0: skip edges at every decode step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pippy_split.testing import run_ranks
+
+from .gen_bodies import bad_call_body, generate_body, reference
+
+CASES = [  # (model, schedule, world, stages)
+    ("llama", "1F1B", 2, 2),
+    ("llama", "Interleaved1F1B", 2, 4),
+    ("llama", "ZBVZeroBubble", 2, 4),
+    ("llama", "DualPipeV", 2, 4),
+    ("tiny_gpt", "1F1B", 1, 1),
+    ("tiny_gpt", "Interleaved1F1B", 1, 2),
+    ("llama", "1F1B", 4, 4),
+    ("llama", "ZBVZeroBubble", 4, 8),
+]
+
+
+def _check(results: list[dict], ref: tuple[torch.Tensor, torch.Tensor]) -> None:
+    seq, logprobs = ref
+    for r in results:
+        assert torch.equal(r["sequences"], results[0]["sequences"])
+        assert torch.equal(r["logprobs"], results[0]["logprobs"])
+    out = results[0]
+    assert torch.equal(out["sequences"][:, : seq.shape[1]], seq)
+    n = seq.shape[1] - (out["sequences"].shape[1] - out["logprobs"].shape[1])
+    torch.testing.assert_close(out["logprobs"][:, :n], logprobs[:, :n], atol=1e-5, rtol=0)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name,schedule,world,stages", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}r" for c in CASES])
+def test_generate_on_ranks_equals_unsplit(name: str, schedule: str, world: int, stages: int) -> None:
+    kwargs = {"max_new_tokens": 6, "eos_token_id": 999, "pad_token_id": 0}  # no EOS: every step compared
+    results = run_ranks(generate_body, world, name, schedule, stages, kwargs, timeout=540)
+    _check(results, reference(name, kwargs))
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_sampling_on_ranks_equals_one_process() -> None:
+    """Row r's token at step t comes from (seed, r, t): 2 ranks under V placement and 2 lanes
+    give the tokens one process gives with one lane."""
+    kwargs = {"max_new_tokens": 6, "do_sample": True, "seed": 11, "top_k": 30, "temperature": 0.9, "lanes": 2}
+    results = run_ranks(generate_body, 2, "tiny_gpt", "ZBVZeroBubble", 4, kwargs, timeout=540)
+    _check(results, reference("tiny_gpt", {**kwargs, "lanes": 1}))
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name,schedule,stages", [("tiny_gpt", "DualPipeV", 4), ("llama", "1F1B", 2)])
+def test_generate_after_a_training_step_uses_the_new_weights(name: str, schedule: str, stages: int) -> None:
+    kwargs = {"max_new_tokens": 6, "eos_token_id": 999, "pad_token_id": 0}
+    results = run_ranks(generate_body, 2, name, schedule, stages, kwargs, True, timeout=540)
+    before = reference(name, kwargs)
+    _check(results, reference(name, kwargs, train_first=True))
+    assert not torch.equal(results[0]["sequences"], before[0])  # the step changed what the model says
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kwargs,match", [({"max_new_tokens": -2}, "max_new_tokens"),
+                                          ({"max_new_tokens": 2, "do_sample": True, "top_p": 0.0}, "top_p")])
+def test_bad_calls_fail_on_every_rank(kwargs: dict, match: str) -> None:
+    results = run_ranks(bad_call_body, 2, kwargs, timeout=240)
+    assert len(set(results)) == 1 and match in results[0], results
