@@ -46,13 +46,15 @@ if TYPE_CHECKING:
 
 __all__ = ["agree_before_step", "FailureChannel", "StepGuard", "POLL_S"]
 
-POLL_S = 0.2
-"""How often a rank reads the store for another rank's failure while a step runs."""
+POLL_S = 0.5
+"""How often a rank reads the store for another rank's failure while a step runs (torch's NCCL watchdog
+reads its store for a dump signal once a second on every rank)."""
 
 _MESSAGE_BYTES = 2048  # of each failing rank's message
 
 
-def agree_before_step(error: BaseException | None, pg: PipelineGroup, what: str = "step()") -> None:
+def agree_before_step(error: BaseException | None, pg: PipelineGroup, what: str = "step()",
+                      share: torch.Tensor | None = None) -> float | None:
     """Raise on every rank if ``error`` is set on any; collective over ``pg``.
 
     Args:
@@ -60,6 +62,12 @@ def agree_before_step(error: BaseException | None, pg: PipelineGroup, what: str 
         pg: the schedule's group, its size, this rank and where it takes tensors when it
             has no CPU backend.
         what: the call being prepared, for the message.
+        share: a number one rank knows and every rank needs (the batch's item count for
+            ``loss_count``, where the last stage lives), carried by the same all-reduce.
+
+    Returns:
+        ``share`` as every rank now knows it (None where no rank gave one): the step's one
+        host read of a tensor value.
 
     Raises:
         ``error`` itself on the rank it happened on; elsewhere a
@@ -71,13 +79,19 @@ def agree_before_step(error: BaseException | None, pg: PipelineGroup, what: str 
     if pg.world == 1 or not (dist.is_available() and dist.is_initialized()):
         if error is not None:
             raise error
-        return
-    backend = str(dist.get_backend(pg.group))  # a CPU backend: no device sync for one integer
+        return None if share is None else float(share)
+    backend = str(dist.get_backend(pg.group))  # a CPU backend: no device sync for two numbers
     where = torch.device("cpu") if backend in ("gloo", "mpi") or "cpu:" in backend else pg.device
-    failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=where)
-    dist.all_reduce(failed, group=pg.group)
-    if int(failed.item()) == 0:
-        return
+    # (failed ranks, ranks that share, the shared value): summed over the group
+    mine_now = torch.zeros(3, dtype=torch.float64, device=where)
+    mine_now[0] = 0 if error is None else 1
+    if share is not None and error is None:
+        mine_now[1] = 1
+        mine_now[2] = share.to(device=where, dtype=torch.float64)
+    dist.all_reduce(mine_now, group=pg.group)
+    failed, sharing, value = mine_now.tolist()
+    if failed == 0:
+        return value if sharing else None
     text = "" if error is None else f"{type(error).__name__}: {error}"
     mine = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
     data = text.encode("utf-8")[:_MESSAGE_BYTES]
@@ -107,8 +121,9 @@ class FailureChannel:
         owner: the schedule; the watcher thread ends when it is collected.
 
     Example:
-        >>> channel = FailureChannel(PipelineGroup.of(None), None, owner=object())
-        >>> with channel.guard("step()") as guard:  # one rank: nothing to watch
+        >>> schedule = torch.nn.Module()  # stands for the schedule that owns the channel
+        >>> channel = FailureChannel(PipelineGroup.of(None), None, owner=schedule)
+        >>> with channel.guard("step()") as guard:  # one rank: nothing to watch, nothing to break
         ...     guard.communicating()
     """
 
@@ -220,7 +235,8 @@ class StepGuard:
             return  # the step's own error, raised alike on every rank before any message
         if record is None:
             text = str(error).splitlines()[0] if str(error) else ""
-            mine = f"rank {channel.pg.rank} failed {self.where}: {type(error).__name__}: {text}"[:_MESSAGE_BYTES]
+            cause = f"{type(error).__name__}: {text}" if text else type(error).__name__
+            mine = f"rank {channel.pg.rank} failed {self.where}: {cause}"[:_MESSAGE_BYTES]
             record = channel.fail(mine)
             if record == mine:
                 return  # the first failure: the user sees their own error

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ..stage.pipe_view import PipeView
     from ..stage.stage import PipelineStage
 
-__all__ = ["agree_on_order", "gather_links", "shared_item_count", "share_loss",
+__all__ = ["agree_on_order", "gather_links", "item_count", "refuse_no_items", "share_loss",
            "sync_shared_grads"]
 
 Link = tuple[int, int, bool]
@@ -70,37 +70,26 @@ def gather_links(mine: Sequence[Link], pg: PipelineGroup) -> list[Link]:
     return sorted({(int(s), int(d), bool(g)) for t in gathered for s, d, g in t.tolist() if s >= 0})
 
 
-def shared_item_count(loss_count: Callable[[Any], Any], targets: list | None, pg: PipelineGroup,
-                      last_stage: int, last_rank: int) -> float:
-    """The batch's item count (``loss_count`` over every microbatch's target), worked out
-    where the last stage lives and shared with every rank before the first action, so
-    that a bad count stops every rank with the same error instead of leaving them waiting."""
-    counts: list[torch.Tensor] = []  # summed where they are: one host read for the batch, not one per microbatch
-    failure = ""
-    if targets is not None:
-        for mb, t in enumerate(targets):
-            try:
-                counts.append(torch.as_tensor(loss_count(t), dtype=torch.float64).reshape(()))
-            except Exception as e:  # reported on every rank below
-                failure = f"microbatch {mb}: loss_count raised {type(e).__name__}: {e}"
-                break
-    if failure or not counts:
-        total = torch.tensor([float("nan") if failure else 0.0], dtype=torch.float64)
-    else:
-        total = torch.stack([c.to(counts[0].device) for c in counts]).sum().reshape(1)
-    if pg.world > 1:
-        total = total.to(pg.device)
-        dist.broadcast(total, group=pg.group, group_src=last_rank)
-    value = float(total.item())
-    where = f"stage {last_stage} (rank {last_rank})"
-    if value != value:  # NaN: loss_count failed there
-        raise PipelineError(f"{where}: {failure or 'loss_count failed on that rank (see its error)'}")
-    if not value > 0:
-        per_mb = f" (per microbatch: {[float(c) for c in counts]})" if counts else ""
-        raise PipelineError(f"{where}: loss_count gives {value:g} items for the whole batch{per_mb}; there is "
-                            "nothing to average the loss over — check the padding value it looks for, or drop "
-                            "loss_count for a mean over microbatches")
-    return value
+def item_count(loss_count: Callable[[Any], Any], targets: list, where: str) -> torch.Tensor:
+    """The batch's item count (``loss_count`` over every microbatch's target), summed where the
+    counts are (no host read); the last stage's rank shares it with the step's agreement
+    (:func:`.agree.agree_before_step`). A failing ``loss_count`` is a :class:`PipelineError`
+    naming the microbatch."""
+    counts: list[torch.Tensor] = []
+    for mb, t in enumerate(targets):
+        try:
+            counts.append(torch.as_tensor(loss_count(t), dtype=torch.float64).reshape(()))
+        except Exception as e:
+            raise PipelineError(f"{where}, microbatch {mb}: loss_count raised {type(e).__name__}: {e}") from e
+    return torch.stack([c.to(counts[0].device) for c in counts]).sum()
+
+
+def refuse_no_items(items: float, where: str) -> None:
+    """Every rank alike: a batch whose ``loss_count`` is not positive has nothing to average over."""
+    if not items > 0:
+        raise PipelineError(f"{where}: loss_count gives {items:g} items for the whole batch; there is nothing to "
+                            "average the loss over — check the padding value it looks for, or drop loss_count for "
+                            "a mean over microbatches")
 
 
 def share_loss(mb_losses: list, rule: LossRule | None, pg: PipelineGroup, src_rank: int) -> torch.Tensor:
