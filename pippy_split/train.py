@@ -33,15 +33,18 @@ The parts live in :mod:`pippy_split.training` (setup, loop, finish).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .testing import free_port
 from .training.config import TrainConfig, build_train_parser, config_from_namespace
 from .training.factory import load_factory, unpack_entry  # noqa: F401  (importable from here, as before)
+from .training.inputs import JobError, check_inputs
 from .training.loop import TRAIN_STATE_DIR, worker  # noqa: F401  (importable from here, as before)
 from .training.setup import CHECKPOINT_FILE, SUM_MAX, Prepared, parse_split, prepare  # noqa: F401
 
@@ -61,8 +64,9 @@ def failure_line(error: Any) -> str:
     """One line naming the failed rank and its root cause, from the launcher's ``ChildFailedError``.
 
     The launcher reports the first rank it saw fail; its cause is the exception that
-    rank raised (type and the first line of its message), the signal that killed it,
-    or its exit status. For example
+    rank raised (type and the first line of its message; an error the job found, a
+    :class:`~pippy_split.training.inputs.JobError`, by its message alone), the signal
+    that killed it, or its exit status. For example
     ``pippy-split train: rank 1 failed: RuntimeError: Numpy is not available``.
     """
     rank, failure = error.get_first_failure()
@@ -72,10 +76,21 @@ def failure_line(error: Any) -> str:
     lines = [ln.strip() for ln in str(message or "").splitlines() if ln.strip()]
     recorded = failure.error_file_data.get("message") not in (None, "<NONE>")  # an exception, in its file
     if lines and (recorded or failure.exitcode < 0):  # < 0: killed by a signal, which the message names
-        cause = lines[0] + (" ..." if len(lines) > 1 else "")
+        cause = lines[0].removeprefix(f"{JobError.__name__}: ") + (" ..." if len(lines) > 1 else "")
     else:  # e.g. SystemExit: the launcher's message would only be a link to its docs
         cause = f"exit status {failure.exitcode} (its own output above says why)"
     return f"pippy-split train: rank {rank} failed: {cause}"
+
+
+def rank_traceback(error: Any) -> str:
+    """The failed rank's own traceback, where it raised something the job did not find on purpose (a bug):
+    "" for a :class:`~pippy_split.training.inputs.JobError`, a signal or an exit status."""
+    _, failure = error.get_first_failure()
+    data = failure.error_file_data.get("message")
+    if not isinstance(data, Mapping) or str(data.get("message", "")).startswith(f"{JobError.__name__}: "):
+        return ""
+    extra = data.get("extraInfo")
+    return str(extra.get("py_callstack", "")).rstrip() if isinstance(extra, Mapping) else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,12 +109,16 @@ def run(options: argparse.Namespace | TrainConfig) -> int:
         print(f"pippy-split train: {e}", file=sys.stderr)
         return 2
 
-    problem = _check_options(cfg, ORDERS)
+    problem = _check_options(cfg, ORDERS) or check_inputs(cfg)
     if problem:
         print(f"pippy-split train: {problem}", file=sys.stderr)
         return 2
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        worker(cfg)
+        try:
+            worker(cfg)
+        except JobError as e:  # under torchrun: this rank's one line (torchrun reports the exit status)
+            print(f"pippy-split train: rank {os.environ['RANK']} failed: {e}", file=sys.stderr, flush=True)
+            return 1
         return 0
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -111,12 +130,32 @@ def run(options: argparse.Namespace | TrainConfig) -> int:
                           rdzv_endpoint=f"localhost:{free_port()}", run_id=f"pippy-split-{os.getpid()}",
                           max_restarts=cfg.max_restarts, monitor_interval=0.1, start_method="spawn")
     try:
-        elastic_launch(config, worker)(cfg, None)
+        with _quiet_launcher():
+            elastic_launch(config, worker)(cfg, None)
     except ChildFailedError as e:
-        print(f"pippy-split train failed:\n{e.format_msg()}", file=sys.stderr)
-        print(failure_line(e), file=sys.stderr, flush=True)  # last: what to read under the dump
+        stack = rank_traceback(e)  # a bug's own frames; an error the job found is its one line
+        if stack:
+            print(stack, file=sys.stderr)
+        print(failure_line(e), file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def _quiet_launcher() -> Iterator[None]:
+    """The launcher's own reports of a failed rank (its traceback through the launcher's frames, and the
+    SIGTERM of the others) are left out: :func:`failure_line` says which rank failed and why. Its warnings
+    about restarting the group (``--max-restarts``) still show."""
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic.multiprocessing.api",
+                                              "torch.multiprocessing.spawn")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _check_options(cfg: TrainConfig, schedules: Any) -> str:

@@ -1,5 +1,5 @@
-"""When a rank of `pippy-split train` fails under the elastic launcher, the last line
-of the output names the rank and the root cause, below the launcher's own dump."""
+"""When a rank of `pippy-split train` fails under the elastic launcher, one line names the rank and the
+root cause (a bug in a rank: that rank's traceback above it)."""
 
 from __future__ import annotations
 
@@ -36,17 +36,31 @@ def test_failure_line_names_rank_and_cause(tmp_path):
         "pippy-split train: rank 3 failed: exit status 2 (its own output above says why)"
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(180)
-def test_failed_rank_is_named_on_the_last_line(tmp_path):
-    (tmp_path / "a_file").write_text("x")
+def test_an_error_found_in_a_rank_is_one_line(tmp_path):
+    """No traceback frames and no launcher dump: the line names the rank and the cause (the split is only
+    known to be wrong once a rank has built the model)."""
     env = dict(os.environ, COLUMNS="160")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     r = subprocess.run([sys.executable, "-m", "pippy_split.cli", "train", "--steps", "1", "--samples", "1",
-                        "--checkpoint", str(tmp_path / "a_file" / "ckpt")],
+                        "--split", "blocks.9", "--checkpoint", str(tmp_path / "run")],
                        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=150)
     assert r.returncode == 1, r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    # found before the first step: the run directory (metrics.jsonl) is made first
-    assert re.fullmatch(r"pippy-split train: rank 0 failed: CheckpointError: cannot write the run directory "
-                        r"\S+/a_file/ckpt: Not a directory \(\S+/a_file\)", last), r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert re.fullmatch(r"pippy-split train: rank \d failed: SplitError: split_spec names 'blocks.9', which is not "
+                        r"a submodule of TinyGPT.*", lines[0]), r.stderr
+
+
+def test_a_bug_in_a_rank_shows_that_rank_s_traceback_and_the_line(tmp_path):
+    from pippy_split.train import rank_traceback
+
+    stack = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\nKeyError: 3'
+    bug = _failure(tmp_path, 0, 1, {"message": "KeyError: 3", "extraInfo": {"py_callstack": stack, "timestamp": "1700000000"}})
+    assert rank_traceback(bug) == stack and failure_line(bug) == "pippy-split train: rank 0 failed: KeyError: 3"
+    found = _failure(tmp_path, 1, 1, {"message": "JobError: --data x.txt: line 3 is not JSON",
+                                      "extraInfo": {"py_callstack": stack, "timestamp": "1700000000"}})
+    assert rank_traceback(found) == "" and \
+        failure_line(found) == "pippy-split train: rank 1 failed: --data x.txt: line 3 is not JSON"

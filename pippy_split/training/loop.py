@@ -31,6 +31,7 @@ from ..schedule.simulate import simulate
 from .batches import count_tokens, heldout_batch, to_device, train_batch
 from .config import TrainConfig
 from .finish import finish
+from .inputs import as_job_error
 from .metrics import METRICS_FILE, RunLog, make_run_dir, peak_memory_mib
 from .nd import Layout, parallelize_stages
 from .optim import average_accumulated, lr_at
@@ -73,6 +74,11 @@ def worker(cfg: TrainConfig, prepared: Prepared | None = None) -> None:
     _init_group("nccl" if use_cuda else "gloo")
     try:
         train_rank(cfg, prepared, dist.get_rank(), dist.get_world_size(), device)
+    except BaseException as e:
+        found = as_job_error(e)  # an error the job found on purpose: its message, without the traceback
+        if found is None or found is e:
+            raise
+        raise found from None
     finally:
         dist.destroy_process_group()
 
