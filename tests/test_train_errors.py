@@ -3,6 +3,8 @@ status 2), and a refused model.pt says what it is."""
 
 from __future__ import annotations
 
+import pytest
+
 from pippy_split.train import main
 
 
@@ -36,3 +38,25 @@ def test_inputs_are_checked_before_any_rank_starts(tmp_path, capsys, monkeypatch
     assert _one_line(capsys, "--resume", "--checkpoint", "fresh") == (
         "pippy-split train: --resume: fresh/model.pt does not exist (--checkpoint names the directory of the run "
         "to continue)")
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("this ran while loading",))
+
+
+def test_a_model_pt_holding_pickled_objects_is_refused_as_not_this_job_s(tmp_path, capsys):
+    import torch
+
+    from pippy_split.training.setup import load_model_file
+
+    torch.save({"state_dict": {}, "meta": _RunsCode()}, tmp_path / "model.pt")
+    with pytest.raises(SystemExit) as refused:
+        load_model_file(str(tmp_path))
+    text = str(refused.value)
+    assert text == (f"{tmp_path / 'model.pt'} is not a checkpoint this job wrote (it holds print); a "
+                    "pickled object could run code when loaded, so it will not be loaded"), text
+    assert "weights_only" not in text and "this ran" not in capsys.readouterr().out
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "model.pt")
+    with pytest.raises(SystemExit, match=r"is not a checkpoint this job wrote \(no \"state_dict\" of tensors"):
+        load_model_file(str(tmp_path))

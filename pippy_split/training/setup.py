@@ -9,6 +9,8 @@ the launcher's spawned ranks.
 from __future__ import annotations
 
 import os
+import pickle
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -118,8 +120,20 @@ def _split_text(cfg: TrainConfig) -> tuple[str, str]:
 
 def load_model_file(path: str) -> dict:
     """``<path>/model.pt``: ``{"state_dict": {FQN: tensor}, "meta": {...plain values}}``, read with
-    ``weights_only=True`` (tensors and plain containers only: a crafted file cannot run code)."""
-    return torch.load(os.path.join(path, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
+    ``weights_only=True`` (tensors and plain containers only: a crafted file cannot run code). A file that
+    holds anything else is refused, saying so: it is not one this job wrote, and it is not loaded."""
+    file = os.path.join(path, CHECKPOINT_FILE)
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # torch's text would advise weights_only=False: never, for this file
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        holds = f" (it holds {found.group(1)})" if found else " (it holds pickled objects, not only tensors and plain values)"
+        raise SystemExit(f"{file} is not a checkpoint this job wrote{holds}; a pickled object could run code "
+                         "when loaded, so it will not be loaded") from None
+    if not (isinstance(state, dict) and isinstance(state.get("state_dict"), dict)):
+        raise SystemExit(f"{file} is not a checkpoint this job wrote (no \"state_dict\" of tensors by FQN); it "
+                         "will not be loaded")
+    return state
 
 
 def fresh_model(cfg: TrainConfig, prep: Prepared) -> torch.nn.Module:
