@@ -4,8 +4,8 @@
     from pippy_split.compat.schedules import PipelineScheduleMulti, get_schedule_class
     from pippy_split.compat.microbatch import split_args_kwargs_into_chunks, TensorChunkSpec
 
-The names, signatures, return values and exception types of torch 2.13's
-public pipelining API, as thin wrappers over pippy_split's own
+The names, signatures, return values and exception types of the public pipelining API
+of torch 2.13, 2.14 and 2.15 (their union; ``tests/compat/peer_surfaces.json`` records each), as thin wrappers over pippy_split's own
 (``pippy_split.pipeline``, ``Pipe``, ``PipelineStage``, :mod:`pippy_split.schedule`,
 :mod:`pippy_split.microbatch`); the objects are ours underneath, so pippy_split's
 extras (skip edges, ``sched.loss``, ``simulate``, checkpointing) work on them.
@@ -25,6 +25,24 @@ Where the peer differs from pippy_split's own API:
   argument of 8 rows beside positional ones of 64 is fine, as in the peer), while
   pippy_split's own schedules require chunked arguments to agree.
 
+What torch 2.14 and 2.15 added, and what it means here:
+
+- ``step``/``eval(arg_mbs=, kwarg_mbs=, target_mbs=)``: microbatches already split become
+  :class:`pippy_split.Microbatches` (:mod:`.presplit`), so they may differ in size (in a dim
+  the pipe was traced dynamic in); outputs are merged as the peer merges them where they
+  concatenate, else returned one per microbatch;
+- ``step(finalize_gradients=False)``: FSDP2 stages keep gradient sync off for the step, so their
+  gradients accumulate unreduced until a step with True (elsewhere gradients accumulate in
+  ``.grad`` across steps anyway, as in the peer);
+- ``max_active_stages``, ``unshard_lookahead``, ``defer_reduce_grad_wait``,
+  ``max_outstanding_sends`` on the multi-stage schedules: checked as the peer checks them and
+  accepted; FSDP2's own hooks and our transport decide what they decide in the peer, and a value
+  that would steer the peer warns with the equivalent (:mod:`.runtime_options`);
+- ``PipelineStage.register_forward_context`` with ``PipelineStageInfo``; ``PipelineActivationLiveness``
+  and ``analyze_pipeline_activation_liveness`` over our order (:mod:`.liveness`);
+- the action IR's ``WAIT_SEND_F``/``WAIT_SEND_B``/``WAIT_REDUCE_GRAD`` (private in the peer) have no
+  action here: a send stays in flight until delivered, FSDP2 waits for its own reduce-scatter.
+
 Where this package does more than the peer, on purpose:
 
 - ``torch.compile`` under the zero-bubble schedules (``ScheduleInterleavedZeroBubble``,
@@ -34,6 +52,7 @@ Where this package does more than the peer, on purpose:
 """
 
 from . import microbatch, schedules, stage
+from .liveness import PipelineActivationLiveness, analyze_pipeline_activation_liveness
 from .pipe import Pipe, PipeInfo, SplitPoint, pipe_split, pipeline
 from .schedules import (
     Schedule1F1B,
@@ -44,8 +63,9 @@ from .schedules import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
-from .stage import PipelineStage, build_stage
+from .stage import PipelineStage, PipelineStageInfo, build_stage
 
-__all__ = ["Pipe", "pipe_split", "SplitPoint", "pipeline", "PipelineStage", "build_stage", "Schedule1F1B",
+__all__ = ["analyze_pipeline_activation_liveness", "Pipe", "pipe_split", "SplitPoint", "pipeline", "PipelineStage",
+           "PipelineActivationLiveness", "PipelineStageInfo", "build_stage", "Schedule1F1B",
            "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
            "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "PipeInfo", "microbatch", "schedules", "stage"]

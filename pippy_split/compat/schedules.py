@@ -6,9 +6,10 @@ peer's constructor, and ``step``/``eval`` as the peer has them:
 
 - ``PipelineScheduleSingle`` (``ScheduleGPipe``, ``Schedule1F1B``) take one stage,
   ``PipelineScheduleMulti`` (the rest) a list of this rank's stages;
-- ``step(*args, target=, losses=, return_outputs=True, loss_kwargs=None, **kwargs)``:
-  ``losses`` is replaced by the step's per-microbatch losses, ``loss_kwargs`` go to
-  ``loss_fn``; without a ``loss_fn`` the step is forward-only on every rank;
+- ``step(*args, target=, losses=, return_outputs=True, loss_kwargs=None, arg_mbs=, kwarg_mbs=,
+  target_mbs=, finalize_gradients=True, **kwargs)``: ``losses`` is replaced by the step's
+  per-microbatch losses, ``loss_kwargs`` go to ``loss_fn``; without a ``loss_fn`` the step is
+  forward-only on every rank; ``arg_mbs``/... take microbatches already split (:mod:`.presplit`);
 - ``eval(*args, target=, losses=, **kwargs)``: forward only, and with a target the
   per-microbatch losses land in ``losses``;
 - ``ScheduleInterleaved1F1B`` with one stage per rank runs 1F1B;
@@ -17,7 +18,8 @@ peer's constructor, and ``step``/``eval`` as the peer has them:
   require chunked arguments to agree.
 
 Extra keyword arguments of the peer that change nothing here
-(``backward_requires_autograd``, ``defer_pp_recv``, ``use_full_backward``) are accepted.
+(``backward_requires_autograd``, ``defer_pp_recv``, ``use_full_backward``) are accepted; the
+FSDP and send options of 2.15's multi-stage schedules as :mod:`.runtime_options` says.
 
 Example (one stage, so this process is the whole pipeline; on several ranks each builds
 ``pipe.build_stage(rank, device)``):
@@ -36,24 +38,29 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
 from .. import schedule as _core
 from ..microbatch import Microbatches, merge_chunks, split_args_kwargs
 from ..stage import PipelineStage
+from .liveness import PipelineActivationLiveness, analyze_pipeline_activation_liveness
 from .microbatch import TensorChunkSpec, peer_chunk_specs
+from .presplit import merged, presplit_inputs
+from .runtime_options import check_runtime_options
 
-__all__ = ["get_schedule_class", "PipelineScheduleSingle", "PipelineScheduleMulti", "Schedule1F1B", "ScheduleGPipe",
+__all__ = ["analyze_pipeline_activation_liveness", "get_schedule_class", "PipelineActivationLiveness",
+           "PipelineScheduleSingle", "PipelineScheduleMulti", "Schedule1F1B", "ScheduleGPipe",
            "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
            "ScheduleDualPipeV"]
 
 
 
 def _step(self: _core.PipelineSchedule, *args: Any, target: Any = None, losses: list | None = None,
-          return_outputs: bool = True, loss_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-    """One step over the whole batch, split into ``n_microbatches``.
+          return_outputs: bool = True, loss_kwargs: dict[str, Any] | None = None, arg_mbs: Any = None,
+          kwarg_mbs: Any = None, target_mbs: Any = None, finalize_gradients: bool = True, **kwargs: Any) -> Any:
+    """One step over the whole batch, split into ``n_microbatches``, or over microbatches already split.
 
     Args:
         *args / **kwargs: the model's inputs (needed where stage 0 lives).
@@ -61,15 +68,29 @@ def _step(self: _core.PipelineSchedule, *args: Any, target: Any = None, losses: 
         losses: a list, replaced by this step's per-microbatch losses (last stage's rank).
         return_outputs: False returns None instead of the merged outputs.
         loss_kwargs: extra keyword arguments for ``loss_fn``.
+        arg_mbs / kwarg_mbs / target_mbs: instead of ``*args`` / ``**kwargs`` / ``target``, one
+            tuple / dict / target per microbatch (torch 2.14+); they become
+            :class:`pippy_split.Microbatches`, so microbatches may differ in size.
+        finalize_gradients: False leaves an FSDP2 stage's gradients unreduced and accumulating
+            until a later step with True reduces the sum (torch 2.15+); no effect elsewhere,
+            where gradients accumulate in ``.grad`` across steps anyway.
 
     Returns:
-        The merged outputs on the rank holding the last stage, else None.
+        The merged outputs on the rank holding the last stage, else None (pre-split microbatches
+        that differ in a dim the merge cannot join: their outputs, as ``Microbatches``).
 
     Without a ``loss_fn`` the step runs forward only (no gradients) on every rank.
     """
-    with _chunked_like_the_peer(self, args, kwargs):
-        return _run_step(self, *args, target=target, losses=losses, return_outputs=return_outputs,
-                         loss_kwargs=loss_kwargs, **kwargs)
+    given = presplit_inputs(self.n_microbatches, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs, "step")
+    with _gradient_sync_deferred(self, not finalize_gradients):
+        if given is None:
+            with _chunked_like_the_peer(self, args, kwargs):
+                return _run_step(self, *args, target=target, losses=losses, return_outputs=return_outputs,
+                                 loss_kwargs=loss_kwargs, **kwargs)
+        mb_args, mb_kwargs, mb_target = given
+        out = _run_step(self, *mb_args, target=mb_target, losses=losses, return_outputs=return_outputs,
+                        loss_kwargs=loss_kwargs, **mb_kwargs)
+    return merged(out, self.output_merge_spec)
 
 
 def _run_step(self: _core.PipelineSchedule, *args: Any, target: Any, losses: list | None, return_outputs: bool,
@@ -91,19 +112,24 @@ def _run_step(self: _core.PipelineSchedule, *args: Any, target: Any, losses: lis
 
 
 def _eval(self: _core.PipelineSchedule, *args: Any, target: Any = None, losses: list | None = None,
-          **kwargs: Any) -> Any:
+          arg_mbs: Any = None, kwarg_mbs: Any = None, target_mbs: Any = None, **kwargs: Any) -> Any:
     """Forward only over the whole batch (no gradients), also before the first ``step()``.
 
     Args:
         *args / **kwargs: the model's inputs (needed where stage 0 lives).
         target: with a ``loss_fn``, the per-microbatch losses are computed ...
         losses: ... and replace this list's contents (last stage's rank).
+        arg_mbs / kwarg_mbs / target_mbs: microbatches already split, as for ``step``.
 
     Returns:
         The merged outputs on the rank holding the last stage, else None.
     """
-    with _chunked_like_the_peer(self, args, kwargs):
-        return _run_eval(self, *args, target=target, losses=losses, **kwargs)
+    given = presplit_inputs(self.n_microbatches, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs, "eval")
+    if given is None:
+        with _chunked_like_the_peer(self, args, kwargs):
+            return _run_eval(self, *args, target=target, losses=losses, **kwargs)
+    mb_args, mb_kwargs, mb_target = given
+    return merged(_run_eval(self, *mb_args, target=mb_target, losses=losses, **mb_kwargs), self.output_merge_spec)
 
 
 def _run_eval(self: _core.PipelineSchedule, *args: Any, target: Any, losses: list | None, **kwargs: Any) -> Any:
@@ -143,6 +169,33 @@ def _chunked_like_the_peer(sched: _core.PipelineSchedule, args: tuple, kwargs: d
         yield
     finally:
         sched.args_chunk_spec, sched.kwargs_chunk_spec = saved
+
+
+@contextlib.contextmanager
+def _gradient_sync_deferred(sched: _core.PipelineSchedule, defer: bool) -> Iterator[None]:
+    """``step(finalize_gradients=False)``: for one step, every FSDP2 module of this rank's stages
+    keeps its gradients unreduced (FSDP2 accumulates them unsharded), though the runtime turns
+    gradient sync on for each stage's last backward; a later step reduces the accumulated sum.
+    The override lives on the module for the step only."""
+    if not defer:
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    held = [m for st in sched.stages for m in st.module.modules() if isinstance(m, FSDPModule)]
+    for m in held:
+        m.set_requires_gradient_sync(False, recurse=False)
+        # the runtime's set_grad_sync(module, True) on the last backward finds this instead
+        object.__setattr__(m, "set_requires_gradient_sync", functools.partial(_keep_sync_off, m))
+    try:
+        yield
+    finally:
+        for m in held:
+            object.__delattr__(m, "set_requires_gradient_sync")
+
+
+def _keep_sync_off(module: Any, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    type(module).set_requires_gradient_sync(module, False, recurse=recurse)
 
 
 def _holds_last(sched: _core.PipelineSchedule) -> bool:
@@ -213,11 +266,15 @@ def _multi_init(self: PipelineScheduleMulti, stages: list[PipelineStage], n_micr
                 loss_fn: Callable | None = None, args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
                 kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
                 output_merge_spec: dict[str, Any] | tuple[Any] | None = None, scale_grads: bool = True,
-                backward_requires_autograd: bool = True, defer_pp_recv: bool = False) -> None:
+                backward_requires_autograd: bool = True, defer_pp_recv: bool = False, max_active_stages: int = 3,
+                unshard_lookahead: Literal["full", "auto"] | tuple[int, ...] = "full", *,
+                defer_reduce_grad_wait: bool = False, max_outstanding_sends: int | None = None) -> None:
     """The peer's constructor of a multi-stage schedule (``backward_requires_autograd`` and
-    ``defer_pp_recv`` are accepted and change nothing)."""
+    ``defer_pp_recv`` are accepted and change nothing; the FSDP and send options as
+    :func:`~pippy_split.compat.runtime_options.check_runtime_options` says)."""
     PipelineScheduleMulti.__init__(self, stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
                                    output_merge_spec, scale_grads=scale_grads)
+    check_runtime_options(self, max_active_stages, unshard_lookahead, defer_reduce_grad_wait, max_outstanding_sends)
 
 
 class ScheduleLoopedBFS(PipelineScheduleMulti, _core.ScheduleLoopedBFS):
@@ -225,9 +282,13 @@ class ScheduleLoopedBFS(PipelineScheduleMulti, _core.ScheduleLoopedBFS):
 
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
                  output_merge_spec: dict[str, Any] | tuple[Any] | None = None, scale_grads: bool = True,
-                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False) -> None:
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False, max_active_stages: int = 3,
+                 unshard_lookahead: Literal["full", "auto"] | tuple[int, ...] = "full", *,
+                 defer_reduce_grad_wait: bool = False, max_outstanding_sends: int | None = None) -> None:
         PipelineScheduleMulti.__init__(self, stages, n_microbatches, loss_fn, None, None, output_merge_spec,
                                        scale_grads=scale_grads)
+        check_runtime_options(self, max_active_stages, unshard_lookahead, defer_reduce_grad_wait,
+                              max_outstanding_sends)
 
 
 class ScheduleInterleavedZeroBubble(PipelineScheduleMulti, _core.ScheduleInterleavedZeroBubble):
@@ -256,11 +317,15 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti, _core.ScheduleInterleaved1F
                  args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
                  kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
                  output_merge_spec: dict[str, Any] | tuple[Any] | None = None, scale_grads: bool = True,
-                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False) -> None:
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False, max_active_stages: int = 3,
+                 unshard_lookahead: Literal["full", "auto"] | tuple[int, ...] = "full", *,
+                 defer_reduce_grad_wait: bool = False, max_outstanding_sends: int | None = None) -> None:
         if isinstance(stages, (list, tuple)) and len(stages) == 1:
             self.order_name = _core.Schedule1F1B.order_name  # interleaving one chunk is 1F1B
         PipelineScheduleMulti.__init__(self, stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
                                        output_merge_spec, scale_grads=scale_grads)
+        check_runtime_options(self, max_active_stages, unshard_lookahead, defer_reduce_grad_wait,
+                              max_outstanding_sends)
 
 
 _BY_NAME = {

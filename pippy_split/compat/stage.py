@@ -1,21 +1,46 @@
-"""``torch.distributed.pipelining.stage``'s names: ``PipelineStage`` and ``build_stage``.
+"""``torch.distributed.pipelining.stage``'s names: ``PipelineStage``, ``PipelineStageInfo`` and ``build_stage``.
 
 Part of the drop-in (:mod:`pippy_split.compat`). ``PipelineStage`` is our
 :class:`pippy_split.PipelineStage` with the peer's constructor, ``.submod``,
-``.group_rank`` / ``.group_size`` and ``dw_builder``; it runs in our schedules and
-in :mod:`pippy_split.compat.schedules` alike.
+``.group_rank`` / ``.group_size``, ``dw_builder`` and (torch 2.15)
+``register_forward_context``; it runs in our schedules and in
+:mod:`pippy_split.compat.schedules` alike.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from ..stage import PipelineStage as _CoreStage
 
-__all__ = ["PipelineStage", "build_stage"]
+__all__ = ["PipelineStage", "PipelineStageInfo", "build_stage"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineStageInfo:
+    """Which forward a context registered with :meth:`PipelineStage.register_forward_context` is entered for.
+
+    Attributes:
+        stage_index: the stage.
+        microbatch_index: the microbatch of this step.
+        is_metadata_inference: always False here: pippy_split learns a hand-built stage's
+            shapes from the first step's real forwards, with no separate probe.
+    """
+
+    stage_index: int
+    microbatch_index: int
+    is_metadata_inference: bool = False
+
+
+ForwardContext = Callable[[PipelineStageInfo], contextlib.AbstractContextManager[None]]
 
 
 class PipelineStage(_CoreStage):
@@ -57,6 +82,39 @@ class PipelineStage(_CoreStage):
         super().__init__(submodule, stage_index, num_stages, device, group, **options)
         self.dw_builder = dw_builder
         self._dw_runners: dict[int, Callable[..., None]] = {}
+        self._forward_contexts: OrderedDict[int, ForwardContext] = OrderedDict()  # a RemovableHandle needs a weakref
+
+    def register_forward_context(self, context_factory: ForwardContext) -> RemovableHandle:
+        """Enter ``context_factory(PipelineStageInfo(...))`` around this stage's forward of every
+        microbatch (in ``step`` and ``eval``; on the last stage the loss is computed inside it too).
+
+        Args:
+            context_factory: ``info -> context manager``, called once per forward.
+
+        Returns:
+            A handle; ``handle.remove()`` unregisters it.
+
+        Raises:
+            RuntimeError: a context is already registered (one at a time, as in the peer).
+
+        Example:
+            >>> stage = PipelineStage(torch.nn.Linear(2, 2), 0, 1, torch.device("cpu"))
+            >>> handle = stage.register_forward_context(lambda info: contextlib.nullcontext())
+            >>> handle.remove()
+        """
+        if self._forward_contexts:
+            raise RuntimeError(f"stage {self.stage_index}: a forward context is already registered; remove its "
+                               "handle first")
+        handle = RemovableHandle(self._forward_contexts)
+        self._forward_contexts[handle.id] = context_factory
+        return handle
+
+    def forward(self, mb: int, args: list[Any], kwargs: Mapping[str, Any] | None = None, **options: Any) -> tuple:
+        if not self._forward_contexts:
+            return super().forward(mb, args, kwargs, **options)
+        factory = next(iter(self._forward_contexts.values()))
+        with factory(PipelineStageInfo(stage_index=self.stage_index, microbatch_index=mb)):
+            return super().forward(mb, args, kwargs, **options)
 
     @property
     def submod(self) -> torch.nn.Module:
@@ -103,6 +161,7 @@ def adopt(stage: _CoreStage) -> PipelineStage:
     out.__dict__.update(stage.__dict__)
     out.dw_builder = None
     out._dw_runners = {}
+    out._forward_contexts = OrderedDict()
     return out
 
 

@@ -74,7 +74,8 @@ def _default_text(value: Any) -> str:
     return repr(value)
 
 
-def _describe(obj: Any) -> dict:
+def _describe(obj: Any, package: str = PACKAGE) -> dict:
+    """``obj``'s entry; a class's methods and properties are those defined in ``package``."""
     if not isinstance(obj, type):
         return {"kind": "function", "params": _params(obj)} if callable(obj) else {"kind": "other"}
     if issubclass(obj, enum.Enum):
@@ -86,7 +87,7 @@ def _describe(obj: Any) -> dict:
         if name.startswith("_"):
             continue
         owner = next((k for k in obj.__mro__ if name in vars(k)), None)
-        if owner is None or not owner.__module__.startswith(PACKAGE):
+        if owner is None or not owner.__module__.startswith(package):
             continue
         attr = vars(owner)[name]
         if isinstance(attr, property):
