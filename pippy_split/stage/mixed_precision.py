@@ -1,10 +1,13 @@
 """Mixed precision: which dtype each edge carries when stages run under ``torch.autocast``.
 
-Sits between the Pipe (whose edge specs were traced in the model's own precision) and the
-stages built with ``mixed_precision=``: every stage is run once under autocast on fake
-tensors (no compute, no memory), in stage order, so the specs of the edges it sends say
-the dtype autocast really produces there (a matmul's bf16 output, an fp32 norm). Every
-rank works this out alike from the same Pipe, so senders and receivers agree.
+Sits between the Pipe and the stages built with ``mixed_precision=``. Those stages come
+from the split traced again under the same autocast (``Pipe.under_autocast``), where
+every value's metadata is what the real ops computed under autocast (a matmul's bf16
+output, an fp32 norm): its edge specs already say what crosses each cut, and are used as
+they are. Only a pipe traced under another autocast (a model traced on the CPU whose
+stages run on CUDA) has its stages run once under the stages' autocast on fake tensors,
+in stage order, to learn them. Every rank works this out alike from the same Pipe, so
+senders and receivers agree.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ def check_mixed_precision(dtype: Any, where: str) -> None:
 
 
 def autocast_edge_specs(pipe: PipeView, dtype: torch.dtype, device_type: str) -> dict[int, TensorSpec]:
-    """``{id(edge): spec}`` for every edge of ``pipe`` under ``torch.autocast(device_type, dtype)``.
+    """``{id(edge): spec}`` for every edge of ``pipe`` under ``torch.autocast(device_type, dtype)``:
+    the pipe's own specs where it was traced under that autocast (``pipe.autocast``), else
+    learned from a run of its stages on fake tensors (see the module docstring).
 
     Example:
         >>> import pippy_split as ps
@@ -47,12 +52,22 @@ def autocast_edge_specs(pipe: PipeView, dtype: torch.dtype, device_type: str) ->
     key = (dtype, device_type)
     if key in cache:
         return cache[key]
+    for info in pipe.stages:
+        relax_dtype_checks(info.module)
+    if pipe.autocast == (device_type, dtype):  # traced under this autocast: its values' dtypes are known
+        cache[key] = {id(e): e.spec for e in pipe.edges}
+        return cache[key]
+    cache[key] = _fake_autocast_specs(pipe, dtype, device_type)
+    return cache[key]
+
+
+def _fake_autocast_specs(pipe: PipeView, dtype: torch.dtype, device_type: str) -> dict[int, TensorSpec]:
+    """The edges' specs from one run of every stage under autocast on fake tensors, in stage order."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     inputs, bindings = pipe.example_inputs()
     specs: dict[int, TensorSpec] = {id(e): e.spec for e in pipe.edges}
     for info in pipe.stages:
-        relax_dtype_checks(info.module)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             args = [_fake_arg(src, inputs, specs, bindings) for src in info.inputs]
@@ -62,14 +77,18 @@ def autocast_edge_specs(pipe: PipeView, dtype: torch.dtype, device_type: str) ->
             with mode, torch.autocast(device_type, dtype=dtype):
                 outs = torch.func.functional_call(info.module, state, tuple(args))
         except Exception as e:
+            traced = f"torch.autocast({pipe.autocast[0]!r})" if pipe.autocast else "no autocast"
             raise PipelineError(f"stage {info.index}: could not run under torch.autocast({device_type!r}, {dtype}) "
-                                f"to learn its edges' dtypes ({type(e).__name__}: {e})") from e
+                                f"on fake tensors to learn its edges' dtypes ({type(e).__name__}: {e}); the split was "
+                                f"traced under {traced}. What works: put the model's tensors on a {device_type!r} "
+                                f"device (or meta) before pipeline(), so the split is traced under "
+                                f"torch.autocast({device_type!r}) and its edges' dtypes are read off that "
+                                f"trace") from e
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         for edge in pipe.edges:
             if edge.src_stage == info.index:
                 out = outs[edge.src_output]
                 specs[id(edge)] = replace(edge.spec, dtype=out.dtype)
-    cache[key] = specs
     return specs
 
 

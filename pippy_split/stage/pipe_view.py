@@ -62,6 +62,11 @@ class PipeView(Protocol):
         ...
 
     @property
+    def autocast(self) -> tuple[str, torch.dtype] | None:
+        """``(device_type, dtype)`` of the ``torch.autocast`` the pipe was traced under, or None."""
+        ...
+
+    @property
     def input_names(self) -> list[str]: ...
 
     @property

@@ -258,6 +258,20 @@ def reformer() -> Arch:
     return _causal(t.ReformerModelWithLMHead(cfg), ["reformer.embeddings"])
 
 
+def deepseek_v3() -> Arch:
+    import transformers as t
+
+    # MLA attention, a dense first layer, then MoE layers (8 routed experts in 2 groups, top-2, one shared
+    # expert). Under bf16 its experts' matmuls once failed a fake-tensor run (issue 29 item 4).
+    cfg = t.DeepseekV3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                             num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
+                             n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                             first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                             v_head_dim=8, qk_nope_head_dim=8, max_position_embeddings=64, use_cache=False,
+                             pad_token_id=0)
+    return _causal(t.DeepseekV3ForCausalLM(cfg), ["model.layers.*.mlp"])
+
+
 # ---- encoders (masked LM) ------------------------------------------------------------
 
 
@@ -379,13 +393,38 @@ def dinov2() -> Arch:
     return _images(t.Dinov2ForImageClassification(cfg), ["dinov2.encoder.layer.*.mlp"], 16)
 
 
+def llava() -> Arch:
+    import transformers as t
+
+    # A CLIP vision tower's 2x2 patches (CLS dropped) projected and scattered into the token embeddings at
+    # 4 image tokens per sample; its check of image tokens against features is a traced .item() (issue 29
+    # item 4: a fake-tensor run could not pass it).
+    image_token = VOCAB - 1
+    cfg = t.LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=16, patch_size=8, projection_dim=16),
+        text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, use_cache=False, pad_token_id=0),
+        image_token_index=image_token, image_seq_length=4, vision_feature_layer=-1,
+        vision_feature_select_strategy="default")
+    g = _gen()
+    ids = torch.randint(3, image_token, (BATCH, SEQ), generator=g)
+    ids[:, 4:] = image_token  # the image after 4 text tokens: every microbatch keeps a next-token target
+    pixels = torch.randn(BATCH, 3, 16, 16, generator=g)
+    labels = _padded(ids)
+    labels[:, 4:] = IGNORE
+    return Arch(t.LlavaForConditionalGeneration(cfg), (), {"input_ids": ids, "pixel_values": pixels, "labels": labels},
+                ["model.language_model.layers.*.mlp"], labels, causal_sum_loss)
+
+
 BUILDERS: dict[str, Callable[[], Arch]] = {
     "qwen3": qwen3, "qwen2_moe": qwen2_moe, "phi3": phi3, "mistral_tied": mistral_tied, "gpt_neox": gpt_neox,
     "opt": opt, "bloom": bloom, "falcon": falcon, "deberta_v2": deberta_v2, "distilbert": distilbert,
     "electra": electra, "bart": bart, "whisper": whisper, "clip": clip, "swin": swin, "convnext": convnext,
     "mamba": mamba, "dinov2": dinov2, "granite": granite,
     "mamba6": mamba6, "jamba": jamba, "mobilebert": mobilebert,
-    "recurrent_gemma": recurrent_gemma, "reformer": reformer,
+    "recurrent_gemma": recurrent_gemma, "reformer": reformer, "deepseek_v3": deepseek_v3, "llava": llava,
 }
 # The transformers class each builder needs (a missing one skips that architecture, named).
 CLASSES = {
@@ -398,6 +437,7 @@ CLASSES = {
     "dinov2": "Dinov2ForImageClassification", "granite": "GraniteForCausalLM",
     "mamba6": "MambaForCausalLM", "jamba": "JambaForCausalLM", "mobilebert": "MobileBertForMaskedLM",
     "recurrent_gemma": "RecurrentGemmaForCausalLM", "reformer": "ReformerModelWithLMHead",
+    "deepseek_v3": "DeepseekV3ForCausalLM", "llava": "LlavaForConditionalGeneration",
 }
 # Built in train mode (with every dropout 0): Reformer's reversible backward refuses eval mode.
 TRAIN_MODE = {"reformer"}
