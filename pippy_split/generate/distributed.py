@@ -13,6 +13,7 @@ the sequences.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -126,8 +127,11 @@ class _Run:
                 self.values.setdefault((where[1], where[2]), {})[(where[3], where[4])] = value
 
 
-def generate_on_schedule(sched: Any, input_ids: torch.Tensor, **kwargs: Any) -> Generation:
-    """See :meth:`pippy_split.schedule.PipelineSchedule.generate`."""
+def generate_on_schedule(sched: Any, input_ids: torch.Tensor, *, record: list | None = None,
+                         **kwargs: Any) -> Generation:
+    """See :meth:`pippy_split.schedule.PipelineSchedule.generate`. ``record``, where given, gets
+    ``(what, stage, lane, round, start, end)`` (``time.perf_counter()``) for each compute (what
+    ``"D"``) and for the whole run (what ``"run"``): the benchmark's busy fractions."""
     pipe = _pipe_of(sched)
     call = checked_call(pipe, input_ids, **kwargs)  # on every rank, before any message
     program = decode_program(pipe)
@@ -149,10 +153,15 @@ def generate_on_schedule(sched: Any, input_ids: torch.Tensor, **kwargs: Any) -> 
     run = _Run(sched, program, prompt, mask, rows, decoders, progress)
     p2p = P2P(sched.group, timeout=300.0) if sched.world > 1 else None
     actions = lowered.get(sched.rank, [])
+    begin = time.perf_counter()
     i = 0
     while i < len(actions):
         if actions[i].kind == "D":
+            start = time.perf_counter()
             run.compute(actions[i])
+            if record is not None:
+                a = actions[i]
+                record.append(("D", a.stage, a.lane, a.round, start, time.perf_counter()))
             i += 1
             continue
         j = i
@@ -161,6 +170,8 @@ def generate_on_schedule(sched: Any, input_ids: torch.Tensor, **kwargs: Any) -> 
         assert p2p is not None, "one rank has no messages"
         run.exchange(p2p, actions[i:j])
         i = j
+    if record is not None:
+        record.append(("run", -1, -1, -1, begin, time.perf_counter()))
     for d in decoders.values():
         d.reset()  # the lanes' caches are freed at the end of the call
     sequences = progress.sequences if progress is not None else torch.empty(
