@@ -88,3 +88,27 @@ def test_a_cut_inside_the_parent_keeps_the_child_traced_and_gradients_exact(sche
     sched.step(x, target=y)  # before: "Trying to backward through the graph a second time"
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+class Capturing(nn.Module):
+    """HF's output capturing: hooks installed on the first call, a flag saying so."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.inp, self.fc = nn.Linear(d, d), nn.Linear(d, d)
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not getattr(self, "_hooks_installed", False):
+            self.fc.register_forward_hook(lambda m, a, out: self.seen.append(out))
+            self._hooks_installed = True
+        self.seen.clear()
+        return self.fc(self.inp(x)) + len(self.seen)
+
+
+def test_a_flag_set_with_work_done_once_is_left_as_the_forward_set_it():
+    model, x = Capturing(), torch.randn(2, 8)
+    for _ in range(2):  # a second trace of the same model (the autocast retrace, another pipeline())
+        pipe = ps.pipeline(model, ["fc"], (x,))
+        torch.testing.assert_close(pipe(x), model(x))
+    assert len(model.fc._forward_hooks) == 1  # the hooks were installed once, as in the model's own runs
