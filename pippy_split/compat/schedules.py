@@ -253,6 +253,20 @@ class PipelineScheduleMulti(_core.PipelineSchedule):
         """Which rank holds each stage."""
         return dict(self.placement)
 
+    def register_custom_function(self, computation_type: Any, custom_function: Callable[..., None]) -> None:
+        """The peer's hook to run a user's function for one action kind of its IR; refused here.
+
+        Raises:
+            NotImplementedError: always: the runtime dispatches every action kind of pippy_split's
+                own IR (F, B, I, W and the sends and receives) to its handlers; a stage's forward
+                can be wrapped with ``register_forward_context``, its weight gradients computed by
+                a ``dw_builder``, and a whole custom order run with ``ScheduleFromOrder``.
+        """
+        raise NotImplementedError(f"{type(self).__name__}.register_custom_function({computation_type!r}, ...) is not "
+                                  "supported: wrap a stage's forward with stage.register_forward_context(...), give "
+                                  "PipelineStage(dw_builder=...) for weight gradients, or run your own action order "
+                                  "with pippy_split.schedule.ScheduleFromOrder")
+
 
 class ScheduleGPipe(PipelineScheduleSingle, _core.ScheduleGPipe):
     """GPipe: all forwards, then all backwards; one stage per rank."""

@@ -45,10 +45,6 @@ NOT_MIRRORED = {
     # from_tracing: the peer's pipeline() calls it to trace; print_readable prints the peer's split
     # GraphModule; here print(pipe) shows the stages, their parameters, cost and edges
     "Pipe": {"from_tracing", "print_readable"},
-    # register_custom_function: a user's handler for an action kind of the peer's IR; refused by name
-    **{n: {"register_custom_function"} for n in ("ScheduleLoopedBFS", "ScheduleInterleaved1F1B",
-                                                 "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
-                                                 "ScheduleDualPipeV")},
 }
 
 # the peer's public properties compat's classes do not have, and why

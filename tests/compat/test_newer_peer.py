@@ -201,6 +201,12 @@ def test_runtime_options_are_checked_and_warn_where_not_driven():
             S.ScheduleLoopedBFS(stages, N_MB, **bad)
 
 
+def test_register_custom_function_is_refused_saying_what_works():
+    _, _, _, stages = _stages(2)
+    with pytest.raises(NotImplementedError, match="register_forward_context.*dw_builder.*ScheduleFromOrder"):
+        S.ScheduleZBVZeroBubble(stages, N_MB).register_custom_function("F", lambda *a: None)
+
+
 # ---- register_forward_context, PipelineStageInfo -----------------------------------------------
 
 
@@ -253,3 +259,17 @@ def test_activation_liveness_slots_never_overlap_and_are_fewest(name, granularit
         plan.slot_for(0, N_MB)
     with pytest.raises(ValueError, match="granularity"):
         compat.analyze_pipeline_activation_liveness(sched, pp_rank=0, stage_indices=[0], granularity="stage")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_finalize_gradients_false_defers_fsdp2_reduction_and_accumulates():
+    """Real FSDP2 on two gloo ranks: after step(finalize_gradients=False) no gradient is reduced
+    yet; the next step reduces the sum, equal to two separately reduced steps added up."""
+    from pippy_split.testing import run_ranks
+
+    from . import newer_bodies
+
+    for r in run_ranks(newer_bodies.finalize_gradients_fsdp, 2, timeout=110):
+        assert r["deferred"]
+        assert r["max_diff"] < 1e-6
