@@ -45,9 +45,9 @@ def test_hf_config_trains_on_text_resumes_and_exports_what_transformers_loads(tm
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, trained(ids).logits, atol=1e-5, rtol=0)
     # --resume continues from the run's weights and AdamW state
-    out = _ok(_cli("train", "--config", "job.toml", "--steps", "2", "--resume", "--eval-every", "0",
+    out = _ok(_cli("train", "--config", "job.toml", "--steps", "22", "--resume", "--eval-every", "0",
                    cwd=tmp_path, timeout=400))
-    assert "resumed" in out
+    assert "resumed at step 20 of 22" in out
 
 
 def test_a_pretrained_directory_fills_each_stage_from_its_own_tensors_only(tmp_path):

@@ -49,7 +49,8 @@ class TrainConfig:
     microbatches: int = 4
     """microbatches per step"""
     steps: int = 400
-    """optimizer steps"""
+    """optimizer steps in all, the total: a --resume'd run trains on until its step count reaches it (--steps 600
+    after 400 trains 200 more)"""
     grad_accum: int = 1
     """pipeline steps per optimizer step: gradients of this many batches are averaged before AdamW steps"""
     lr: float = 3e-3
@@ -73,7 +74,8 @@ class TrainConfig:
     checkpoint: str = ""
     """the run's directory (model.pt, the stages' checkpoint, metrics.jsonl); default checkpoints/<run_name>"""
     resume: bool = False
-    """continue from --checkpoint: weights and AdamW state"""
+    """continue the run in --checkpoint where it stopped: weights, AdamW state, step count (metrics.jsonl goes on
+    from it), the LR schedule's place and the data order; --steps is the run's total"""
     data: str | None = None
     """train on this text: a text file (a document per line), a .jsonl file, or a directory saved by datasets'
     save_to_disk; the built-in TinyGPT's vocabulary is its characters, other models read tokens (--tokenizer)"""

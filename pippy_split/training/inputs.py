@@ -133,9 +133,17 @@ def _resume(cfg: TrainConfig) -> str:
     from .setup import CHECKPOINT_FILE
 
     path = os.path.join(cfg.checkpoint, CHECKPOINT_FILE)
-    if cfg.resume and not os.path.isfile(path):
+    if not cfg.resume:
+        return ""
+    if not os.path.isfile(path):
         return f"--resume: {path} does not exist (--checkpoint names the directory of the run to continue)"
-    return _unreadable("--resume", path) if cfg.resume else ""
+    from .loop import TRAIN_STATE_DIR, saved_position
+
+    done = (saved_position(os.path.join(cfg.checkpoint, TRAIN_STATE_DIR)) or {}).get("step")
+    if isinstance(done, int) and done >= cfg.steps:
+        return (f"--resume: the run in {cfg.checkpoint} has trained {done} steps and --steps {cfg.steps} is the "
+                f"total, not more steps: pass --steps above {done} to train on")
+    return _unreadable("--resume", path)
 
 
 def _unreadable(flag: str, path: str) -> str:

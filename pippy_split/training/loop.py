@@ -158,23 +158,37 @@ def _start(cfg: TrainConfig, sched: Any, opt: torch.optim.Optimizer, dcp_dir: st
         return state
     if cfg.resume and os.path.isdir(dcp_dir):
         # Weights came from model.pt before pipelining; this restores AdamW's state too,
-        # whatever stage layout wrote it (the checkpoint is keyed by original FQNs).
-        ps.checkpoint.load(dcp_dir, sched, opt)
-        log(f"[green]resumed optimizer state[/] from {dcp_dir}")
+        # whatever stage layout wrote it (the checkpoint is keyed by original FQNs), and where
+        # the run stopped: its step (so the LR schedule and metrics.jsonl go on), data order and losses.
+        extra = ps.checkpoint.load(dcp_dir, sched, opt)
+        if isinstance(extra, dict) and "step" in extra and "data_rng" in extra:
+            state.step, state.losses, state.resumed_from = extra["step"], list(extra["losses"]), extra["step"]
+            state.data_gen.set_state(extra["data_rng"])
+            log(f"[green]resumed[/] at step {state.step} of {cfg.steps} (weights, AdamW state, LR schedule and "
+                f"data order) from {dcp_dir}")
+        else:
+            log(f"[green]resumed optimizer state[/] from {dcp_dir} (it records no step: counting from 0)")
     if cfg.checkpoint_every:  # a restart before the first N steps finds this, not an older run's
         ps.checkpoint.save(dcp_dir, sched, opt, extra=state.extra(cfg))
     return state
 
 
-def _ours(cfg: TrainConfig, dcp_dir: str) -> bool:
-    """A complete checkpoint written by this run (same run id, steps and seed)?"""
+def saved_position(dcp_dir: str) -> dict | None:
+    """The ``extra`` a run saved with its stages (step, data order, losses, steps, seed, run id), read
+    without a process group or the model; None where there is no complete checkpoint."""
     if not os.path.isfile(os.path.join(dcp_dir, ".metadata")):
-        return False
+        return None
     probe = torch.nn.Module()  # no keys: reads only ``extra``
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # every key of the checkpoint is "unexpected" to the probe
         extra = ps.checkpoint.load(dcp_dir, probe, strict=False, no_dist=True)
-    return (isinstance(extra, dict) and "data_rng" in extra and extra.get("steps") == cfg.steps
+    return extra if isinstance(extra, dict) else None
+
+
+def _ours(cfg: TrainConfig, dcp_dir: str) -> bool:
+    """A complete checkpoint written by this run (same run id, steps and seed)?"""
+    extra = saved_position(dcp_dir)
+    return (extra is not None and "data_rng" in extra and extra.get("steps") == cfg.steps
             and extra.get("seed") == cfg.seed and extra.get("run_id") == os.environ.get("TORCHELASTIC_RUN_ID"))
 
 
