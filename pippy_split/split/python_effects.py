@@ -102,7 +102,8 @@ def watch_forward(model: torch.nn.Module, *, functions: bool = True) -> Iterator
             torch.set_grad_enabled(grad_mode)
 
     def enter(module: torch.nn.Module, *_: Any) -> None:
-        stack.append(names[id(module)])
+        # a module the tracer made from one of the model's (an alias's copy) counts as its caller
+        stack.append(names.get(id(module), stack[-1] if stack else ""))
 
     def leave(module: torch.nn.Module, *_: Any) -> None:
         if stack:
