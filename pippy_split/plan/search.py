@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from ..checkpoint.comm import Comm
 from ..schedule.orders import ORDERS, get_order_spec
 from ..split.errors import SplitError
 from ..split.profile import DEFAULT_PASSES, op_overhead, op_profiles
@@ -248,13 +249,9 @@ def _spread(cand: Candidate, simulate_with: Callable[[SplitCosts], Candidate | N
 
 
 def _rank0(value: Any) -> Any:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        shared = [value]
-        dist.broadcast_object_list(shared, src=0)
-        return shared[0]
-    return value
+    """Rank 0's ``value`` on every rank of the default group, over the numpy-free object broadcast
+    (torch's ``broadcast_object_list`` decodes with numpy, which torch does not install)."""
+    return Comm(no_dist=False).broadcast(value)
 
 
 def _search(price: Callable[..., SplitCosts], grid: Iterable[tuple[str, int, str]], ms: list[int], acs: list[bool],
