@@ -70,3 +70,20 @@ def test_zoo_greedy_equals_unsplit_model(name: str) -> None:
         out = pipe.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, return_logprobs=True, lanes=2)
         assert torch.equal(out.sequences, ref), (name, padded)
         torch.testing.assert_close(out.logprobs, ref_logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(600)
+def test_each_stage_keeps_its_own_layers_cache() -> None:
+    """The cache of layer j lives on the stage that holds layer j; no message carries it."""
+    from pippy_split.generate.program import decode_program
+
+    model, spec = hf_model("llama")  # 4 layers, cut before layer 2
+    ids, _ = prompts(False)
+    pipe = ps.pipeline(model, spec, (ids[:2],))
+    program = decode_program(pipe)
+    assert [p.kv for p in program.plans] == [(0, 1, 2, 3), (4, 5, 6, 7)]  # keys and values of layers 0-1, 2-3
+    for e in program.messages():
+        assert e.src_output not in program.plans[e.src_stage].kv_outputs.values(), str(e)
+    assert program.links() == {1: {0}} and program.token_readers() == {0}
+    out = pipe.generate(ids, max_new_tokens=0)
+    assert torch.equal(out.sequences, ids) and out.logprobs is None
