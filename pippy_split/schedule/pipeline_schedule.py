@@ -267,7 +267,8 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         if ctx.targets is not None and last is not None and self.loss_fn is not None:
             if self._target_check is None or self._target_check.loss_fn is not self.loss_fn:
                 self._target_check = TargetCheck(self.loss_fn, pipe, last.stage_index, last.device)
-            self._target_check(ctx.targets, flat)
+            # dynamic dims: only the sizes of stage 0's inputs are the step's (others are checked against them later)
+            self._target_check(ctx.targets, flat if first is not None or not pipe.symbols else None)
         return sizes
 
     def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:

@@ -11,7 +11,8 @@ message, and each distinct pair of shapes is checked once per schedule. A failur
 :class:`PipelineError` on every rank before any message, and the next step works.
 
 Where the shapes do not allow it, nothing is checked: hand-built stages, outputs that
-are not tensors, dynamic dims this rank cannot read (it was not given the inputs), and
+are not tensors, dynamic dims where this rank does not hold stage 0 (the step's sizes
+are those of stage 0's inputs, agreed on only after this check), and
 a ``loss_fn`` that fake tensors cannot run (it reads values: ``.item()``, ``.numpy()``,
 a mask's nonzero count) — those fail, if at all, in the step itself.
 """
@@ -69,20 +70,23 @@ class TargetCheck:
     def __init__(self, loss_fn: Callable, pipe: PipeView, last_stage: int, device: torch.device) -> None:
         self.loss_fn, self.pipe, self.last_stage, self.device = loss_fn, pipe, last_stage, device
         self.specs: list[TensorSpec | None] = list(pipe.stages[last_stage].output_specs)
+        self.symbols = list(pipe.symbols)
+        known = all(s is not None and not s.is_dynamic for s in self.specs)
+        self._static = tuple(s.shape for s in self.specs if s is not None) if known else None  # type: ignore[misc]
         self._seen: dict[tuple, str | None] = {}
 
     def __call__(self, targets: list[Any], flat_inputs: list[list[Any]] | None) -> None:
-        """Refuse the first microbatch whose target does not fit; ``flat_inputs`` are this rank's
-        microbatches' flat model inputs where it has them (dynamic dims are read off their shapes)."""
-        if any(s is None for s in self.specs):
+        """Refuse the first microbatch whose target does not fit; ``flat_inputs`` are the flat model
+        inputs of stage 0's microbatches where this rank holds it (dynamic dims are read off their
+        shapes), else None (only a pipe without dynamic dims is checked then)."""
+        if any(s is None for s in self.specs) or (self._static is None and flat_inputs is None):
             return
-        symbols = self.pipe.symbols
         for mb, target in enumerate(targets):
-            if symbols and flat_inputs is None:
-                return
-            bindings = {s.symbol: int(flat_inputs[mb][s.input_index].shape[s.dim])  # type: ignore[index]
-                        for s in symbols}
-            shapes = tuple(spec.concrete_shape(bindings) for spec in self.specs)  # type: ignore[union-attr]
+            shapes = self._static
+            if shapes is None:
+                bindings = {s.symbol: int(flat_inputs[mb][s.input_index].shape[s.dim])  # type: ignore[index]
+                            for s in self.symbols}
+                shapes = tuple(spec.concrete_shape(bindings) for spec in self.specs)  # type: ignore[union-attr]
             leaves, _ = tree_flatten(target)
             key = (shapes, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves))
             if key not in self._seen:

@@ -53,11 +53,13 @@ def _raise_on_call(n: int):
     return hook
 
 
-def fails_mid_step_and_lives_on(rank: int, world: int, failing: int, timeout: float):
+def fails_mid_step_and_lives_on(rank: int, world: int, failing: int, timeout: float, breaks_own: bool = True):
     """1F1B over ``world`` ranks, one stage each; rank ``failing`` raises in its stage's forward of
     microbatch 2 (a hook on the user's module), catches it, calls step() again, and stays alive
     (sleeping, up to 60 s, until every other rank has said it is done). Every other rank returns
-    how long its step() took to raise, what it raised, and what its next step() raised."""
+    how long its step() took to raise, what it raised, and what its next step() raised.
+    ``breaks_own=False``: the failing rank leaves its connections open, so the others learn of
+    the failure from the store alone (the watcher), not from a connection closing."""
     import time
 
     import torch.distributed as dist
@@ -69,6 +71,8 @@ def fails_mid_step_and_lives_on(rank: int, world: int, failing: int, timeout: fl
     sched.step(x, target=y)  # a good step first: the failure comes once the pipeline runs
     if rank == failing:
         model[2 * rank].register_forward_hook(_raise_on_call(2))
+        if not breaks_own:
+            sched._runtime.p2p.abort = lambda: None  # type: ignore[method-assign]
     start = time.monotonic()
     first = _outcome(lambda: sched.step(x, target=y))
     took = time.monotonic() - start

@@ -245,3 +245,35 @@ def test_26_step_checks_on_one_rank_raise_the_rank_s_own_error():
 
     with pytest.raises(KeyError, match="mask"):  # alone, the error is raised as it is
         agree_before_step(KeyError("mask"), PipelineGroup.of(None, "cpu"))
+
+
+def _mlp_pipe():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    return model, ps.pipeline(model, ["2"], (torch.randn(4, 8),))
+
+
+def test_27_a_target_that_does_not_fit_the_output_is_refused_before_any_stage_runs():
+    model, pipe = _mlp_pipe()
+    calls = []
+    model[0].register_forward_hook(lambda *a: calls.append(1))
+    sched = ps.build_schedule(pipe, "ZBVZeroBubble", 4, loss_fn=torch.nn.functional.mse_loss)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    with pytest.raises(ps.PipelineError, match=r"stage 1 \(the last\), microbatch 0: the target does not fit the "
+                                               r"output.*\(4, 4\).*\(3, 4\)"):
+        sched.step(x, target=y[:12])
+    assert not calls  # refused on the shapes, before any forward
+    sched.step(x, target=y)  # the schedule works on
+    assert len(calls) == 4
+
+
+def test_28_a_loss_fn_that_reads_values_is_not_refused_on_fake_tensors():
+    _, pipe = _mlp_pipe()
+
+    def loss_fn(out, target):  # a host read and a value-sized mask: fake tensors cannot run them
+        scale = float(target.abs().max().item())
+        return (out - target)[target > -scale - 1].pow(2).mean()
+
+    sched = ps.build_schedule(pipe, "ZBVZeroBubble", 2, loss_fn=loss_fn)
+    sched.step(torch.randn(8, 8), target=torch.randn(8, 4))
+    assert torch.isfinite(sched.loss)

@@ -35,10 +35,11 @@ def test_a_bad_kwarg_or_a_missing_loss_fn_on_one_rank_reaches_the_others():
 
 @pytest.mark.dist
 @pytest.mark.timeout(150)
-def test_a_rank_failing_mid_step_and_living_on_stops_every_rank_within_seconds():
+@pytest.mark.parametrize("breaks_own", [True, False], ids=["connections-close", "store-only"])
+def test_a_rank_failing_mid_step_and_living_on_stops_every_rank_within_seconds(breaks_own):
     # 3 ranks, 1F1B; rank 2 (the last stage) raises in its forward of microbatch 2, catches it,
     # calls step() again and sleeps. Rank 0 exchanges nothing with rank 2 directly.
-    results = run_ranks(fails_mid_step_and_lives_on, 3, 2, 600.0, timeout=100)
+    results = run_ranks(fails_mid_step_and_lives_on, 3, 2, 600.0, breaks_own, timeout=100)
     (kind, msg), _, (again_kind, again_msg), again_took = results[2]
     assert kind == "PipelineError" and "a bad batch" in msg, msg  # its own error, as raised
     assert again_kind == "PipelineAborted" and "rank 2 failed in 2F2" in again_msg, again_msg
