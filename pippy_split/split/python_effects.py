@@ -80,7 +80,8 @@ def watch_forward(model: torch.nn.Module, *, functions: bool = True) -> Iterator
     effects = ForwardEffects()
     saved: dict[tuple[int, str], tuple[torch.nn.Module, Any]] = {}
     original_setattr = torch.nn.Module.__setattr__
-    original_apply = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
+    # a Python classmethod up to torch 2.13, a C classmethod descriptor from 2.14: kept as found
+    original_apply = torch.autograd.Function.__dict__["apply"]
 
     def setattr_watched(self: torch.nn.Module, name: str, value: Any) -> None:
         fqn = names.get(id(self))
@@ -97,7 +98,7 @@ def watch_forward(model: torch.nn.Module, *, functions: bool = True) -> Iterator
             if cls.__qualname__ not in found:
                 found.append(cls.__qualname__)
         try:
-            return original_apply(cls, *args, **kwargs)
+            return original_apply.__get__(None, cls)(*args, **kwargs)
         finally:
             torch.set_grad_enabled(grad_mode)
 
@@ -118,7 +119,7 @@ def watch_forward(model: torch.nn.Module, *, functions: bool = True) -> Iterator
         yield effects
     finally:
         torch.nn.Module.__setattr__ = original_setattr  # type: ignore[method-assign]
-        torch.autograd.Function.apply = classmethod(original_apply)  # type: ignore[assignment, method-assign]
+        torch.autograd.Function.apply = original_apply  # type: ignore[method-assign]
         for h in handles:
             h.remove()
         for (_, name), (module, value) in saved.items():
