@@ -166,6 +166,8 @@ def _check_options(cfg: TrainConfig, schedules: Any) -> str:
         return "--checkpoint-every and --max-restarts must be >= 0"
     if cfg.grad_accum < 1 or cfg.log_every < 1 or cfg.eval_every < 0 or cfg.steps < 1:
         return "--steps, --grad-accum and --log-every must be >= 1, --eval-every >= 0"
+    if cfg.weight_decay < 0:
+        return f"--weight-decay must be >= 0, got {cfg.weight_decay}"
     if cfg.lr_schedule not in ("cosine", "linear", "constant"):
         return f"--lr-schedule is cosine, linear or constant, got {cfg.lr_schedule!r}"
     if cfg.model and cfg.model.startswith("hf:") and not cfg.data:

@@ -1,10 +1,12 @@
 """Smaller parts of `pippy-split train`: `--plan` on 2 ranks without numpy (ps.plan agrees over the
-numpy-free broadcast), plain log lines that fit 80 columns, and AdamW's weight decay as an option."""
+numpy-free broadcast), plain log lines not wrapped at 80 columns, and AdamW's weight decay as an option."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from pippy_split.training.config import TrainConfig, parse_train_args
 
 from .test_no_numpy import _numpy_is_blocked, _run
 
@@ -34,3 +36,30 @@ def test_plan_on_two_ranks_needs_no_numpy(tmp_path):
     r = _run(tmp_path, "-c", _PLAN_DRIVER, timeout=200)
     cuts = eval(r.stdout.strip().splitlines()[-1])
     assert len(cuts) == 2 and cuts[0] == cuts[1], r.stdout
+
+
+def test_plain_log_lines_are_not_wrapped_at_80_columns(monkeypatch):
+    import io
+
+    from pippy_split.training.loop import job_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)  # a file or a pipe: rich assumes 80 columns
+    out = io.StringIO()
+    line = "pippy-split train: Qwen2ForCausalLM, 4 stages on 2 ranks (gloo), schedule ZBVZeroBubble, " \
+           "4 microbatches, 53,792 params, simulated bubble 4.0%"
+    console = job_console(out)
+    console.print(line)
+    console.print(f"step 120000  {'x' * 90}", highlight=False)
+    assert out.getvalue().splitlines() == [line, f"step 120000  {'x' * 90}"]
+
+
+def test_weight_decay_is_an_option_with_its_help():
+    from pippy_split.train import main
+    from pippy_split.training.config import build_train_parser
+    from pippy_split.training.optim import make_optimizer
+
+    assert TrainConfig().weight_decay == 0.01 and parse_train_args(["--weight-decay", "0"]).weight_decay == 0.0
+    p = torch.nn.Parameter(torch.ones(2))
+    assert make_optimizer(TrainConfig(weight_decay=0.2), [p]).param_groups[0]["weight_decay"] == 0.2
+    assert "AdamW's decoupled weight decay" in " ".join(build_train_parser().format_help().split())
+    assert main(["--weight-decay", "-1"]) == 2

@@ -55,6 +55,9 @@ class TrainConfig:
     """pipeline steps per optimizer step: gradients of this many batches are averaged before AdamW steps"""
     lr: float = 3e-3
     """peak learning rate"""
+    weight_decay: float = 0.01
+    """AdamW's decoupled weight decay (torch.optim.AdamW's weight_decay): each step every parameter, biases,
+    norms and embeddings included, shrinks by lr x weight_decay of itself; 0 turns it off"""
     lr_schedule: str = "cosine"
     """after the warmup: cosine (to 10% of lr), linear (to 10%) or constant"""
     warmup_steps: int | None = None

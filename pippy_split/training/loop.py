@@ -34,7 +34,7 @@ from .finish import finish
 from .inputs import as_job_error
 from .metrics import METRICS_FILE, RunLog, make_run_dir, peak_memory_mib
 from .nd import Layout, parallelize_stages
-from .optim import average_accumulated, lr_at
+from .optim import average_accumulated, lr_at, make_optimizer
 from .planned import planned_config
 from .setup import SUM_MAX, Prepared, pack_budget, prepare
 
@@ -86,7 +86,7 @@ def worker(cfg: TrainConfig, prepared: Prepared | None = None) -> None:
 def train_rank(cfg: TrainConfig, prepared: Prepared | None, rank: int, world: int,
                device: torch.device) -> None:
     """Build this rank's stages, train ``cfg.steps`` steps (resuming if restarted), save, finish."""
-    console = Console(stderr=False)
+    console = job_console()
     log = console.print if rank == 0 else (lambda *a, **k: None)
     if rank == 0:  # first, while the other ranks trace: a directory in the way fails here, named, before any collective
         make_run_dir(cfg.checkpoint)
@@ -106,6 +106,12 @@ def train_rank(cfg: TrainConfig, prepared: Prepared | None, rank: int, world: in
         finish(cfg, prep, dcp_dir, state.losses, layout.pp, log)
 
 
+def job_console(file: Any = None) -> Console:
+    """Rank 0's console: a line is never wrapped at the width rich assumes for a file or pipe (80 columns),
+    so a log keeps one line per message."""
+    return Console(file=file, stderr=False, soft_wrap=True)
+
+
 def _build(cfg: TrainConfig, prep: Prepared, device: torch.device,
            layout: Layout) -> tuple[Any, torch.optim.Optimizer]:
     sched = ps.build_schedule(prep.pipe, cfg.schedule, cfg.microbatches, loss_fn=prep.loss_fn, device=device,
@@ -114,7 +120,7 @@ def _build(cfg: TrainConfig, prep: Prepared, device: torch.device,
                               mixed_precision=torch.bfloat16 if cfg.bf16 else None, compile=cfg.compile)
     parallelize_stages(cfg, sched, prep.model, layout)  # before the optimizer: FSDP2/TP replace the parameters
     params = list({id(p): p for st in sched.stages for p in st.module.parameters()}.values())
-    return sched, torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    return sched, make_optimizer(cfg, params)
 
 
 def checkpoint_setting(value: str | None) -> str | list[str] | None:

@@ -12,7 +12,18 @@ import torch
 
 from .config import TrainConfig
 
-__all__ = ["lr_at", "warmup_steps", "average_accumulated"]
+__all__ = ["lr_at", "warmup_steps", "average_accumulated", "make_optimizer"]
+
+
+def make_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.AdamW:
+    """AdamW over ``params`` at ``--lr`` with ``--weight-decay`` (the loop sets each step's lr from the schedule).
+
+    Example:
+        >>> opt = make_optimizer(TrainConfig(weight_decay=0.1), [torch.nn.Parameter(torch.ones(2))])
+        >>> opt.param_groups[0]["weight_decay"], opt.param_groups[0]["lr"]
+        (0.1, 0.003)
+    """
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def warmup_steps(cfg: TrainConfig) -> int:
