@@ -75,58 +75,77 @@ def watch_forward(model: torch.nn.Module, *, functions: bool = True) -> Iterator
     ``torch.no_grad()`` block as if in that block). Only for eager tracing: TorchDynamo
     traces ``apply`` itself.
     """
-    names = {id(m): n for n, m in model.named_modules()}
-    stack: list[str] = []
-    effects = ForwardEffects()
-    saved: dict[tuple[int, str], tuple[torch.nn.Module, Any]] = {}
-    original_setattr = torch.nn.Module.__setattr__
-    # a Python classmethod up to torch 2.13, a C classmethod descriptor from 2.14: kept as found
-    original_apply = torch.autograd.Function.__dict__["apply"]
+    watch = _Watch(model)
+    handles = [h for m in {id(m): m for m in model.modules()}.values()
+               for h in (m.register_forward_pre_hook(watch.enter),
+                         m.register_forward_hook(watch.leave, always_call=True))]
+    torch.nn.Module.__setattr__ = watch.setattr  # type: ignore[method-assign, assignment]
+    if functions:
+        torch.autograd.Function.apply = classmethod(watch.apply)  # type: ignore[assignment, method-assign]
+    try:
+        yield watch.effects
+    finally:
+        torch.nn.Module.__setattr__ = watch.original_setattr  # type: ignore[method-assign]
+        torch.autograd.Function.apply = watch.original_apply  # type: ignore[method-assign]
+        for h in handles:
+            h.remove()
+        watch.put_back()
 
-    def setattr_watched(self: torch.nn.Module, name: str, value: Any) -> None:
-        fqn = names.get(id(self))
-        if stack and fqn is not None:
-            effects.writes.append(StateWrite(stack[-1], fqn, name))
-            if (id(self), name) not in saved:
-                saved[(id(self), name)] = (self, getattr(self, name, _UNSET))
-        original_setattr(self, name, value)
 
-    def apply_watched(cls: Any, *args: Any, **kwargs: Any) -> Any:
+class _Watch:
+    """The state of one :func:`watch_forward`: the stack of running forwards, what they did,
+    and each written attribute's value before its first write."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.stack: list[str] = []
+        self.effects = ForwardEffects()
+        self.saved: dict[tuple[int, str], tuple[torch.nn.Module, Any]] = {}
+        self.original_setattr = torch.nn.Module.__setattr__
+        # a Python classmethod up to torch 2.13, a C classmethod descriptor from 2.14: kept as found
+        self.original_apply = torch.autograd.Function.__dict__["apply"]
+
+    def enter(self, module: torch.nn.Module, *_: Any) -> None:
+        # a module the tracer made from one of the model's (an alias's copy) counts as its caller
+        self.stack.append(self.names.get(id(module), self.stack[-1] if self.stack else ""))
+
+    def leave(self, module: torch.nn.Module, *_: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+
+    @property
+    def setattr(self) -> Any:
+        """``nn.Module.__setattr__`` that records a write made inside a forward."""
+
+        def setattr_watched(module: torch.nn.Module, name: str, value: Any) -> None:
+            fqn = self.names.get(id(module))
+            if self.stack and fqn is not None:
+                self.effects.writes.append(StateWrite(self.stack[-1], fqn, name))
+                if (id(module), name) not in self.saved:
+                    self.saved[(id(module), name)] = (module, getattr(module, name, _UNSET))
+            self.original_setattr(module, name, value)
+
+        return setattr_watched
+
+    def apply(self, cls: Any, *args: Any, **kwargs: Any) -> Any:
+        """``Function.apply`` that records the Function and sets the grad mode it found again."""
         grad_mode = torch.is_grad_enabled()
-        if stack:
-            found = effects.functions.setdefault(stack[-1], [])
+        if self.stack:
+            found = self.effects.functions.setdefault(self.stack[-1], [])
             if cls.__qualname__ not in found:
                 found.append(cls.__qualname__)
         try:
-            return original_apply.__get__(None, cls)(*args, **kwargs)
+            return self.original_apply.__get__(None, cls)(*args, **kwargs)
         finally:
             torch.set_grad_enabled(grad_mode)
 
-    def enter(module: torch.nn.Module, *_: Any) -> None:
-        # a module the tracer made from one of the model's (an alias's copy) counts as its caller
-        stack.append(names.get(id(module), stack[-1] if stack else ""))
-
-    def leave(module: torch.nn.Module, *_: Any) -> None:
-        if stack:
-            stack.pop()
-
-    handles = [h for m in {id(m): m for m in model.modules()}.values()
-               for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave, always_call=True))]
-    torch.nn.Module.__setattr__ = setattr_watched  # type: ignore[method-assign]
-    if functions:
-        torch.autograd.Function.apply = classmethod(apply_watched)  # type: ignore[assignment, method-assign]
-    try:
-        yield effects
-    finally:
-        torch.nn.Module.__setattr__ = original_setattr  # type: ignore[method-assign]
-        torch.autograd.Function.apply = original_apply  # type: ignore[method-assign]
-        for h in handles:
-            h.remove()
-        for (_, name), (module, value) in saved.items():
+    def put_back(self) -> None:
+        """Every written attribute that now holds a tensor (a traced value) as it was before."""
+        for (_, name), (module, value) in self.saved.items():
             if not isinstance(getattr(module, name, None), torch.Tensor):
                 continue  # a flag may go with work done once (HF installs its output hooks): left as set
             if value is not _UNSET:
-                original_setattr(module, name, value)
+                self.original_setattr(module, name, value)
             else:
                 delattr(module, name)
 
