@@ -81,26 +81,30 @@ class TargetCheck:
         shapes), else None (only a pipe without dynamic dims is checked then)."""
         if any(s is None for s in self.specs) or (self._static is None and flat_inputs is None):
             return
+        passed = None  # the last key that passed: microbatches of one step mostly share their shapes
         for mb, target in enumerate(targets):
             shapes = self._static
             if shapes is None:
                 bindings = {s.symbol: int(flat_inputs[mb][s.input_index].shape[s.dim])  # type: ignore[index]
                             for s in self.symbols}
                 shapes = tuple(spec.concrete_shape(bindings) for spec in self.specs)  # type: ignore[union-attr]
-            leaves, _ = tree_flatten(target)
-            key = (shapes, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves))
+            key = (shapes, _signature(target))
+            if key == passed:
+                continue
             if key not in self._seen:
                 if len(self._seen) >= _REMEMBERED:
                     self._seen.clear()
                 self._seen[key] = self._fails(shapes, target)
             failure = self._seen[key]
-            if failure is not None:
-                got = [tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor)]
-                raise PipelineError(
-                    f"stage {self.last_stage} (the last), microbatch {mb}: the target does not fit the output: "
-                    f"loss_fn on an output of shape {', '.join(str(s) for s in shapes)} and a target of shape "
-                    f"{', '.join(str(g) for g in got) or '(no tensor)'} fails ({failure}), checked on the shapes "
-                    "before any message; give step() a target that matches its inputs")
+            if failure is None:
+                passed = key
+                continue
+            got = [tuple(x.shape) for x in tree_flatten(target)[0] if isinstance(x, torch.Tensor)]
+            raise PipelineError(
+                f"stage {self.last_stage} (the last), microbatch {mb}: the target does not fit the output: "
+                f"loss_fn on an output of shape {', '.join(str(s) for s in shapes)} and a target of shape "
+                f"{', '.join(str(g) for g in got) or '(no tensor)'} fails ({failure}), checked on the shapes "
+                "before any message; give step() a target that matches its inputs")
 
     def _fails(self, shapes: tuple[tuple[int, ...], ...], target: Any) -> str | None:
         """Why ``loss_fn`` refuses these shapes, or None (it runs, or fake tensors cannot tell)."""
@@ -123,3 +127,10 @@ class TargetCheck:
         except Exception:  # anything else is not about shapes: the step will tell
             return None
         return None
+
+
+def _signature(target: Any) -> Any:
+    """What of a target the check depends on: its tensors' shapes and dtypes (a plain tensor fast)."""
+    if isinstance(target, torch.Tensor):
+        return target.shape, target.dtype
+    return tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in tree_flatten(target)[0])
