@@ -26,7 +26,7 @@ from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
 from .actions import Action, ActionKind, Order
 from .agree import FailureChannel, StepGuard, agree_before_step
-from .collectives import agree_on_order, gather_links, share_loss, shared_item_count, sync_shared_grads
+from .collectives import agree_on_order, gather_links, item_count, refuse_no_items, share_loss, sync_shared_grads
 from .deps import edge_links
 from .dynamic_sizes import inputs_given_anyway, local_sizes, share_sizes
 from .errors import ScheduleError
@@ -209,15 +209,19 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         rank knows they all passed, :func:`.agree.agree_before_step`) what needs messages."""
         ctx = StepContext(n_microbatches=n, train=train)
         error: Exception | None = None
+        counted = train and self.loss_count is not None
+        last_where = f"stage {self.num_stages - 1} (rank {self.placement[self.num_stages - 1]})"
+        local_items = None
         try:
             sizes = self._local_context(ctx, args, kwargs, target, train)
+            if counted and self._last is not None and ctx.targets is not None:
+                assert self.loss_count is not None
+                local_items = item_count(self.loss_count, ctx.targets, last_where)
         except Exception as e:  # raised on every rank alike below, before any rank waits for a message
             error = e
-        agree_before_step(error, self.pipeline_group, "step()" if train else "eval()")
-        items = None
-        if train and self.loss_count is not None:
-            items = shared_item_count(self.loss_count, ctx.targets if self._last is not None else None,
-                                      self.pipeline_group, self.num_stages - 1, self.placement[self.num_stages - 1])
+        items = agree_before_step(error, self.pipeline_group, "step()" if train else "eval()", share=local_items)
+        if counted:
+            refuse_no_items(items if items is not None else 0.0, last_where)
         if self.loss_fn is not None:
             ctx.loss = LossRule.for_step(self.loss_fn, n_microbatches=self.n_microbatches, scale_grads=self.scale_grads,
                                          items=items, scale=self.loss_scale, on_nonfinite=self.on_nonfinite)
