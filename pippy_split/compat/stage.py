@@ -31,8 +31,9 @@ class PipelineStageInfo:
     Attributes:
         stage_index: the stage.
         microbatch_index: the microbatch of this step.
-        is_metadata_inference: always False here: pippy_split learns a hand-built stage's
-            shapes from the first step's real forwards, with no separate probe.
+        is_metadata_inference: always False here: the probe that learns a hand-built stage's
+            output shapes on its first step calls the module outside the context (the peer
+            enters it for its dynamic probe, with True).
     """
 
     stage_index: int
