@@ -37,6 +37,9 @@ class TraceRecipe:
     """``torch.export``'s ``dynamic_shapes``, as given."""
     strict: bool
     """Export's strict (TorchDynamo) mode."""
+    cuts: tuple[str, ...] | None = None
+    """The module FQNs the split cut at, where known before tracing (the trace kept only the
+    call signatures they need; None: every module's)."""
 
 
 def trace_device_type(model: torch.nn.Module, device_type: str) -> str:

@@ -67,6 +67,19 @@ def check_split_spec(split_spec: Any) -> None:
     _normalize_spec(split_spec)
 
 
+def split_fqns(split_spec: Any) -> list[str] | None:
+    """The module FQNs a checked ``split_spec`` cuts at, or None where the cuts are not known
+    before tracing (an int balances by measured cost, None follows ``pipe_split()`` marks).
+
+    Example:
+        >>> split_fqns({"layers.4": SplitPoint.BEGINNING}), split_fqns(["a", "b"]), split_fqns(4)
+        (['layers.4'], ['a', 'b'], None)
+    """
+    if split_spec is None or isinstance(split_spec, int):
+        return None
+    return [fqn for fqn, _ in _normalize_spec(split_spec)]
+
+
 def _normalize_spec(split_spec: Any) -> list[tuple[str, SplitPoint]]:
     if isinstance(split_spec, Mapping):
         items = []

@@ -20,7 +20,7 @@ from .calls import call_tree
 from .errors import SplitError
 from .functions import check_functions_called
 from .module_calls import called_module_names
-from .partition import Plan, check_balance, check_split_spec, plan_from_cuts, plan_stages
+from .partition import Plan, check_balance, check_split_spec, plan_from_cuts, plan_stages, split_fqns
 from .spec import MODEL_INPUT, Edge, SymbolSource, gather_inputs
 from .stage_graph import StageInfo, build_stages
 from .trace import Traced, trace_model
@@ -175,7 +175,7 @@ class Pipe:
             r = self._recipe
             with torch.autocast(trace_type, dtype=dtype):
                 traced = trace_model(self._model, r.example_args, r.example_kwargs, dynamic_shapes=r.dynamic_shapes,
-                                     strict=r.strict)
+                                     strict=r.strict, cuts=r.cuts)
             ops = [n for n in traced.graph.nodes if n.op == "call_function"]
             plan = plan_from_cuts(ops, translate_cuts(self._plan.ops, self._plan.cuts, ops))
             plan.balance = self.balance
@@ -327,12 +327,15 @@ def pipeline(
         raise TypeError(f"pipeline() needs an nn.Module, got {type(model).__name__}")
     check_split_spec(split_spec)  # before tracing: a bad spec costs no export
     check_balance(balance)
-    traced = trace_model(model, example_args, example_kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
+    cuts = split_fqns(split_spec)
+    traced = trace_model(model, example_args, example_kwargs, dynamic_shapes=dynamic_shapes, strict=strict,
+                         cuts=cuts)
     flat = traced.flatten_inputs(example_args, example_kwargs or {}) if balance == "time" else None
     plan = plan_stages(traced.graph, split_spec, model, balance=balance, traced=traced, flat_inputs=flat)
     if split_spec is None and plan.num_stages == 1:
         pass  # a single stage is a valid (if pointless) pipe
-    recipe = TraceRecipe(tuple(example_args), dict(example_kwargs or {}), dynamic_shapes, strict)
+    recipe = TraceRecipe(tuple(example_args), dict(example_kwargs or {}), dynamic_shapes, strict,
+                         None if cuts is None else tuple(cuts))
     return _build_pipe(model, traced, plan, recipe)
 
 

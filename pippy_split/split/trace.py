@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Sequence, cast
 
 import torch
 from torch.export import ExportedProgram
@@ -227,7 +227,8 @@ def _aliases(model: torch.nn.Module) -> dict[str, list[str]]:
 
 
 def _export_keeping_calls(model: torch.nn.Module, root: torch.nn.Module, args: tuple, kwargs: dict,
-                          dynamic_shapes: Any, strict: bool, effects: ForwardEffects) -> ExportedProgram:
+                          dynamic_shapes: Any, strict: bool, effects: ForwardEffects,
+                          keep_calls: Sequence[str] | None = None) -> ExportedProgram:
     """Export with every module's call signature kept (so stages can call the user's
     modules), except modules whose arguments or results export cannot flatten (an HF
     ``DynamicCache``): those stay traced ops. Where a signature cannot be kept safely, the
@@ -239,7 +240,7 @@ def _export_keeping_calls(model: torch.nn.Module, root: torch.nn.Module, args: t
         return torch.export.export(root, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict,
                                    preserve_module_call_signature=preserve)
 
-    names = [name for name, _ in model.named_modules() if name]
+    names = list(keep_calls) if keep_calls is not None else [name for name, _ in model.named_modules() if name]
     try:
         ep = export(tuple(ROOT_PREFIX + n for n in names))
     except Exception:  # a module taking or giving an object export cannot flatten
@@ -299,6 +300,66 @@ def _modules_with_opaque_values(model: torch.nn.Module, args: tuple, kwargs: dic
     return opaque
 
 
+def calls_to_keep(model: torch.nn.Module, split_fqns: Sequence[str], called: set[str] | None = None) -> list[str]:
+    """The modules whose call signatures a trace must keep so that, with cuts at the modules
+    ``split_fqns``, every stage can call each user's module that lies whole in it: going down
+    from the root through every module a cut enters (the split points' ancestors) or that is
+    not called as a whole, the first module called whole, and nothing inside it (that runs in
+    its own ``forward``). ``called``: the FQNs a forward called (None: every module whose
+    class has a ``forward``, so a ``ModuleList`` is passed through). Keeping fewer signatures
+    makes ``torch.export`` cheaper.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 2)))
+        >>> calls_to_keep(model, ["1.1"]), calls_to_keep(model, ["1"]), calls_to_keep(model, ["1"], called={"0", "1.1"})
+        (['0', '1.0', '1.1'], ['0', '1'], ['0', '1.1'])
+    """
+    entered = {""}
+    for fqn in split_fqns:
+        parts = fqn.split(".")
+        entered.update(".".join(parts[:k]) for k in range(1, len(parts)))
+    keep: list[str] = []
+
+    def descend(prefix: str, module: torch.nn.Module) -> None:
+        for name, child in module.named_children():
+            fqn = f"{prefix}{name}"
+            runs = fqn in called if called is not None else type(child).forward is not torch.nn.Module.forward
+            if runs and fqn not in entered:
+                keep.append(fqn)
+            else:
+                descend(fqn + ".", child)
+
+    descend("", model)
+    return keep
+
+
+def _ran_modules(ep: ExportedProgram) -> set[str]:
+    """The user's modules whose calls left ops in the exported graph."""
+    ran: set[str] = set()
+    for node in ep.graph.nodes:
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            fqn = user_module_path(path)
+            if fqn:
+                ran.add(fqn)
+    return ran
+
+
+def _export_for_cuts(model: torch.nn.Module, root: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any,
+                     strict: bool, effects: ForwardEffects, cuts: Sequence[str] | None) -> ExportedProgram:
+    """Export keeping every module's call signature (``cuts`` None), or only those that cuts
+    at ``cuts`` need (:func:`calls_to_keep`); where the forward did not call a module the
+    class-based guess took as called (a container its parent iterates over), the children it
+    calls are kept too and the model exported again."""
+    if cuts is None:
+        return _export_keeping_calls(model, root, args, kwargs, dynamic_shapes, strict, effects)
+    keep = calls_to_keep(model, cuts)
+    ep = _export_keeping_calls(model, root, args, kwargs, dynamic_shapes, strict, effects, keep)
+    more = set(calls_to_keep(model, cuts, _ran_modules(ep))) - set(keep)
+    if more:
+        ep = _export_keeping_calls(model, root, args, kwargs, dynamic_shapes, strict, effects, keep + sorted(more))
+    return ep
+
+
 def _fake_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """One forward of ``model`` on fake tensors (no compute, no memory), for the probes that
     watch it; an exception ends it quietly (a probe only narrows what is kept)."""
@@ -345,18 +406,23 @@ def trace_model(
     *,
     dynamic_shapes: Any = None,
     strict: bool = False,
+    cuts: Sequence[str] | None = None,
 ) -> Traced:
-    """Export ``model`` on the example inputs; raise :class:`TraceError` with export's reason."""
+    """Export ``model`` on the example inputs; raise :class:`TraceError` with export's reason.
+
+    ``cuts``: the module FQNs the split will cut at, where known before tracing; the trace
+    then keeps only the call signatures the stages need (:func:`calls_to_keep`: export's
+    cost grows with them). None keeps every module's."""
     kwargs = dict(kwargs or {})
     root = _root_for(model)
     try:
         if strict:  # TorchDynamo traces the bytecode: Python's effects are seen in an eager run only
             with watch_forward(model) as effects:
                 _fake_forward(model, tuple(args), kwargs)
-            ep = _export_keeping_calls(model, root, tuple(args), kwargs, dynamic_shapes, strict, effects)
+            ep = _export_for_cuts(model, root, tuple(args), kwargs, dynamic_shapes, strict, effects, cuts)
         else:
             with watch_forward(model) as effects:
-                ep = _export_keeping_calls(model, root, tuple(args), kwargs, dynamic_shapes, strict, effects)
+                ep = _export_for_cuts(model, root, tuple(args), kwargs, dynamic_shapes, strict, effects, cuts)
     except Exception as e:  # export raises many types; all mean "cannot trace"
         reason = f"{type(e).__name__}: {e}"
         raise TraceError(
