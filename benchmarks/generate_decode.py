@@ -1,0 +1,135 @@
+"""Decode tokens/s on the training split (issue 30): lanes = stage hops vs one lane vs the
+unsplit model's Hugging Face ``generate`` in one process; each rank's busy fraction beside
+the decode order's simulated one.
+
+Run with ``python -m benchmarks.generate_decode [--quick]``. A tiny HF Llama (d=256, 8 blocks,
+8 heads, vocab 256) generates 64 new tokens for 32 prompts of 16 tokens, greedy, fp32, on
+2 and 4 gloo ranks (1F1B: one stage per rank; one intra-op thread per rank) and in one
+process (HF ``generate`` with its own cache, one thread). Each configuration generates
+once to warm up (the decode program is traced then), then ``REPS`` times; the figure is the
+median (the lane settings take turns within each rank process). Tokens/s counts new tokens of all rows. Busy fraction: a rank's time inside its
+stages' decode steps over the call's wall time; predicted: :func:`simulate_decode` of the
+same lowered order with one cost per compute. Results go to
+``benchmarks/results/generate_decode.{json,md}``.
+
+On this project's 2-core machine, 4 ranks share 2 cores: the 4-rank figures measure
+oversubscription as much as pipelining, and a loaded machine moves every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import pippy_split as ps
+from pippy_split.generate.distributed import generate_on_schedule
+from pippy_split.generate.order import decode_order, lower_decode, simulate_decode
+from pippy_split.generate.program import decode_program
+from pippy_split.testing import run_ranks
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REPS = 3
+
+
+def model(d: int, layers: int) -> torch.nn.Module:
+    import transformers as t
+
+    torch.manual_seed(0)
+    cfg = t.LlamaConfig(vocab_size=256, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers,
+                        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256, use_cache=False,
+                        eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    return t.LlamaForCausalLM(cfg).eval()
+
+
+def prompts(batch: int, length: int) -> torch.Tensor:
+    return torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+def rank_body(rank: int, world: int, d: int, layers: int, batch: int, length: int, new: int,
+              lanes_list: list[int | None]) -> dict:
+    m = model(d, layers)
+    ids = prompts(batch, length)
+    spec = [f"model.layers.{i * layers // world}" for i in range(1, world)]
+    pipe = ps.pipeline(m, spec, (ids[:2],))
+    sched = ps.build_schedule(pipe, "1F1B", 2, loss_fn=lambda out, t: out.logits.sum())
+    out: dict[str, Any] = {}
+    for lanes in lanes_list:
+        generate_on_schedule(sched, ids, max_new_tokens=2, lanes=lanes)  # warm up: traces the decode step
+    walls: dict[Any, list[float]] = {lanes: [] for lanes in lanes_list}
+    busy: dict[Any, list[float]] = {lanes: [] for lanes in lanes_list}
+    steps: dict[Any, list[float]] = {lanes: [] for lanes in lanes_list}
+    for _ in range(REPS):  # the configurations take turns, so a busy machine slows them alike
+        for lanes in lanes_list:
+            record: list = []
+            generate_on_schedule(sched, ids, max_new_tokens=new, lanes=lanes, record=record, eos_token_id=None)
+            run = next(r for r in record if r[0] == "run")
+            wall = run[5] - run[4]
+            computes = [r[5] - r[4] for r in record if r[0] == "D"]
+            walls[lanes].append(wall)
+            busy[lanes].append(sum(computes) / wall)
+            steps[lanes].append(statistics.median(computes))
+    program = decode_program(pipe)
+    for lanes in lanes_list:
+        n_lanes = min(lanes or program.num_stages, batch)
+        lowered = lower_decode(decode_order(dict(sched.placement), lanes=n_lanes, rounds=new), dict(sched.placement),
+                               links=program.links(), token_readers=program.token_readers())
+        out[str(lanes)] = {"wall": statistics.median(walls[lanes]), "busy": statistics.median(busy[lanes]),
+                           "stage_step_ms": 1e3 * statistics.median(steps[lanes]),
+                           "predicted_busy": simulate_decode(lowered).busy[rank], "lanes": n_lanes}
+    return out
+
+
+def hf_baseline(d: int, layers: int, batch: int, length: int, new: int) -> float:
+    torch.set_num_threads(1)
+    m = model(d, layers)
+    ids = prompts(batch, length)
+    m.generate(ids, max_new_tokens=2, do_sample=False)
+    walls = []
+    for _ in range(REPS):
+        start = time.perf_counter()
+        m.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="d=64, 4 prompts, 8 new tokens (a smoke run)")
+    args = parser.parse_args()
+    d, layers, batch, length, new = (64, 8, 4, 8, 8) if args.quick else (256, 8, 32, 16, 64)
+    tokens = batch * new
+    rows: dict[str, Any] = {"config": {"d": d, "layers": layers, "prompts": batch, "prompt_len": length,
+                                       "new_tokens": new, "reps": REPS}}
+    for world in (2, 4):
+        results = run_ranks(rank_body, world, d, layers, batch, length, new, [None, 1], timeout=3000)
+        for lanes in ("None", "1"):
+            wall = max(r[lanes]["wall"] for r in results)
+            rows[f"{world}_ranks_lanes_{'hops' if lanes == 'None' else '1'}"] = {
+                "lanes": results[0][lanes]["lanes"], "wall": wall, "tokens_per_s": tokens / wall,
+                "busy": [round(r[lanes]["busy"], 3) for r in results],
+                "stage_step_ms": [round(r[lanes]["stage_step_ms"], 2) for r in results],
+                "predicted_busy": [round(r[lanes]["predicted_busy"], 3) for r in results]}
+    hf = hf_baseline(d, layers, batch, length, new)  # after the ranks: nothing else of ours runs meanwhile
+    rows["hf_generate_1_process"] = {"wall": hf, "tokens_per_s": tokens / hf}
+    print(json.dumps(rows, indent=1))
+    if not args.quick:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "generate_decode.json").write_text(json.dumps(rows, indent=1) + "\n")
+        lines = ["| run | lanes | tokens/s | busy per rank (measured) | busy per rank (simulated) | "
+                 "one stage step, ms (median per rank) |", "|---|---|---|---|---|---|",
+                 f"| HF generate, 1 process | - | {rows['hf_generate_1_process']['tokens_per_s']:.0f} | - | - | - |"]
+        for key, row in rows.items():
+            if key.endswith(("hops", "_1")):
+                lines.append(f"| {key.replace('_', ' ')} | {row['lanes']} | {row['tokens_per_s']:.0f} | "
+                             f"{row['busy']} | {row['predicted_busy']} | {row['stage_step_ms']} |")
+        (RESULTS / "generate_decode.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
