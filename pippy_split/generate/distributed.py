@@ -13,6 +13,7 @@ the sequences.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -127,6 +128,30 @@ class _Run:
                 self.values.setdefault((where[1], where[2]), {})[(where[3], where[4])] = value
 
 
+def _run_actions(run: _Run, actions: list[DecodeAction], p2p: P2P | None, record: list | None) -> None:
+    """This rank's part of the lowered decode order: computes one by one, each run of comm
+    actions as one batch."""
+    begin = time.perf_counter()
+    i = 0
+    while i < len(actions):
+        if actions[i].kind == "D":
+            start = time.perf_counter()
+            run.compute(actions[i])
+            if record is not None:
+                a = actions[i]
+                record.append(("D", a.stage, a.lane, a.round, start, time.perf_counter()))
+            i += 1
+            continue
+        j = i
+        while j < len(actions) and actions[j].kind != "D":
+            j += 1
+        assert p2p is not None, "one rank has no messages"
+        run.exchange(p2p, actions[i:j])
+        i = j
+    if record is not None:
+        record.append(("run", -1, -1, -1, begin, time.perf_counter()))
+
+
 def generate_on_schedule(sched: Any, input_ids: torch.Tensor, *, record: list | None = None,
                          **kwargs: Any) -> Generation:
     """See :meth:`pippy_split.schedule.PipelineSchedule.generate`. ``record``, where given, gets
@@ -151,34 +176,23 @@ def generate_on_schedule(sched: Any, input_ids: torch.Tensor, *, record: list | 
     last_rank = placement[program.num_stages - 1]
     progress = Progress(prompt, opts) if last_rank == sched.rank else None
     run = _Run(sched, program, prompt, mask, rows, decoders, progress)
-    p2p = P2P(sched.group, timeout=300.0) if sched.world > 1 else None
-    actions = lowered.get(sched.rank, [])
-    begin = time.perf_counter()
-    i = 0
-    while i < len(actions):
-        if actions[i].kind == "D":
-            start = time.perf_counter()
-            run.compute(actions[i])
-            if record is not None:
-                a = actions[i]
-                record.append(("D", a.stage, a.lane, a.round, start, time.perf_counter()))
-            i += 1
-            continue
-        j = i
-        while j < len(actions) and actions[j].kind != "D":
-            j += 1
-        assert p2p is not None, "one rank has no messages"
-        run.exchange(p2p, actions[i:j])
-        i = j
-    if record is not None:
-        record.append(("run", -1, -1, -1, begin, time.perf_counter()))
-    for d in decoders.values():
-        d.reset()  # the lanes' caches are freed at the end of the call
-    sequences = progress.sequences if progress is not None else torch.empty(
-        prompt.shape[0], prompt.shape[1] + opts.max_new_tokens, dtype=torch.long, device=device)
-    logprobs = progress.logprobs if progress is not None else torch.empty(
-        prompt.shape[0], opts.max_new_tokens, dtype=torch.float32, device=device)
-    if sched.world > 1:
-        dist.broadcast(sequences, group=sched.group, group_src=last_rank)
-        dist.broadcast(logprobs, group=sched.group, group_src=last_rank)
+    # The schedule's own transport and failure channel: a rank that fails mid-generation posts
+    # its cause and every other rank stops with PipelineAborted naming it, as in step().
+    p2p = getattr(getattr(sched, "_runtime", None), "p2p", None) if sched.world > 1 else None
+    if p2p is None and sched.world > 1:
+        p2p = P2P(sched.group, timeout=300.0)
+    failures = getattr(sched, "_failures", None)
+    with failures.guard("generate()") if failures is not None else contextlib.nullcontext() as guard:
+        if guard is not None:
+            guard.communicating("in generate()")
+        _run_actions(run, lowered.get(sched.rank, []), p2p, record)
+        for d in decoders.values():
+            d.reset()  # the lanes' caches are freed at the end of the call
+        sequences = progress.sequences if progress is not None else torch.empty(
+            prompt.shape[0], prompt.shape[1] + opts.max_new_tokens, dtype=torch.long, device=device)
+        logprobs = progress.logprobs if progress is not None else torch.empty(
+            prompt.shape[0], opts.max_new_tokens, dtype=torch.float32, device=device)
+        if sched.world > 1:
+            dist.broadcast(sequences, group=sched.group, group_src=last_rank)
+            dist.broadcast(logprobs, group=sched.group, group_src=last_rank)
     return Generation(sequences, logprobs if opts.return_logprobs else None)

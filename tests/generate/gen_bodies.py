@@ -114,3 +114,30 @@ def bad_call_body(rank: int, world: int, kwargs: dict) -> str:
     except GenerationError as e:
         return str(e)
     return "no error"
+
+
+def failing_rank_body(rank: int, world: int) -> dict:
+    """Rank 1 fails in the middle of generation; every rank reports what it raised and when."""
+    import time
+
+    from pippy_split.generate.stage_step import StageDecoder
+
+    _, _, sched = build("tiny_gpt", "1F1B", world)
+    if rank == 1:
+        original = StageDecoder.run
+        calls = [0]
+
+        def run(self: StageDecoder, *args: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 5:
+                raise RuntimeError("injected failure")
+            return original(self, *args)
+
+        StageDecoder.run = run  # type: ignore[method-assign]
+    ids, mask = prompts(True, batch=4)
+    start = time.perf_counter()
+    try:
+        sched.generate(ids % 64, attention_mask=mask, max_new_tokens=8)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - start}
+    return {"error": None, "seconds": time.perf_counter() - start}

@@ -9,7 +9,7 @@ import torch
 
 from pippy_split.testing import run_ranks
 
-from .gen_bodies import bad_call_body, generate_body, reference
+from .gen_bodies import bad_call_body, failing_rank_body, generate_body, reference
 
 CASES = [  # (model, schedule, world, stages)
     ("llama", "1F1B", 2, 2),
@@ -71,3 +71,13 @@ def test_generate_after_a_training_step_uses_the_new_weights(name: str, schedule
 def test_bad_calls_fail_on_every_rank(kwargs: dict, match: str) -> None:
     results = run_ranks(bad_call_body, 2, kwargs, timeout=240)
     assert len(set(results)) == 1 and match in results[0], results
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_a_rank_failing_mid_generation_stops_the_others() -> None:
+    results = run_ranks(failing_rank_body, 2, timeout=240)
+    assert results[1]["error"] == "RuntimeError: injected failure"
+    assert results[0]["error"].startswith("PipelineAborted"), results[0]
+    assert "rank 1 failed in generate(): RuntimeError: injected failure" in results[0]["error"]
+    assert results[0]["seconds"] < 60  # named within the failure channel's poll, not the transport's timeout
