@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .program import N_STEP_INPUTS, DecodeProgram
+from .program import DecodeProgram
 
 __all__ = ["StageDecoder"]
 
@@ -55,7 +55,3 @@ class StageDecoder:
             outs = self.module(*args)
         self.cache[lane] = {j: outs[o] for j, o in self.plan.kv_outputs.items()}
         return tuple(outs)
-
-    @staticmethod
-    def step_count() -> int:
-        return N_STEP_INPUTS
