@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 from .actions import Action, ActionKind, Order
 from .deps import DepIndex
 
-__all__ = ["CODE", "KINDS", "COMPUTE_KINDS", "DEFAULT_COSTS", "CostSpec", "Encoded", "LoopRun", "encode",
+__all__ = ["LoweredOrder", "CODE", "KINDS", "COMPUTE_KINDS", "DEFAULT_COSTS", "CostSpec", "Encoded", "LoopRun", "encode",
            "requirement_table", "run_loop", "stopped_at", "held_peaks", "stage_cost_table"]
 
 KINDS = (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B,
@@ -40,6 +40,10 @@ COMPUTE_KINDS = KINDS[:4]
 """The compute kinds, codes 0-3; a code ``>= len(COMPUTE_KINDS)`` is a comm action."""
 _COMPUTE_CODE = {k.value: CODE[k.value] for k in COMPUTE_KINDS}
 _B = CODE["B"]
+
+
+class LoweredOrder(ValueError):
+    """An order given to the compute-only loop holds a communication action."""
 
 
 @dataclass
@@ -73,7 +77,7 @@ def encode(order: Order, num_stages: int | None = None) -> Encoded:
         keys = {r: [(code[a.kind._value_] * S + a.stage) * M + a.mb for a in acts if a is not None]
                 for r, acts in order.items()}
     except KeyError as e:
-        raise ValueError(f"the compute-only event loop got a communication action ({e.args[0]})") from None
+        raise LoweredOrder(f"the compute-only event loop got a communication action ({e.args[0]})") from None
     return Encoded(list(order), keys, S, M)
 
 

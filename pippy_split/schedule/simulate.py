@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from . import event_rounds
 from .actions import Action, ActionKind, Order
 from .batch_loop import BatchRun, run_batches
 from .deps import DepIndex, Link, chain_links
@@ -32,6 +33,7 @@ from .event_loop import (
     CostSpec,
     Encoded,
     LoopRun,
+    LoweredOrder,
     encode,
     held_peaks,
     kind_summary,
@@ -43,6 +45,7 @@ from .event_loop import (
     stopped_at,
 )
 from .messages import peer_table
+from .orders.common import gc_paused
 from .placement import placement_of_order
 
 __all__ = ["Simulation", "simulate", "DEFAULT_COSTS", "CostSpec", "stage_cost_table", "BatchRun", "run_batches"]
@@ -162,8 +165,12 @@ def simulate(
     latency = latency_fn(comm_latency)
     scale = _checked_scale(order, microbatch_scale)
     try:
+        if event_rounds.worth_it(order):  # many ranks: the same loop in rounds over tensors
+            with gc_paused():
+                return _simulate_rounds(order, event_rounds.pack(order), costs, links, latency, activation_bytes,
+                                        workspace_bytes, input_grad_bytes, scale)
         enc = encode(order)
-    except ValueError:  # a SEND/RECV: a lowered order, run under the batch rule
+    except LoweredOrder:  # a SEND/RECV: a lowered order, run under the batch rule
         return _simulate_batches(order, costs, links, latency, activation_bytes, workspace_bytes, input_grad_bytes,
                                  scale)
     return _simulate_compute(order, enc, costs, links, latency, activation_bytes, workspace_bytes, input_grad_bytes,
@@ -176,9 +183,8 @@ def _simulate_compute(order: Order, enc: Encoded, costs: CostSpec, links: Iterab
     """A compute-only order (``enc``, its integer form) on the event loop (see the module docstring)."""
     num_stages = enc.num_stages
     table = stage_cost_table(costs, num_stages)
-    link_list = chain_links(num_stages) if links is None else list(links)
     where = placement_of_order(order)
-    run = run_loop(enc, requirement_table(DepIndex(link_list, num_stages), where, enc.num_mb, latency), table, scale)
+    run = run_loop(enc, _requirements(links, num_stages, where, enc.num_mb, latency), table, scale)
     if run.blocked:
         raise ValueError(deadlock_message(order, stopped_at(enc, order, run), where, short=True))
     makespan = max((run.free[r] for r in enc.ranks if enc.keys[r]), default=0.0)
@@ -186,6 +192,32 @@ def _simulate_compute(order: Order, enc: Encoded, costs: CostSpec, links: Iterab
     busy = sum(table[k // M] * (1.0 if scale is None else scale[k % M]) for r in enc.ranks for k in enc.keys[r])
     return _finish(order, enc, makespan, busy, table, activation_bytes, workspace_bytes, input_grad_bytes,
                    lambda: _timeline(order, enc, run, table, scale), scale)
+
+
+def _requirements(links: Iterable[Link] | None, num_stages: int, where: dict[int, int], num_mb: int,
+                  latency: Callable[[int, int], float]) -> list[list[tuple[int, float]]]:
+    link_list = chain_links(num_stages) if links is None else list(links)
+    return requirement_table(DepIndex(link_list, num_stages), where, num_mb, latency)
+
+
+def _simulate_rounds(order: Order, packed: event_rounds.Packed, costs: CostSpec, links: Iterable[Link] | None,
+                     latency: Callable[[int, int], float], activation_bytes: Any, workspace_bytes: Any,
+                     input_grad_bytes: Any, scale: list[float] | None) -> Simulation:
+    """:func:`_simulate_compute` for a big order (``packed``, its tensor form), in rounds
+    (:mod:`.event_rounds`): the same numbers; the Python lists are made only when asked for."""
+    num_stages = packed.num_stages
+    table = stage_cost_table(costs, num_stages)
+    where = event_rounds.placement(packed)
+    where = placement_of_order(order) if where is None else where  # None: a conflict, named there
+    req = _requirements(links, num_stages, where, packed.num_mb, latency)
+    run = event_rounds.run_rounds(packed, req, table, scale) or run_loop(packed.enc, req, table, scale)
+    if run.blocked:
+        raise ValueError(deadlock_message(order, stopped_at(packed.enc, order, run), where, short=True))
+    sizes = dict(zip(packed.ranks, packed.lengths.tolist()))
+    makespan = max((run.free[r] for r in packed.ranks if sizes[r]), default=0.0)
+    busy = event_rounds.busy_time(packed, table, scale)
+    return _finish(order, packed, makespan, busy, table, activation_bytes, workspace_bytes, input_grad_bytes,
+                   lambda: _timeline(order, packed.enc, run, table, scale), scale, event_rounds.count_peaks(packed))
 
 
 def _checked_scale(order: Order, scale: Sequence[float] | None) -> list[float] | None:
@@ -198,11 +230,13 @@ def _checked_scale(order: Order, scale: Sequence[float] | None) -> list[float] |
     return values
 
 
-def _finish(order: Order, enc: Encoded, makespan: float, busy: float, table: list[float], activation_bytes,
-            workspace_bytes, input_grad_bytes, build: Callable, scale: list[float] | None = None) -> Simulation:
+def _finish(order: Order, enc: Encoded | event_rounds.Packed, makespan: float, busy: float, table: list[float],
+            activation_bytes, workspace_bytes, input_grad_bytes, build: Callable, scale: list[float] | None = None,
+            counts: Mapping[int, float] | None = None) -> Simulation:
     S = enc.num_stages
     ones, zeros = [1.0] * S, [0.0] * S
-    counts = held_peaks(enc, ones + zeros * 3, zeros * 2 + ones * 2)  # F holds one, W or B frees it
+    if counts is None:
+        counts = held_peaks(_plain(enc), ones + zeros * 3, zeros * 2 + ones * 2)  # F holds one, W or B frees it
     held = per_stage(activation_bytes, S)
     peak_bytes = None
     if held is not None:
@@ -213,7 +247,7 @@ def _finish(order: Order, enc: Encoded, makespan: float, busy: float, table: lis
             extra = zeros + work_i + zeros + work_b
         add = held + grads + zeros + zeros  # F: activations; I: the output gradients W needs
         release = zeros + zeros + [h + g for h, g in zip(held, grads)] + held
-        peak_bytes = held_peaks(enc, add, release, extra, scale)
+        peak_bytes = held_peaks(_plain(enc), add, release, extra, scale)
     num_ranks = len(order)
     return Simulation(
         makespan=makespan,
@@ -224,6 +258,10 @@ def _finish(order: Order, enc: Encoded, makespan: float, busy: float, table: lis
         peak_bytes=peak_bytes,
         _build=build,
     )
+
+
+def _plain(enc: Encoded | event_rounds.Packed) -> Encoded:
+    return enc.enc if isinstance(enc, event_rounds.Packed) else enc
 
 
 def _per_backward(values: Mapping[Any, float] | Sequence[float], num_stages: int) -> tuple[list[float], list[float]]:

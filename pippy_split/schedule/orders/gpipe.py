@@ -14,9 +14,11 @@ p=2, m=3, unit costs (F=1, B=2); digits are microbatches, ``.`` is idle::
 
 from __future__ import annotations
 
+from itertools import repeat
+
 from ..actions import Order
 from ..placement import Style
-from .common import Action, B, F, check_sizes, local_stages
+from .common import Action, B, F, actions_of, check_sizes, gc_paused, local_stages
 
 __all__ = ["compute_order"]
 
@@ -39,6 +41,8 @@ def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 1)
     mbs = range(n_microbatches)
     order: Order = {}
     for r, (stage,) in local_stages(num_ranks, stages_per_rank, PLACEMENT).items():
-        ops: list[Action | None] = [Action(stage, F, mb) for mb in mbs]
-        order[r] = ops + [Action(stage, B, mb) for mb in mbs]
+        with gc_paused():
+                ops: list[Action | None] = list(actions_of(repeat(stage), [F] * len(mbs) + [B] * len(mbs),
+                                                       [*mbs, *mbs], 2 * len(mbs)))
+        order[r] = ops
     return order

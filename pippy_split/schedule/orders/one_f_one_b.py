@@ -19,9 +19,11 @@ p=2, m=3, unit costs (F=1, B=2)::
 
 from __future__ import annotations
 
+from itertools import repeat
+
 from ..actions import Order
 from ..placement import Style
-from .common import Action, B, F, check_sizes, local_stages
+from .common import Action, B, F, actions_of, check_sizes, gc_paused, local_stages
 
 __all__ = ["compute_order"]
 
@@ -42,13 +44,16 @@ def compute_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 1)
     """
     check_sizes("1F1B", num_ranks, n_microbatches, stages_per_rank, exact_stages=1)
     stages = local_stages(num_ranks, stages_per_rank, PLACEMENT)
-    return {r: _rank_order(r, num_ranks, n_microbatches, stages[r][0]) for r in range(num_ranks)}
+    with gc_paused():
+        return {r: _rank_order(r, num_ranks, n_microbatches, stages[r][0]) for r in range(num_ranks)}
 
 
 def _rank_order(rank: int, p: int, m: int, stage: int) -> list[Action | None]:
     warmup = min(p - 1 - rank, m)
-    ops: list[Action | None] = [Action(stage, F, mb) for mb in range(warmup)]
-    for i in range(m - warmup):  # steady state: the next forward, then the oldest backward
-        ops += [Action(stage, F, warmup + i), Action(stage, B, i)]
-    ops += [Action(stage, B, mb) for mb in range(m - warmup, m)]
+    steady = m - warmup  # steady state: the next forward, then the oldest backward
+    kinds = [F] * warmup + [F, B] * steady + [B] * warmup
+    mbs = list(range(warmup)) + [0] * (2 * steady) + list(range(steady, m))
+    mbs[warmup:warmup + 2 * steady:2] = range(warmup, m)
+    mbs[warmup + 1:warmup + 2 * steady:2] = range(steady)
+    ops: list[Action | None] = list(actions_of(repeat(stage), kinds, mbs, 2 * m))
     return ops
