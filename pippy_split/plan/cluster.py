@@ -1,0 +1,95 @@
+"""The cluster a job is planned for, as numbers (:class:`Cluster`), and a few presets.
+
+Sits before :mod:`.cluster_costs` (which prices a layout on these numbers) and
+:mod:`.cluster_search` (``ps.plan_cluster``). No GPU is touched: a cluster here is
+what its datasheet and network say.
+
+Example:
+    >>> c = Cluster.preset("h100-sxm", gpus=512)
+    >>> c.nodes, c.gpus_per_node
+    (64, 8)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+__all__ = ["Cluster", "PRESETS"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """A homogeneous GPU cluster: ``gpus`` devices, ``gpus_per_node`` to a node."""
+
+    gpus: int
+    """Devices in the job."""
+    gpus_per_node: int = 8
+    """Devices sharing the fast intra-node fabric (NVLink); a group larger than this crosses nodes."""
+    flops: float = 989e12
+    """Peak dense matmul FLOP/s of one device in the training dtype (H100 SXM bf16: 989e12)."""
+    hbm_bytes: float = 80e9
+    """Device memory in bytes."""
+    hbm_bw: float = 3.35e12
+    """Device memory bandwidth, bytes/s (the roofline's slope)."""
+    intra_node_bw: float = 450e9
+    """Bytes/s one device sends to the others of its node (NVLink, one direction)."""
+    inter_node_bw: float = 50e9
+    """Bytes/s one device sends across nodes (400 Gb/s NIC per GPU = 50e9)."""
+    efficiency: float = 0.5
+    """The fraction of peak ``flops`` a transformer block's ops reach (kernel efficiency,
+    the one factor fitted to measurements); communication runs at the stated bandwidths."""
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"Cluster needs gpus >= 1 and gpus_per_node >= 1, got {self.gpus}, {self.gpus_per_node}")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(f"Cluster: {self.gpus} gpus is not a whole number of {self.gpus_per_node}-GPU nodes")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"Cluster: efficiency must be in (0, 1], got {self.efficiency}")
+
+    @property
+    def nodes(self) -> int:
+        """Nodes in the job."""
+        return max(1, self.gpus // self.gpus_per_node)
+
+    def bandwidth(self, group_span: int) -> float:
+        """Bytes/s of a collective over a group whose members lie ``group_span`` ranks apart at
+        most (ranks are numbered node by node): inside a node or across nodes."""
+        return self.intra_node_bw if group_span <= self.gpus_per_node else self.inter_node_bw
+
+    def with_(self, **changes: float) -> Cluster:
+        """A copy with some numbers changed, e.g. ``cluster.with_(efficiency=0.4)``."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    @classmethod
+    def preset(cls, name: str, *, gpus: int | None = None, **changes: float) -> Cluster:
+        """A named cluster: ``"h100-sxm"``, ``"h100-96gb"`` (torchtitan's Grand Teton: HBM2e,
+        500 W), ``"a100-80gb"``; or ``"h100x512"`` (a preset's short name times a GPU count).
+
+        Example:
+            >>> Cluster.preset("h100x512").gpus, Cluster.preset("a100-80gb", gpus=64).flops
+            (512, 312000000000000.0)
+        """
+        match = re.fullmatch(r"([a-z0-9-]+?)x(\d+)", name.lower())
+        key = name.lower()
+        if match and match.group(1) in _SHORT:
+            key, gpus = _SHORT[match.group(1)], int(match.group(2))
+        if key not in PRESETS:
+            raise ValueError(f"unknown cluster preset {name!r}; known: {', '.join(PRESETS)} "
+                             f"or NAMExGPUS with NAME among {', '.join(_SHORT)}")
+        base = PRESETS[key]
+        return replace(base, **({"gpus": gpus} if gpus is not None else {}), **changes)  # type: ignore[arg-type]
+
+
+PRESETS: dict[str, Cluster] = {
+    "h100-sxm": Cluster(gpus=8, flops=989e12, hbm_bytes=80e9, hbm_bw=3.35e12, intra_node_bw=450e9,
+                        inter_node_bw=50e9),
+    "h100-96gb": Cluster(gpus=8, flops=989e12, hbm_bytes=96e9, hbm_bw=2.4e12, intra_node_bw=450e9,
+                         inter_node_bw=50e9),
+    "a100-80gb": Cluster(gpus=8, flops=312e12, hbm_bytes=80e9, hbm_bw=2.0e12, intra_node_bw=300e9,
+                         inter_node_bw=25e9),
+}
+"""Datasheet numbers (bf16 dense peak, HBM, NVLink per direction, one NIC per GPU)."""
+
+_SHORT = {"h100": "h100-sxm", "h100-96gb": "h100-96gb", "a100": "a100-80gb"}

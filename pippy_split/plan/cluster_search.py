@@ -1,0 +1,244 @@
+"""``ps.plan_cluster``: which (pp, dp, tp), schedule, virtual stages, microbatches and
+activation checkpointing for a model on a cluster, on paper.
+
+Sits on :mod:`.cluster_costs` (the cost model, stated there) and the schedule layer:
+every candidate's order is the one its schedule would run
+(``get_order_spec(name).compute_order``), simulated once with its per-stage costs; the
+simulator's per-rank peak of held bytes gives the activation memory.
+
+Example:
+    >>> from pippy_split.plan.cluster import Cluster
+    >>> from pippy_split.plan.cluster_model import ModelShape
+    >>> tiny = ModelShape(layers=8, hidden=1024, intermediate=4096, heads=8, kv_heads=8, vocab=32000)
+    >>> plan = plan_cluster(tiny, Cluster.preset("h100x16"), global_batch_tokens=2**20, seq_len=4096)
+    >>> plan.best.layout.pp * plan.best.layout.dp * plan.best.layout.tp
+    16
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from ..schedule import simulate
+from ..schedule.orders import get_order_spec
+from .cluster import Cluster
+from .cluster_costs import Layout, fsdp_exposed_s, stage_costs, static_bytes
+from .cluster_model import ModelShape, model_shape
+
+__all__ = ["plan_cluster", "ClusterCandidate", "ClusterPlan", "SCHEDULES"]
+
+SCHEDULES: dict[str, tuple[int, ...]] = {"GPipe": (1,), "1F1B": (1,), "Interleaved1F1B": (2, 4),
+                                         "ZBVZeroBubble": (2,), "DualPipeV": (2,)}
+"""Schedules searched and their stages per rank."""
+GiB = 2**30
+
+
+@dataclass
+class ClusterCandidate:
+    """One priced layout: its step, throughput and memory per GPU."""
+
+    layout: Layout
+    schedule: str
+    step_s: float
+    tokens_per_s_per_gpu: float
+    memory: dict[str, float]
+    """Bytes of the fullest GPU, by what they are."""
+    bubble: float
+    fits: bool
+    why: str
+    cluster: Cluster = field(repr=False)
+    seq_len: int = 0
+    model_ref: str = "hf:DIR"
+
+    @property
+    def memory_bytes(self) -> float:
+        return sum(self.memory.values())
+
+    def launch(self, model: str | None = None) -> str:
+        """The ``torchrun`` + ``pippy_split.train`` command line for this layout (run on every node).
+
+        Example: ``torchrun --nnodes 64 --nproc-per-node 8 ... -m pippy_split.train --model hf:DIR --dp 8 ...``
+        """
+        lay, c = self.layout, self.cluster
+        rows = lay.m * lay.mb
+        parts = [f"torchrun --nnodes {c.nodes} --nproc-per-node {min(c.gpus, c.gpus_per_node)}",
+                 "--rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500",
+                 f"-m pippy_split.train --model {model or self.model_ref}",
+                 f"--dp {lay.dp} --tp {lay.tp} --schedule {self.schedule} --microbatches {lay.m}",
+                 f"--batch-size {rows} --seq-len {self.seq_len}"]
+        if lay.ac:
+            parts.append("--activation-checkpoint full")
+        return " ".join(parts)
+
+    def row(self) -> list[str]:
+        lay = self.layout
+        return [f"pp{lay.pp} dp{lay.dp} tp{lay.tp}", self.schedule, str(lay.v), f"{lay.m}x{lay.mb}",
+                "full" if lay.ac else "off", f"{self.tokens_per_s_per_gpu:,.0f}",
+                f"{self.memory_bytes / GiB:.1f} GiB", f"{self.bubble:.0%}", self.why]
+
+
+HEADER = ["mesh", "schedule", "v", "m x mb", "AC", "tokens/s/GPU", "memory/GPU", "bubble", "why"]
+
+
+@dataclass
+class ClusterPlan:
+    """Ranked candidates, fitting ones first, fastest first; ``best`` the top one."""
+
+    candidates: list[ClusterCandidate]
+    cluster: Cluster
+
+    @property
+    def best(self) -> ClusterCandidate:
+        return self.candidates[0]
+
+    def table(self, top: int = 10) -> str:
+        rows = [HEADER] + [c.row() for c in self.candidates[:top]]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADER)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in c.row()) + "</tr>"
+                       for c in self.candidates[:20])
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def evaluate(model: ModelShape, cluster: Cluster, lay: Layout, schedule: str, seq_len: int,
+             optimizer: str = "adamw") -> ClusterCandidate:
+    """Price one layout: its schedule's real order simulated once with per-stage costs."""
+    spec = get_order_spec(schedule)
+    order = spec.compute_order(lay.pp, lay.m, lay.v)
+    c = stage_costs(model, cluster, lay, seq_len)
+    S = lay.stages
+    costs: dict[Any, float] = {}
+    for s in range(S):
+        f, b, r = c.forward[s], c.backward[s], c.recompute[s]
+        costs.update({(s, "F"): f, (s, "I"): b / 2 + r, (s, "W"): b / 2, (s, "B"): b + r})
+    sim = simulate(order, costs, comm_latency=c.p2p_s, activation_bytes=c.held, workspace_bytes=c.workspace)
+    where = spec.stage_placement(S, lay.pp)
+    worst: dict[str, float] = {}
+    compute = {r: 0.0 for r in range(lay.pp)}
+    for s in range(S):
+        compute[where[s]] += lay.m * (c.forward[s] + c.backward[s] + c.recompute[s])
+    exposed = 0.0
+    for rank in range(lay.pp):
+        mine = [s for s in range(S) if where[s] == rank]
+        layers = sum(c.layers[s] for s in mine)
+        mem = static_bytes(model, lay, layers, 0 in mine, S - 1 in mine, optimizer)
+        mem["activations (in flight, from the simulator)"] = (sim.peak_bytes or {}).get(rank, 0.0)
+        exposed = max(exposed, fsdp_exposed_s(model, cluster, lay, layers, compute[rank]))
+        if sum(mem.values()) > sum(worst.values()):
+            worst = mem
+    step = sim.makespan + exposed
+    tokens = lay.m * lay.mb * seq_len * lay.dp
+    total = sum(worst.values())
+    fits = total <= cluster.hbm_bytes
+    why = "fits" if fits else _overflow(worst, cluster.hbm_bytes, lay)
+    return ClusterCandidate(lay, spec.name, step, tokens / step / cluster.gpus, worst, sim.bubble_fraction, fits,
+                            why, cluster, seq_len)
+
+
+def _overflow(mem: dict[str, float], budget: float, lay: Layout) -> str:
+    """What overflows by how much, and which knob would fix it."""
+    over = sum(mem.values()) - budget
+    part, size = max(mem.items(), key=lambda kv: kv[1])
+    if "activations" in part:
+        knob = "a smaller microbatch" if lay.mb > 1 else ("activation checkpointing" if not lay.ac else "more pp")
+    elif "sharded" in part:
+        knob = "more dp or tp (a finer shard)"
+    else:
+        knob = "more pp or tp (fewer blocks held unsharded)"
+    return f"over by {over / GiB:.1f} GiB; largest: {part} {size / GiB:.1f} GiB; try {knob}"
+
+
+def candidates(model: ModelShape, cluster: Cluster, global_seqs: int, *, schedules: Iterable[str] | None = None,
+               microbatch_sizes: Sequence[int] = (1, 2), max_tp: int | None = None) -> list[tuple[Layout, str]]:
+    """Every (layout, schedule) the search prices: meshes whose sizes divide the GPUs, TP
+    inside a node dividing the heads, the batch split evenly over dp and microbatches."""
+    out = []
+    names = list(schedules) if schedules is not None else list(SCHEDULES)
+    for tp in [d for d in _divisors(min(cluster.gpus_per_node, max_tp or cluster.gpus_per_node))
+               if model.kv_heads % d == 0 or d % model.kv_heads == 0]:
+        if model.heads % tp:
+            continue
+        for pp in _divisors(cluster.gpus // tp):
+            dp = cluster.gpus // (tp * pp)
+            if global_seqs % dp or pp > model.layers:
+                continue
+            local = global_seqs // dp
+            for mb in microbatch_sizes:
+                if local % mb:
+                    continue
+                m = local // mb
+                for name in names:
+                    for v in SCHEDULES.get(name, (get_order_spec(name).default_stages_per_rank(),)):
+                        if pp == 1 and (v > 1 or name != "1F1B"):
+                            continue  # one stage per GPU: no pipeline, every schedule is the same
+                        if pp * v > model.layers or m < pp:
+                            continue
+                        for ac in (True, False):
+                            out.append((Layout(pp, dp, tp, v, m, mb, ac), name))
+    return out
+
+
+def plan_cluster(model: Any, cluster: Cluster, *, global_batch_tokens: int, seq_len: int, dtype: Any = None,
+                 optimizer: str = "adamw", schedules: Iterable[str] | None = None,
+                 microbatch_sizes: Sequence[int] = (1, 2), only: Iterable[tuple[Layout, str]] | None = None
+                 ) -> ClusterPlan:
+    """Rank every layout of ``model`` on ``cluster`` by predicted tokens/s/GPU (see
+    :mod:`.cluster_costs` for the cost model).
+
+    ``model``: ``"hf:DIR"`` (a ``config.json``), a transformers config, a model (meta device
+    is enough: only ``.config`` is read) or a :class:`ModelShape`. ``dtype`` is the training
+    dtype (bf16 assumed by the cost model). ``only`` prices just the given (layout, schedule)
+    pairs (to check a published configuration).
+
+    Raises:
+        ValueError: nothing fits: names the closest layout, what overflows by how much and
+            which knob would fix it.
+
+    Example:
+        >>> from pippy_split.plan.cluster_model import ModelShape
+        >>> shape = ModelShape(layers=4, hidden=512, intermediate=2048, heads=8, kv_heads=8, vocab=1000)
+        >>> plan_cluster(shape, Cluster.preset("h100x8"), global_batch_tokens=8 * 2048, seq_len=2048).best.fits
+        True
+    """
+    import torch
+
+    if dtype is not None and dtype is not torch.bfloat16:
+        raise ValueError(f"plan_cluster prices bf16 training; got dtype={dtype}")
+    shape = model_shape(model)
+    if global_batch_tokens % seq_len:
+        raise ValueError(f"global_batch_tokens {global_batch_tokens} is not a whole number of {seq_len}-token "
+                         "sequences")
+    pairs = list(only) if only is not None else candidates(shape, cluster, global_batch_tokens // seq_len,
+                                                           schedules=schedules, microbatch_sizes=microbatch_sizes)
+    if not pairs:
+        raise ValueError(f"no layout of {cluster.gpus} GPUs divides a batch of {global_batch_tokens // seq_len} "
+                         f"sequences evenly over data-parallel ranks and microbatches: choose a batch that is a "
+                         f"multiple of {cluster.gpus // cluster.gpus_per_node or 1} sequences")
+    priced = []
+    for lay, name in pairs:
+        try:
+            priced.append(evaluate(shape, cluster, lay, name, seq_len, optimizer))
+        except ValueError:  # the schedule cannot run these sizes (e.g. DualPipeV needs m >= 2 pp - 1)
+            if only is not None:
+                raise
+    if isinstance(model, str):
+        for c in priced:
+            c.model_ref = model
+    priced.sort(key=lambda c: (not c.fits, -c.tokens_per_s_per_gpu if c.fits else c.memory_bytes))
+    if only is None and not priced[0].fits:
+        c = priced[0]
+        raise ValueError(f"no layout fits in {cluster.hbm_bytes / GiB:.1f} GiB per GPU; closest: "
+                         f"{' '.join(c.row()[:5])} needs {c.memory_bytes / GiB:.1f} GiB: {c.why}")
+    return ClusterPlan(priced, cluster)
