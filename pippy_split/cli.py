@@ -79,7 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     pl = sub.add_parser("plan", help="rank split x schedule x microbatches x checkpointing under a memory budget")
-    pl.add_argument("target", help="module:factory (returns a ZooEntry or (model, args[, kwargs])) or zoo:NAME")
+    pl.add_argument("target", nargs="?", help="module:factory (returns a ZooEntry or (model, args[, kwargs])) or "
+                    "zoo:NAME (not with --cluster)")
+    pl.add_argument("--cluster", default=None, metavar="PRESET",
+                    help="plan for a cluster on paper instead (ps.plan_cluster), e.g. h100x512, a100x64")
+    pl.add_argument("--model", default=None, help="with --cluster: hf:DIR holding the model's config.json")
+    pl.add_argument("--seq-len", type=int, default=None, help="with --cluster: tokens per sequence")
+    pl.add_argument("--global-batch-tokens", type=int, default=None, help="with --cluster: tokens per step")
+    pl.add_argument("--efficiency", type=float, default=None,
+                    help="with --cluster: fraction of peak FLOP/s the blocks reach (default: the preset's)")
     pl.add_argument("--ranks", type=int, default=4)
     pl.add_argument("--memory", default="2GB", help="per-rank memory budget, e.g. 2GB, 512MiB")
     pl.add_argument("--global-batch", type=int, default=None, help="samples per step (default: the example's batch)")
@@ -328,6 +336,28 @@ def _train_line(best: Any, target: str, trains_this_batch: bool, batch: int) -> 
 # --------------------------------------------------------------------------- main
 
 
+def plan_cluster_cmd(args: argparse.Namespace) -> int:
+    """``pippy-split plan --cluster PRESET --model hf:DIR``: ``ps.plan_cluster``'s table and the best launch line."""
+    from .plan.cluster import Cluster
+    from .plan.cluster_search import plan_cluster
+
+    missing = [flag for flag, value in (("--model", args.model), ("--seq-len", args.seq_len),
+                                        ("--global-batch-tokens", args.global_batch_tokens)) if value is None]
+    if missing:
+        print(f"plan --cluster needs {', '.join(missing)}", file=sys.stderr)
+        return 2
+    try:
+        extra = {"efficiency": args.efficiency} if args.efficiency is not None else {}
+        cluster = Cluster.preset(args.cluster, **extra)
+        plan = plan_cluster(args.model, cluster, global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len)
+    except ValueError as e:
+        print(f"plan: {e}", file=sys.stderr)
+        return 2
+    print(plan.table(args.top))
+    print(f"\nbest, on each of {cluster.nodes} nodes:\n  {plan.best.launch()}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
@@ -341,7 +371,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.command == "inspect":
         return inspect_cmd(args, console)
+    if args.command == "plan" and args.cluster:
+        return plan_cluster_cmd(args)
     if args.command == "plan":
+        if not args.target:
+            console.print("[red]plan needs a target (module:factory or zoo:NAME), or --cluster PRESET --model hf:DIR[/]")
+            return 2
         return plan_cmd(args, console)
     from . import train
 

@@ -154,7 +154,7 @@ def _overflow(mem: dict[str, float], budget: float, lay: Layout) -> str:
     if "activations" in part:
         knob = "a smaller microbatch" if lay.mb > 1 else ("activation checkpointing" if not lay.ac else "more pp")
     elif "sharded" in part:
-        knob = "more dp or tp (a finer shard)"
+        knob = "more GPUs, or more dp or tp (a finer shard)"
     else:
         knob = "more pp or tp (fewer blocks held unsharded)"
     return f"over by {over / GiB:.1f} GiB; largest: {part} {size / GiB:.1f} GiB; try {knob}"

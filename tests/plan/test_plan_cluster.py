@@ -107,3 +107,16 @@ def test_70b_under_the_same_factor(fitted):
     got = evaluate(LLAMA_70B, cluster, Layout(pp=1, dp=32, tp=8, v=1, m=16, mb=1, ac=True), "1F1B", 8192)
     assert got.tokens_per_s_per_gpu == pytest.approx(PUBLISHED_70B[0], rel=0.10)
     assert got.memory_bytes / GiB == pytest.approx(PUBLISHED_70B[1], rel=0.10)
+
+
+def test_cli_plan_cluster_prints_the_table_and_launch(tmp_path, capsys):
+    from pippy_split.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_405B))
+    rc = main(["plan", "--cluster", "h100x512", "--model", f"hf:{tmp_path}", "--seq-len", "8192",
+               "--global-batch-tokens", str(256 * 8192), "--top", "5"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "tokens/s/GPU" in out and "torchrun --nnodes 64" in out
+    rc = main(["plan", "--cluster", "h100x8", "--model", f"hf:{tmp_path}", "--seq-len", "8192",
+               "--global-batch-tokens", str(8 * 8192)])
+    assert rc == 2 and "over by" in capsys.readouterr().err
