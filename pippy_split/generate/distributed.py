@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..split.module_calls import parent_of
+from ..stage.data_parallel import holds_sharded_state
 from ..stage.transport import P2P, P2POp
 from .checks import checked_call
 from .errors import GenerationError
@@ -152,6 +153,19 @@ def _run_actions(run: _Run, actions: list[DecodeAction], p2p: P2P | None, record
         record.append(("run", -1, -1, -1, begin, time.perf_counter()))
 
 
+def refuse_sharded_stages(stages: list) -> None:
+    """Decoding reads each stage's parameters in traced ops, outside the modules' own
+    ``forward``: FSDP2 would not gather them and a TP DTensor would meet plain tensors.
+    Refused by name instead of running on shards."""
+    sharded = [st.stage_index for st in stages if holds_sharded_state(st.module)]
+    if sharded:
+        raise GenerationError(f"stage{'s' if len(sharded) > 1 else ''} {sharded} hold FSDP2 or tensor-parallel "
+                              "(DTensor) parameters, which generate() does not gather yet: decoding reads them in "
+                              "traced ops, not through the modules' own forward. What works: generate on a schedule "
+                              "of unsharded stages (e.g. pipe.generate(...) in one process on the model, or a "
+                              "schedule built without fully_shard / parallelize_module)")
+
+
 def generate_on_schedule(sched: Any, input_ids: torch.Tensor, *, record: list | None = None,
                          **kwargs: Any) -> Generation:
     """See :meth:`pippy_split.schedule.PipelineSchedule.generate`. ``record``, where given, gets
@@ -159,6 +173,7 @@ def generate_on_schedule(sched: Any, input_ids: torch.Tensor, *, record: list | 
     ``"D"``) and for the whole run (what ``"run"``): the benchmark's busy fractions."""
     pipe = _pipe_of(sched)
     call = checked_call(pipe, input_ids, **kwargs)  # on every rank, before any message
+    refuse_sharded_stages(sched.stages)
     program = decode_program(pipe)
     opts = call.options
     device = sched.stages[0].device

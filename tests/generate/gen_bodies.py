@@ -141,3 +141,23 @@ def failing_rank_body(rank: int, world: int) -> dict:
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - start}
     return {"error": None, "seconds": time.perf_counter() - start}
+
+
+def generate_on_fsdp_stages(rank: int, world: int):
+    """A schedule whose stage is under fully_shard: generate() refuses it by name."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import pippy_split as ps
+    from pippy_split import zoo
+
+    entry = zoo.get("tiny_gpt")
+    pipe = ps.pipeline(entry.model, 1, (entry.args[0][:2],))
+    sched = ps.build_schedule(pipe, "1F1B", 2, loss_fn=entry.loss_fn)
+    fully_shard(sched.stages[0].module, mesh=init_device_mesh("cpu", (world,)))
+    try:
+        sched.generate(torch.zeros(2, 3, dtype=torch.long), max_new_tokens=2)
+    except ps.GenerationError as e:
+        return str(e)
+    return None

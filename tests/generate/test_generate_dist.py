@@ -81,3 +81,12 @@ def test_a_rank_failing_mid_generation_stops_the_others() -> None:
     assert results[0]["error"].startswith("PipelineAborted"), results[0]
     assert "rank 1 failed in generate(): RuntimeError: injected failure" in results[0]["error"]
     assert results[0]["seconds"] < 60  # named within the failure channel's poll, not the transport's timeout
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_stages_under_fsdp2_are_refused_by_name():
+    from .gen_bodies import generate_on_fsdp_stages
+
+    (message,) = run_ranks(generate_on_fsdp_stages, 1, timeout=100)
+    assert message is not None and "hold FSDP2 or tensor-parallel" in message and "stage [0]" in message
