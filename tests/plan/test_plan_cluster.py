@@ -120,3 +120,15 @@ def test_cli_plan_cluster_prints_the_table_and_launch(tmp_path, capsys):
     rc = main(["plan", "--cluster", "h100x8", "--model", f"hf:{tmp_path}", "--seq-len", "8192",
                "--global-batch-tokens", str(8 * 8192)])
     assert rc == 2 and "over by" in capsys.readouterr().err
+
+
+def test_readme_figures(fitted):
+    """The figures README's "Planning a cluster job on paper" table prints (predicted, under the
+    factor fitted on Table 5's 1F1B row): a change to the cost model must update both."""
+    one, inter = _405b(fitted, "1F1B", 1), _405b(fitted, "Interleaved1F1B", 2)
+    got70 = evaluate(LLAMA_70B, fitted.with_(gpus=256), Layout(pp=1, dp=32, tp=8, v=1, m=16, mb=1, ac=True), "1F1B",
+                     8192)
+    assert round(fitted.efficiency, 2) == 0.48
+    assert round(inter.tokens_per_s_per_gpu) == 111 and round(one.memory_bytes / GiB, 1) == 41.6
+    assert round(inter.memory_bytes / GiB, 1) == 43.4
+    assert round(got70.tokens_per_s_per_gpu) == 628 and round(got70.memory_bytes / GiB, 1) == 7.9
