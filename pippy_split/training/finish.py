@@ -8,13 +8,15 @@ as ``model.pt`` atomically (:func:`pippy_split.checkpoint.files.save_file`).
 
 ``model.pt`` holds ``{"state_dict": {FQN: tensor}, "meta": {...}}``: the unsplit model's
 own keys, and plain values about the run (model, config of the built-in GPT, data,
-schedule, split, losses). It loads without unpickling code::
+schedule, split, losses; the whole ``TrainConfig`` as a dict and the directory the run
+ran in, from which ``pippy-split generate`` rebuilds it). It loads without unpickling code::
 
     model.load_state_dict(torch.load("checkpoints/tiny_gpt/model.pt", weights_only=True)["state_dict"])
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import warnings
@@ -68,7 +70,9 @@ def finish(cfg: TrainConfig, prep: Prepared, dcp_dir: str, losses: list[float], 
             "schedule": cfg.schedule, "ranks": world,
             "num_stages": pipe.num_stages, "split": [list(s.modules) for s in pipe.stages],
             "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-            "losses": list(losses), "lr": cfg.lr}
+            "losses": list(losses), "lr": cfg.lr,
+            # the whole config and where it ran: `pippy-split generate RUN_DIR` rebuilds the run's stages from it
+            "config": dataclasses.asdict(cfg), "cwd": os.getcwd()}
     path = save_model_file(cfg.checkpoint, merged, meta)
     log(f"checkpoint saved to {path} ({len(merged)} tensors, original FQNs)")
 
