@@ -1,0 +1,62 @@
+"""``sched.generate`` on stages under per-block FSDP2 and under tensor parallelism (gloo, 4
+ranks on a 2 x 2 DeviceMesh): greedy sequences equal Hugging Face ``generate`` on the
+unsplit model token for token and logprobs to 1e-5, before and after a training step and
+``optimizer.step()`` (live weights); each call gathers the stage whole and frees it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pippy_split.testing import run_ranks
+
+from .gen_bodies import llama8, reference
+from .sharded_bodies import fsdp_body, tp_body
+
+KWARGS = {"max_new_tokens": 6, "eos_token_id": 999, "pad_token_id": 0}  # no EOS: every step compared
+
+
+def _equal_hf(got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor], what: str) -> None:
+    assert torch.equal(got[0], ref[0]), f"{what}: {got[0]} vs {ref[0]}"
+    torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=0, msg=lambda m: f"{what}: {m}")
+
+
+def _check(results: list[dict]) -> None:
+    before, after = reference("llama", KWARGS), reference("llama", KWARGS, train_first=True)
+    assert not torch.equal(before[0], after[0])  # the step changes what the model says
+    for rank, r in enumerate(results):
+        _equal_hf(r["before"], before, f"rank {rank} before the step")
+        _equal_hf(r["after"], after, f"rank {rank} after the step")
+        assert r["sharded"] > 0 and r["kept"], f"rank {rank}: parameters or hooks not put back: {r}"
+        assert r["freed"], f"rank {rank}: a full tensor outlived its generate() call"
+        assert len(r["gathered"]) == 2, r["gathered"]  # one gather per call
+
+
+def _numel(names: tuple[str, ...]) -> list[int]:
+    """Elements of the parameters whose FQN contains one of ``names``, per pipeline stage
+    (stage 0: the embedding and layers 0-3; stage 1: layers 4-7, the norm and the head)."""
+    out = [0, 0]
+    for fqn, p in llama8().named_parameters():
+        if any(n in fqn for n in names):
+            out[0 if "embed" in fqn or any(f"layers.{i}." in fqn for i in range(4)) else 1] += p.numel()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+def test_generate_on_per_block_fsdp2_stages_equals_hf_before_and_after_a_step() -> None:
+    results = run_ranks(fsdp_body, 4, KWARGS, timeout=840)
+    _check(results)
+    whole = _numel(("",))
+    for rank, r in enumerate(results):  # ranks (dp, pp): dp * 2 + pp; FSDP2 shards every parameter
+        assert all(n == whole[rank % 2] for _, n in r["gathered"]), (rank, r["gathered"], whole)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+def test_generate_on_tensor_parallel_stages_equals_hf_before_and_after_a_step() -> None:
+    results = run_ranks(tp_body, 4, KWARGS, timeout=840)
+    _check(results)
+    linears = _numel(("_proj",))
+    for rank, r in enumerate(results):  # ranks (pp, tp): pp * 2 + tp; 7 linears in each of 4 layers
+        assert all((t, n) == (28, linears[rank // 2]) for t, n in r["gathered"]), (rank, r["gathered"], linears)
