@@ -39,7 +39,8 @@ def presplit_inputs(n_microbatches: int, args: tuple[Any, ...], kwargs: dict[str
     Raises:
         TypeError: a container is not a list, or an entry not a tuple (``arg_mbs``) / dict (``kwarg_mbs``).
         ValueError: whole-batch inputs beside pre-split ones, a list of another length than
-            ``n_microbatches``, or microbatches that differ in their arguments.
+            ``n_microbatches``, or microbatches that differ in their arguments. Each message
+            carries the peer's words for the same refusal (2.15.0's), then ours.
 
     Example:
         >>> import torch
@@ -50,30 +51,45 @@ def presplit_inputs(n_microbatches: int, args: tuple[Any, ...], kwargs: dict[str
     """
     if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
         return None
-    mixed = [what for what, given in (("positional inputs", bool(args)), (f"keyword inputs {sorted(kwargs)}", bool(kwargs)),
-                                      ("target=", target is not None)) if given]
-    if mixed:
-        raise ValueError(f"{call}(): {' and '.join(mixed)} given beside pre-split microbatches; pass every input of "
-                         "a pre-split call through arg_mbs=[(x0, ...), ...], kwarg_mbs=[{...}, ...] and "
-                         "target_mbs=[y0, ...], or none of them")
+    # The peer's messages (2.15.0, word for word) first, so code that matches on them keeps working.
+    if args:
+        raise ValueError(f"{call}(): When using pre-split inputs, pass pre-split positional inputs through "
+                         "arg_mbs=... instead of positional args (one tuple per microbatch: [(x0, ...), ...])")
+    if kwargs:
+        raise ValueError(f"{call}(): Unexpected keyword arguments with pre-split inputs: {', '.join(sorted(kwargs))}. "
+                         "Pass pre-split keyword inputs through kwarg_mbs=... (one dict per microbatch)")
+    if target is not None:
+        raise ValueError(f"{call}(): When using pre-split inputs, pass pre-split targets through target_mbs=... "
+                         "instead of target=...")
     for name, mbs in (("arg_mbs", arg_mbs), ("kwarg_mbs", kwarg_mbs), ("target_mbs", target_mbs)):
         if mbs is None:
             continue
         if not isinstance(mbs, list):
-            raise TypeError(f"{call}({name}=...) takes a list with one entry per microbatch, got {type(mbs).__name__}")
+            raise TypeError(f"{call}(): {name} must be a list but got a {type(mbs)} (one entry per microbatch)")
         if len(mbs) != n_microbatches:
-            raise ValueError(f"{call}({name}=...) has {len(mbs)} entries, but the schedule runs {n_microbatches} "
-                             "microbatches")
+            raise ValueError(f"{call}(): Expecting {n_microbatches} {name} but got {len(mbs)} (the schedule runs "
+                             f"{n_microbatches} microbatches)")
+    _check_entries(arg_mbs, kwarg_mbs, call)
     out_args = _positional(arg_mbs, call) if arg_mbs is not None else ()
     out_kwargs = _keywords(kwarg_mbs, call) if kwarg_mbs is not None else {}
     return out_args, out_kwargs, Microbatches(target_mbs) if target_mbs is not None else None
 
 
+def _check_entries(arg_mbs: list | None, kwarg_mbs: list | None, call: str) -> None:
+    """Each microbatch's entries of the right type, checked in the peer's order (microbatch by microbatch)."""
+    n = len(arg_mbs if arg_mbs is not None else kwarg_mbs or [])
+    for mb in range(n):
+        if arg_mbs is not None and not isinstance(arg_mbs[mb], tuple):
+            raise TypeError(f"{call}(): arg_mbs must be a list of tuples, but arg_mbs[{mb}] is a "
+                            f"{type(arg_mbs[mb])}; each entry is the tuple of that microbatch's positional inputs, "
+                            "e.g. (x0,)")
+        if kwarg_mbs is not None and not isinstance(kwarg_mbs[mb], dict):
+            raise TypeError(f"{call}(): kwarg_mbs must be a list of dicts, but kwarg_mbs[{mb}] is a "
+                            f"{type(kwarg_mbs[mb])}; each entry is the dict of that microbatch's keyword inputs, "
+                            "e.g. {'mask': m0}")
+
+
 def _positional(arg_mbs: list, call: str) -> tuple[Microbatches, ...]:
-    for mb, entry in enumerate(arg_mbs):
-        if not isinstance(entry, tuple):
-            raise TypeError(f"{call}(arg_mbs=...): microbatch {mb} is a {type(entry).__name__}; each entry is the "
-                            "tuple of that microbatch's positional inputs, e.g. (x0,)")
     counts = {len(entry) for entry in arg_mbs}
     if len(counts) > 1:
         raise ValueError(f"{call}(arg_mbs=...): microbatches give different numbers of positional inputs "
@@ -82,10 +98,6 @@ def _positional(arg_mbs: list, call: str) -> tuple[Microbatches, ...]:
 
 
 def _keywords(kwarg_mbs: list, call: str) -> dict[str, Microbatches]:
-    for mb, entry in enumerate(kwarg_mbs):
-        if not isinstance(entry, dict):
-            raise TypeError(f"{call}(kwarg_mbs=...): microbatch {mb} is a {type(entry).__name__}; each entry is the "
-                            "dict of that microbatch's keyword inputs, e.g. {'mask': m0}")
     names = list(kwarg_mbs[0]) if kwarg_mbs else []
     for mb, entry in enumerate(kwarg_mbs):
         if set(entry) != set(names):
