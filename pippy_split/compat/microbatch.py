@@ -9,6 +9,9 @@ under the peer's names, argument order and return shapes.
   lists, and chunks every tensor on its own (``torch.tensor_split``): tensors of
   different batch sizes are fine, uneven batches give chunks that differ by one,
   and a tensor smaller than ``chunks`` gives that many chunks.
+- a FlexAttention ``BlockMask`` is chunked along its batch as the peer chunks it (its block
+  tables sliced, its ``mask_mod`` told each chunk's batch offset); one of batch 1 is given to
+  every microbatch whole.
 - ``merge_chunks(chunks, chunk_spec)`` is ours (``None`` = concatenate on dim 0).
 
 Example:
@@ -20,7 +23,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -161,7 +164,7 @@ def _per_tensor_specs(args: tuple[Any, ...], kwargs: dict[str, Any], args_chunk_
 def _leaf_specs(value: Any, spec: Any, where: str, dims: list) -> Any:
     """A spec tree shaped like ``value``: a per-tensor chunker at each chunked tensor,
     ``Replicate`` elsewhere (our splitter then never compares batch sizes)."""
-    leaves, treespec = pytree.tree_flatten(value)
+    leaves, treespec = pytree.tree_flatten(value, is_leaf=_is_block_mask)
     if spec is None or spec is Replicate or isinstance(spec, _core.TensorChunkSpec):
         specs = [spec] * len(leaves)
     else:
@@ -171,6 +174,9 @@ def _leaf_specs(value: Any, spec: Any, where: str, dims: list) -> Any:
                                   f"{len(leaves)} values")
     out: list[Any] = []
     for k, (leaf, s) in enumerate(zip(leaves, specs)):
+        if _is_block_mask(leaf) and s is not Replicate:
+            out.append(_block_mask_chunker(leaf, s, f"{where} (value {k})", dims))
+            continue
         if not isinstance(leaf, torch.Tensor) or s is Replicate or (s is None and leaf.dim() == 0):
             out.append(Replicate)
             continue
@@ -184,6 +190,46 @@ def _leaf_specs(value: Any, spec: Any, where: str, dims: list) -> Any:
 
 def _chunk(t: torch.Tensor, n: int, *, dim: int) -> list[torch.Tensor]:
     return list(torch.tensor_split(t, n, dim=dim))
+
+
+def _is_block_mask(value: Any) -> bool:
+    return type(value).__name__ == "BlockMask" and hasattr(value, "kv_num_blocks")
+
+
+def _block_mask_chunker(mask: Any, spec: Any, where: str, dims: list) -> Any:
+    """The chunker of a ``BlockMask`` argument: along its batch (dim 0, the only dim the peer
+    chunks it on); a mask of batch 1 broadcasts, so every microbatch gets it whole."""
+    if spec is not None and spec.dim != 0:
+        raise MicrobatchError(f"{where} is a BlockMask, which is chunked along its batch (dim 0) only, "
+                              f"not dim {spec.dim}")
+    if mask.kv_num_blocks.size(0) == 1:
+        return Replicate
+    dims.append((where, mask.kv_num_blocks, 0))
+    return _chunk_block_mask
+
+
+def _chunk_block_mask(mask: Any, n: int) -> list[Any]:
+    """``mask`` cut into ``n`` masks along its batch, as the peer cuts it: each keeps its rows of
+    the block tables and a ``mask_mod`` that sees the batch index it had in the whole mask."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def rows(t: torch.Tensor | None) -> list:
+        return list(torch.tensor_split(t, n, 0)) if t is not None else [None] * n
+
+    def shifted(offset: int) -> Callable:
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            return mask.mask_mod(b + torch.full_like(b, offset), h, q_idx, kv_idx)
+        return mask_mod
+
+    num, idx = rows(mask.kv_num_blocks), rows(mask.kv_indices)
+    full_num, full_idx = rows(mask.full_kv_num_blocks), rows(mask.full_kv_indices)
+    out, offset = [], 0
+    for i in range(n):
+        out.append(BlockMask.from_kv_blocks(kv_num_blocks=num[i], kv_indices=idx[i], full_kv_num_blocks=full_num[i],
+                                            full_kv_indices=full_idx[i], BLOCK_SIZE=mask.BLOCK_SIZE,
+                                            mask_mod=shifted(offset), seq_lengths=mask.seq_lengths))
+        offset += num[i].size(0)
+    return out
 
 
 def merge_chunks(chunks: list[Any], chunk_spec: Any) -> Any:

@@ -92,3 +92,45 @@ def test_docstring_examples_run():
 
     failures, attempted = doctest.testmod(microbatch)
     assert attempted and not failures
+
+
+# ---- FlexAttention BlockMask: chunked along its batch, as the peer chunks it -------------------------
+
+
+def _block_mask(batch: int):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ids = (torch.arange(batch * 256) % 30).reshape(batch, 256)  # packed documents of 30 tokens
+
+    def same_doc_causal(b, h, q_idx, kv_idx):
+        return (ids[b, q_idx] // 7 == ids[b, kv_idx] // 7) & (q_idx >= kv_idx)
+
+    return create_block_mask(same_doc_causal, B=batch, H=1, Q_LEN=256, KV_LEN=256, device="cpu")
+
+
+def _mask_rows(mask) -> list:
+    """A mask as plain data: its block tables, and what its mask_mod says for each of its batch rows."""
+    b = torch.arange(mask.kv_num_blocks.shape[0])
+    q_idx, kv_idx = torch.full_like(b, 200), torch.full_like(b, 150)
+    return [mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
+            mask.mask_mod(b, torch.zeros_like(b), q_idx, kv_idx)]
+
+
+@pytest.mark.parametrize("batch, chunks", [(6, 4), (4, 4), (1, 3)], ids=["uneven", "even", "batch 1 broadcasts"])
+def test_block_mask_is_chunked_along_its_batch_like_the_peer(batch, chunks):
+    """The peer's test_split_block_mask: a BlockMask inside an argument is cut along its batch, each
+    piece's mask_mod told its batch offset (it was handed to every microbatch whole before)."""
+    mask, q = _block_mask(batch), torch.randn(batch, 1, 256, 8)
+    ours, _ = split_args_kwargs_into_chunks((q, {"block_mask": mask}), {}, chunks)
+    theirs, _ = peer.split_args_kwargs_into_chunks((q, {"block_mask": mask}), {}, chunks)
+    assert len(ours) == len(theirs)
+    for mine, peers in zip(ours, theirs):
+        _same(mine[0], peers[0])
+        _same(_mask_rows(mine[1]["block_mask"]), _mask_rows(peers[1]["block_mask"]))
+    if batch > 1:
+        assert sum(m[1]["block_mask"].kv_num_blocks.shape[0] for m in ours) == batch
+
+
+def test_block_mask_along_another_dim_is_refused_by_name():
+    with pytest.raises(compat_microbatch.MicrobatchError, match="BlockMask.*batch \\(dim 0\\) only"):
+        split_args_kwargs_into_chunks((), {"m": _block_mask(4)}, 2, kwargs_chunk_spec={"m": TensorChunkSpec(1)})
