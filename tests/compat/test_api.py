@@ -244,6 +244,8 @@ def test_get_schedule_class_names_as_the_peer(name):
     peer_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
     for spelling in (name, name.lower(), name.upper()):
         assert schedules.get_schedule_class(spelling).__name__ == peer_schedules.get_schedule_class(spelling).__name__
+    # the peer's private common base, which code written for it names (the peer's own test of this)
+    assert issubclass(schedules.get_schedule_class(name), schedules._PipelineSchedule)
 
 
 def test_unknown_schedule_name_lists_the_valid_ones():
