@@ -1,16 +1,18 @@
-"""The `pippy-split` command: `train`, `inspect`, `simulate`, `plan`.
+"""The `pippy-split` command: `train`, `generate`, `inspect`, `simulate`, `plan`.
 
 Where this sits: on top of the flow split → Pipe → stage → schedule → runtime.
 `simulate` only needs the schedule layer's orders and simulator; `inspect`
 traces and splits a model into a Pipe and prints it; `plan` profiles a model and
 ranks split x schedule x microbatches x checkpointing under a memory budget
 (:mod:`pippy_split.plan`); `train` hands over to :mod:`pippy_split.train`, which runs
-the whole flow on local ranks.
+the whole flow on local ranks; `generate` to :mod:`pippy_split.training.generate_run`, which
+samples from a train run on the stages and ranks it trained with.
 
     pippy-split simulate --schedule ZBVZeroBubble --ranks 4 --microbatches 8 --compare
     pippy-split inspect zoo:tiny_unet --json
     pippy-split plan zoo:tiny_gpt --ranks 4 --memory 2GB --svg plan.svg
     pippy-split train --steps 100
+    pippy-split generate checkpoints/tiny_gpt --prompt "07+45=" --max-new-tokens 3
 
 Importing this module imports no torch: ``--help``, ``--version`` and ``train --help`` answer
 at once, and each command imports what it runs.
@@ -104,6 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model pipelined over local ranks (default: a tiny GPT learning sums)")
     build_train_parser(t)
+
+    gen = sub.add_parser("generate", help="sample from a train run on the stages and ranks it trained with")
+    gen.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (train's --checkpoint), holding model.pt")
+    gen.add_argument("--prompt", action="append", required=True,
+                     help="text to continue; repeat for several (left-padded into one batch)")
+    gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens added to each prompt (default 32)")
+    gen.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
+    gen.add_argument("--temperature", type=float, default=1.0, help="with --do-sample: the logits are divided by it")
+    gen.add_argument("--top-k", type=int, default=None, help="with --do-sample: keep the K most likely tokens")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="with --do-sample: keep the most likely tokens whose probability reaches P")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="with --do-sample: the same seed draws the same tokens, whatever the ranks")
+    gen.add_argument("--json", action="store_true", help="print a JSON list of {prompt, completion} instead of text")
     return p
 
 
@@ -378,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
             console.print("[red]plan needs a target (module:factory or zoo:NAME), or --cluster PRESET --model hf:DIR[/]")
             return 2
         return plan_cmd(args, console)
+    if args.command == "generate":
+        from .training import generate_run
+
+        return generate_run.run(args)
     from . import train
 
     return train.run(args)

@@ -1,0 +1,327 @@
+"""``pippy-split generate RUN_DIR --prompt ...``: sample from a ``pippy-split train`` run on its own stages and ranks.
+
+Where this sits: after a train run, beside :mod:`pippy_split.train`. The run's ``model.pt``
+holds its trained weights (original FQNs) and, in its ``meta``, the run's whole
+:class:`~pippy_split.training.config.TrainConfig` and the directory it ran in
+(:mod:`pippy_split.training.finish`). From those every rank rebuilds what ``train
+--resume`` rebuilds: the same model from the same source
+(:func:`pippy_split.training.setup.model_source`; the built-in TinyGPT from its recorded
+config), the trained weights loaded before it is split, the same split (checked against the
+stages the run recorded), the same schedule and mesh over the same number of local ranks
+(launched as ``train`` launches them, or under ``torchrun``). Then every rank calls
+``sched.generate`` with the prompts, read in the run's own vocabulary
+(:mod:`pippy_split.training.prompts`), and the text of rank 0's result is printed.
+
+    pippy-split train --steps 400 --checkpoint checkpoints/sums
+    pippy-split generate checkpoints/sums --prompt "07+45=" --prompt "12+30=" --max-new-tokens 3
+
+Errors the command finds (no run directory, a run without ``model.pt``, a prompt the
+vocabulary cannot read, a prompt plus ``--max-new-tokens`` beyond the model's positions) are
+one line, as ``train``'s are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from .config import TrainConfig
+from .inputs import JobError, as_job_error
+
+__all__ = ["GenerateRequest", "make_request", "render", "run", "generate_worker", "generate_rank", "run_config",
+           "rebuild_pipe"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    """What every rank is asked: the run, the prompts as ids (left-padded), how to choose tokens."""
+
+    run_dir: str
+    input_ids: list[list[int]]
+    attention_mask: list[list[int]]
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """The token-choice arguments of ``generate``."""
+        return dict(max_new_tokens=self.max_new_tokens, do_sample=self.do_sample, temperature=self.temperature,
+                    top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+
+
+# --------------------------------------------------------------------------- the run directory
+
+
+def run_config(meta: dict, run_dir: str) -> TrainConfig:
+    """The run's :class:`TrainConfig` from its ``model.pt``'s ``meta``, its relative paths resolved
+    from the directory the run ran in, ``checkpoint`` the run directory as found now.
+
+    A ``model.pt`` from before the config was recorded still serves the built-in TinyGPT (its
+    schedule, ranks and split are recorded); other models need the config.
+
+    Example:
+        >>> meta = {"config": {"model": "hf:tiny.json", "schedule": "1F1B"}, "cwd": "/runs"}
+        >>> cfg = run_config(meta, "/runs/checkpoints/tiny"); cfg.model, cfg.schedule, cfg.checkpoint
+        ('hf:/runs/tiny.json', '1F1B', '/runs/checkpoints/tiny')
+    """
+    raw = meta.get("config")
+    if not isinstance(raw, dict):
+        if not (meta.get("chars") and meta.get("gpt_config") and meta.get("split")):
+            raise JobError(f"{os.path.join(run_dir, 'model.pt')} records no run configuration (it was written before "
+                           "pippy-split recorded one): train the run again to generate from it")
+        raw = {"schedule": meta["schedule"], "ranks": meta["ranks"],
+               "split": ",".join(stage[0] for stage in meta["split"][1:])}
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in raw.items() if k in names})
+    here = meta.get("cwd")
+
+    def resolved(path: str | None) -> str | None:
+        return path if not path or os.path.isabs(path) or not isinstance(here, str) else os.path.join(here, path)
+
+    model = cfg.model
+    if model and model.startswith("hf:"):
+        model = "hf:" + str(resolved(model[3:]))
+    return dataclasses.replace(cfg, model=model, tokenizer=resolved(cfg.tokenizer), data=resolved(cfg.data),
+                               checkpoint=run_dir, resume=False, plan=None)
+
+
+def read_run(run_dir: str) -> dict:
+    """``RUN_DIR/model.pt`` (weights and meta), or a :class:`JobError` saying what is missing."""
+    from .loop import TRAIN_STATE_DIR
+    from .setup import CHECKPOINT_FILE, load_model_file
+
+    if not os.path.isdir(run_dir):
+        raise JobError(f"{run_dir}: no such run directory (the --checkpoint directory of a pippy-split train run)")
+    if not os.path.isfile(os.path.join(run_dir, CHECKPOINT_FILE)):
+        unfinished = os.path.isdir(os.path.join(run_dir, TRAIN_STATE_DIR))
+        why = (f"the run has not finished (train writes {CHECKPOINT_FILE} at its end; its {TRAIN_STATE_DIR}/ is a "
+               "checkpoint to continue with train --resume)") if unfinished else "it is not a pippy-split train run"
+        raise JobError(f"{run_dir} holds no trained weights ({CHECKPOINT_FILE}): {why}")
+    try:
+        return load_model_file(run_dir)
+    except SystemExit as e:
+        raise JobError(str(e.code)) from None
+
+
+# --------------------------------------------------------------------------- one rank
+
+
+@dataclass
+class Rebuilt:
+    """The run's model (trained weights loaded, or on meta), its Pipe, and the stages' weights where the
+    model is on meta."""
+
+    model: Any
+    pipe: Any
+    state_dict: Any
+
+
+def rebuild_pipe(cfg: TrainConfig, saved: dict, pp: int) -> Rebuilt:
+    """The run's model with its trained weights, split as the run split it (``pp`` pipeline ranks): the model
+    and split as :func:`~pippy_split.training.setup.model_source` makes them for ``train``, the weights loaded
+    as ``train --resume`` loads ``model.pt``. A split that differs from the one the run recorded is refused."""
+    import torch
+
+    import pippy_split as ps
+
+    from ..zoo.entry import layer_split
+    from ..zoo.gpt import TinyGPT
+    from .nd import block_split
+    from .setup import model_source, parse_split, stages_per_rank
+
+    meta = saved["meta"]
+    num_stages = pp * stages_per_rank(cfg.schedule)
+    dynamic = state_dict = None
+    if meta.get("gpt_config"):  # the built-in TinyGPT: its config is recorded; its text is not needed
+        model = TinyGPT(**meta["gpt_config"])
+        given = parse_split(cfg.split) or layer_split("blocks", meta["gpt_config"]["n_layer"], num_stages)
+        split = block_split(cfg, model, num_stages, given)
+        args: tuple = (torch.zeros(max(1, cfg.batch_size // cfg.microbatches), cfg.seq_len, dtype=torch.long),)
+        kwargs: dict = {}
+    else:
+        here = meta.get("cwd")
+        if isinstance(here, str) and here not in sys.path:
+            sys.path.append(here)  # a module:factory the run imported from its directory
+        prep, split, args, kwargs = model_source(cfg, num_stages)
+        model, dynamic, state_dict = prep.model, prep.dynamic_shapes, prep.state_dict
+    if state_dict is not None:  # built on meta: each stage is filled from model.pt
+        state_dict = saved["state_dict"]
+    else:
+        missing, unexpected = model.load_state_dict(saved["state_dict"], strict=False)
+        if missing or unexpected:
+            raise JobError(f"{cfg.checkpoint}/model.pt does not match the run's model: missing {missing}, "
+                           f"unexpected {unexpected}")
+    model.eval()
+    pipe = ps.pipeline(model, split, args, kwargs or None, dynamic_shapes=dynamic)
+    stages = [list(s.modules) for s in pipe.stages]
+    if meta.get("split") is not None and stages != meta["split"]:
+        raise JobError(f"the run's model split into {meta['split']} when it trained, but {stages} now (has its "
+                       f"model source changed?); generate runs on the stages the run trained")
+    return Rebuilt(model, pipe, state_dict)
+
+
+def _check_vocabulary(model: Any, ids: Any) -> None:
+    from .factory import vocab_size_of
+
+    vocab = vocab_size_of(model)
+    if vocab is not None and int(ids.max()) >= vocab:
+        raise JobError(f"a prompt has token id {int(ids.max())}, beyond the model's vocab_size {vocab}")
+
+
+def generate_rank(req: GenerateRequest, rank: int, world: int, device: Any) -> list[list[int]]:
+    """This rank's part: rebuild the run's stages on the run's mesh, ``sched.generate``; every rank
+    returns each row's new tokens (up to and with its EOS)."""
+    import torch
+
+    import pippy_split as ps
+
+    from ..generate import GenerationError
+    from .nd import Layout, parallelize_stages
+
+    saved = read_run(req.run_dir)
+    cfg = run_config(saved["meta"], req.run_dir)
+    if world != cfg.ranks:
+        raise JobError(f"the run trained on {cfg.ranks} ranks; generate runs on the same ranks, not {world}")
+    layout = Layout.of(cfg, world, rank, device)
+    built = rebuild_pipe(cfg, saved, layout.pp)
+    sched = ps.build_schedule(built.pipe, cfg.schedule, cfg.microbatches, device=device, group=layout.pp_group,
+                              state_dict=built.state_dict)
+    parallelize_stages(cfg, sched, built.model, layout)
+    ids, mask = torch.tensor(req.input_ids, device=device), torch.tensor(req.attention_mask, device=device)
+    _check_vocabulary(built.model, ids)
+    try:
+        out = sched.generate(ids, attention_mask=mask, **req.sampling())
+    except GenerationError as e:
+        if layout.mesh is None:
+            raise
+        flags = " ".join(f"--{n} {v}" for n, v in (("dp", cfg.dp), ("tp", cfg.tp)) if v > 1)
+        raise JobError(f"the run trained with {flags} (FSDP2 / tensor-parallel stages): {e}") from None
+    eos = getattr(getattr(built.model, "generation_config", None), "eos_token_id", None)
+    return [_until_eos(row, eos) for row in out.sequences[:, ids.shape[1]:].tolist()]
+
+
+def _until_eos(tokens: list[int], eos: int | list[int] | None) -> list[int]:
+    """A row's new tokens up to and with its first EOS (after it ``generate`` pads)."""
+    stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[: i + 1]
+    return tokens
+
+
+def generate_worker(req: GenerateRequest) -> list[list[int]]:
+    """One rank of ``pippy-split generate`` (under torchrun or the launcher): its process group, then
+    :func:`generate_rank`. An error the command found reaches the launcher as its message alone."""
+    import torch
+    import torch.distributed as dist
+
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    try:
+        return generate_rank(req, dist.get_rank(), dist.get_world_size(), device)
+    except BaseException as e:
+        found = as_job_error(e)
+        if found is None or found is e:
+            raise
+        raise found from None
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def make_request(args: argparse.Namespace) -> tuple[GenerateRequest, Any, int]:
+    """The request every rank gets, the run's vocabulary, and how many ranks the run used; a
+    :class:`JobError` for anything wrong that shows before a rank starts."""
+    from ..generate import GenerateOptions, GenerationError
+    from .prompts import PromptCodec
+
+    run_dir = os.path.abspath(args.run_dir)
+    meta = read_run(args.run_dir)["meta"]
+    cfg = run_config(meta, run_dir)
+    try:  # generate's own checks of the arguments, here before any rank starts
+        GenerateOptions(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except GenerationError as e:  # named by its flag: "temperature must be ..." -> "--temperature must be ..."
+        text = str(e)
+        field = next((f for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed") if text.startswith(f)), "")
+        raise JobError("--" + field.replace("_", "-") + text[len(field):] if field else text) from None
+    codec = PromptCodec.of_run(cfg, meta)
+    ids, mask = codec.batch(list(args.prompt))
+    req = GenerateRequest(run_dir=run_dir, input_ids=ids.tolist(), attention_mask=mask.tolist(),
+                          max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return req, codec, cfg.ranks
+
+
+def render(prompts: list[str], completions: list[str], as_json: bool = False) -> str:
+    """What the command prints: each prompt followed by its completion, one per line, or a JSON list.
+
+    Example:
+        >>> print(render(["1+2=", "3+4="], ["3", "7"]), end="")
+        1+2=3
+        3+4=7
+        >>> render(["1+2="], ["3"], as_json=True)
+        '[{"prompt": "1+2=", "completion": "3"}]\\n'
+    """
+    if as_json:
+        return json.dumps([{"prompt": p, "completion": c} for p, c in zip(prompts, completions)],
+                          ensure_ascii=False) + "\n"
+    return "".join(p + c + "\n" for p, c in zip(prompts, completions))
+
+
+def _print(args: argparse.Namespace, codec: Any, completions: list[list[int]]) -> None:
+    print(render(list(args.prompt), [codec.decode(c) for c in completions], args.json), end="", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``pippy-split generate``: check, launch the run's ranks (or, under torchrun, be one), print rank 0's text."""
+    try:
+        req, codec, ranks = make_request(args)
+    except (JobError, SystemExit) as e:
+        print(f"pippy-split generate: {e if isinstance(e, JobError) else e.code}", file=sys.stderr)
+        return 2
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        try:
+            completions = generate_worker(req)
+        except JobError as e:
+            print(f"pippy-split generate: rank {os.environ['RANK']} failed: {e}", file=sys.stderr, flush=True)
+            return 1
+        if int(os.environ["RANK"]) == 0:
+            _print(args, codec, completions)
+        return 0
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from ..testing import free_port
+    from ..train import _quiet_launcher, failure_line, rank_traceback
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, rdzv_backend="c10d",
+                          rdzv_endpoint=f"localhost:{free_port()}", run_id=f"pippy-split-generate-{os.getpid()}",
+                          max_restarts=0, monitor_interval=0.1, start_method="spawn")
+    try:
+        with _quiet_launcher():
+            results = elastic_launch(config, generate_worker)(req)
+    except ChildFailedError as e:
+        stack = rank_traceback(e)
+        if stack:
+            print(stack, file=sys.stderr)
+        print(failure_line(e).replace("pippy-split train:", "pippy-split generate:", 1), file=sys.stderr, flush=True)
+        return 1
+    _print(args, codec, results[0])
+    return 0
