@@ -97,3 +97,54 @@ def tp_body(rank: int, world: int, kwargs: dict) -> dict:
     sched = ps.build_schedule(pipe, "1F1B", N_MB, loss_fn=lm_loss, group=mesh["pp"])
     ps.parallelize(sched, tp_mesh=mesh["tp"], tp_plan=tp_plan())
     return _generate_train_generate(sched, ids, target, kwargs)
+
+
+def fsdp_tp_body(rank: int, world: int, kwargs: dict) -> dict:
+    """(pp=1, dp=2, tp=2): TP over ``mesh["tp"]`` and per-block FSDP2 over ``mesh["dp"]`` on
+    one stage: 2-D DTensors (Shard on dp and on tp) made whole by one ``full_tensor`` each."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    ids, target = train_batch()
+    half = slice(2 * mesh.get_local_rank("dp"), 2 * mesh.get_local_rank("dp") + 2)
+    pipe = ps.pipeline(llama8(), layer_split("model.layers", 8, 1), (ids[:1],))
+    sched = ps.build_schedule(pipe, "1F1B", N_MB // 2, loss_fn=lm_loss, group=mesh["pp"])
+    ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["model.layers.*"], tp_mesh=mesh["tp"], tp_plan=tp_plan())
+    return _generate_train_generate(sched, ids[half], target[half], kwargs)
+
+
+def failing_generate_body(rank: int, world: int) -> dict:
+    """One rank, TP and per-block FSDP2 on a 1 x 1 mesh: a decode step that raises mid-call
+    leaves the stage as it was (shards, parameter objects, hooks) and frees what the call
+    gathered; the next call gives what the unsharded pipe gave."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pippy_split.generate.stage_step import StageDecoder
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    ids, _ = train_batch()
+    pipe = ps.pipeline(llama8(), layer_split("model.layers", 8, 1), (ids[:1],))
+    sched = ps.build_schedule(pipe, "1F1B", N_MB, loss_fn=lm_loss)
+    prompt, mask = prompts(True, batch=3)
+    prompt = prompt % 64
+    want = pipe.generate(prompt, attention_mask=mask, max_new_tokens=3)
+    ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["model.layers.*"], tp_mesh=mesh["tp"], tp_plan=tp_plan())
+    seen = _spy_gathers()
+    state = _state(sched)
+    original = StageDecoder.run
+
+    def run(self: StageDecoder, *args: Any) -> Any:
+        raise RuntimeError("injected failure")
+
+    StageDecoder.run = run  # type: ignore[method-assign]
+    try:
+        sched.generate(prompt, attention_mask=mask, max_new_tokens=3)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    finally:
+        StageDecoder.run = original  # type: ignore[method-assign]
+    kept, freed = _state(sched) == state, seen[0].freed()
+    got = sched.generate(prompt, attention_mask=mask, max_new_tokens=3)
+    return {"error": error, "kept": kept, "sharded": state[1], "freed": freed,
+            "same": torch.equal(got.sequences, want.sequences)}

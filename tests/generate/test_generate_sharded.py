@@ -1,5 +1,5 @@
-"""``sched.generate`` on stages under per-block FSDP2 and under tensor parallelism (gloo, 4
-ranks on a 2 x 2 DeviceMesh): greedy sequences equal Hugging Face ``generate`` on the
+"""``sched.generate`` on stages under per-block FSDP2, under tensor parallelism and under both
+(gloo, 4 ranks on a DeviceMesh): greedy sequences equal Hugging Face ``generate`` on the
 unsplit model token for token and logprobs to 1e-5, before and after a training step and
 ``optimizer.step()`` (live weights); each call gathers the stage whole and frees it."""
 
@@ -11,7 +11,7 @@ import torch
 from pippy_split.testing import run_ranks
 
 from .gen_bodies import llama8, reference
-from .sharded_bodies import fsdp_body, tp_body
+from .sharded_bodies import failing_generate_body, fsdp_body, fsdp_tp_body, tp_body
 
 KWARGS = {"max_new_tokens": 6, "eos_token_id": 999, "pad_token_id": 0}  # no EOS: every step compared
 
@@ -60,3 +60,21 @@ def test_generate_on_tensor_parallel_stages_equals_hf_before_and_after_a_step() 
     linears = _numel(("_proj",))
     for rank, r in enumerate(results):  # ranks (pp, tp): pp * 2 + tp; 7 linears in each of 4 layers
         assert all((t, n) == (28, linears[rank // 2]) for t, n in r["gathered"]), (rank, r["gathered"], linears)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+def test_generate_on_fsdp2_over_tensor_parallel_stages_equals_hf_before_and_after_a_step() -> None:
+    results = run_ranks(fsdp_tp_body, 4, KWARGS, timeout=840)
+    _check(results)
+    whole = sum(_numel(("",)))
+    for rank, r in enumerate(results):  # one stage holding the whole model, every parameter sharded
+        assert all(n == whole for _, n in r["gathered"]), (rank, r["gathered"], whole)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_a_generate_call_that_fails_puts_the_shards_and_hooks_back() -> None:
+    (r,) = run_ranks(failing_generate_body, 1, timeout=240)
+    assert r["error"] == "injected failure", r
+    assert r["sharded"] > 0 and r["kept"] and r["freed"] and r["same"], r
