@@ -73,16 +73,17 @@ def _generate_train_generate(sched: Any, ids: torch.Tensor, target: torch.Tensor
             "gathered": [(g.tensors, g.numel) for g in seen], "freed": all(g.freed() for g in seen)}
 
 
-def fsdp_body(rank: int, world: int, kwargs: dict) -> dict:
+def fsdp_body(rank: int, world: int, kwargs: dict, schedule: str = "1F1B", stages: int = 2) -> dict:
     """(dp=2, pp=2): per-block FSDP2 (``model.layers.*``, then each stage root) over
-    ``mesh["dp"]``; each replica trains on its half of the batch."""
+    ``mesh["dp"]``; each replica trains on its half of the batch. Under a V schedule each
+    rank holds two stages, gathered in the order of ``sched.stages``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     ids, target = train_batch()
     half = slice(2 * mesh.get_local_rank("dp"), 2 * mesh.get_local_rank("dp") + 2)
-    pipe = ps.pipeline(llama8(), layer_split("model.layers", 8, 2), (ids[:1],))
-    sched = ps.build_schedule(pipe, "1F1B", N_MB // 2, loss_fn=lm_loss, group=mesh["pp"])
+    pipe = ps.pipeline(llama8(), layer_split("model.layers", 8, stages), (ids[:1],))
+    sched = ps.build_schedule(pipe, schedule, N_MB // 2, loss_fn=lm_loss, group=mesh["pp"])
     ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["model.layers.*"])
     return _generate_train_generate(sched, ids[half], target[half], kwargs)
 

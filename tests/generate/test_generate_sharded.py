@@ -32,22 +32,28 @@ def _check(results: list[dict]) -> None:
         assert len(r["gathered"]) == 2, r["gathered"]  # one gather per call
 
 
-def _numel(names: tuple[str, ...]) -> list[int]:
-    """Elements of the parameters whose FQN contains one of ``names``, per pipeline stage
-    (stage 0: the embedding and layers 0-3; stage 1: layers 4-7, the norm and the head)."""
-    out = [0, 0]
+def _numel(names: tuple[str, ...], stage_rank: tuple[int, ...] = (0, 1)) -> list[int]:
+    """Elements of the parameters whose FQN contains one of ``names``, per pipeline rank, for
+    8 layers cut evenly into ``len(stage_rank)`` stages placed on ``stage_rank[s]`` (the first
+    stage holds the embedding, the last the norm and the head)."""
+    per_stage = 8 // len(stage_rank)
+    out = [0] * (max(stage_rank) + 1)
     for fqn, p in llama8().named_parameters():
         if any(n in fqn for n in names):
-            out[0 if "embed" in fqn or any(f"layers.{i}." in fqn for i in range(4)) else 1] += p.numel()
+            layer = next((i for i in range(8) if f"layers.{i}." in fqn), None)
+            stage = 0 if "embed" in fqn else len(stage_rank) - 1 if layer is None else layer // per_stage
+            out[stage_rank[stage]] += p.numel()
     return out
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(900)
-def test_generate_on_per_block_fsdp2_stages_equals_hf_before_and_after_a_step() -> None:
-    results = run_ranks(fsdp_body, 4, KWARGS, timeout=840)
+@pytest.mark.parametrize("schedule,stage_rank", [("1F1B", (0, 1)), ("ZBVZeroBubble", (0, 1, 1, 0))])
+def test_generate_on_per_block_fsdp2_stages_equals_hf_before_and_after_a_step(schedule: str,
+                                                                              stage_rank: tuple) -> None:
+    results = run_ranks(fsdp_body, 4, KWARGS, schedule, len(stage_rank), timeout=840)
     _check(results)
-    whole = _numel(("",))
+    whole = _numel(("",), stage_rank)
     for rank, r in enumerate(results):  # ranks (dp, pp): dp * 2 + pp; FSDP2 shards every parameter
         assert all(n == whole[rank % 2] for _, n in r["gathered"]), (rank, r["gathered"], whole)
 
