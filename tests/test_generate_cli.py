@@ -177,14 +177,14 @@ def test_an_hf_run_generates_with_its_tokenizer(tmp_path):
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_a_run_on_fsdp2_replicas_generates_on_its_mesh_or_says_why_not(tmp_path):
-    """--dp 2: the same ranks and mesh as the run; its output equals the plain pipe's, or (while generate refuses
-    FSDP2 stages) one line that names --dp and what generate refuses."""
+    """--dp 2: the same ranks and mesh as the run; its output equals the plain pipe's, or (where generate refuses
+    FSDP2 stages) one line that names what it refuses."""
     _ok(_cli(*_TRAIN, "--dp", "2", "--checkpoint", "dp", cwd=tmp_path))
     r = _cli("generate", "dp", "--prompt", "07+45=", "--max-new-tokens", "4", "--json", cwd=tmp_path)
     if r.returncode:
         line = r.stderr.strip().splitlines()[-1]
-        assert re.match(r"pippy-split generate: rank [01] failed: the run trained with --dp 2 \(FSDP2 / "
-                        r"tensor-parallel stages\): stages? \[.*\] hold FSDP2", line), r.stderr
+        assert re.match(r"pippy-split generate: rank [01] failed: GenerationError: stages? \[.*\] hold FSDP2 or "
+                        r"tensor-parallel \(DTensor\) parameters, which generate\(\) does not gather yet", line), r.stderr
         return
     saved = load_model_file(str(tmp_path / "dp"))
     meta = saved["meta"]
