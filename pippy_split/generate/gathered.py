@@ -88,15 +88,15 @@ def unsharded_stages(stages: Sequence[Any], pipe: Any) -> Iterator[Gathered]:
         return
     undo: list[Callable[[], None]] = []
     whole: dict[int, torch.Tensor] = {}
+    program = None
     try:
         _suspend_hooks(modules, undo)
-        if "decode_program" not in pipe.derived:
-            traced: list[Callable[[], None]] = []
-            try:
-                _lend(sharded, _stand_in, {}, traced)
-                decode_program(pipe)
-            finally:
-                _undo(traced)
+        traced: list[Callable[[], None]] = []
+        try:
+            _lend(sharded, _stand_in, {}, traced)
+            program = decode_program(pipe)  # traced on the Pipe's first call: it needs shapes only
+        finally:
+            _undo(traced)
         _lend(sharded, _full, whole, undo)
         gathered.tensors = len(whole)
         gathered.numel = sum(t.numel() for t in whole.values())
@@ -105,7 +105,8 @@ def unsharded_stages(stages: Sequence[Any], pipe: Any) -> Iterator[Gathered]:
         yield gathered
     finally:
         _undo(undo)
-        _unbind(pipe, stages, {id(new): old for old, new in _pairs(sharded, whole)})
+        if program is not None:
+            _unbind(program, stages, {id(new): old for old, new in _pairs(sharded, whole)})
         whole.clear()
 
 
@@ -184,12 +185,9 @@ def _undo(undo: list[Callable[[], None]]) -> None:
         undo.pop()()
 
 
-def _unbind(pipe: Any, stages: Sequence[Any], back: dict[int, torch.Tensor]) -> None:
+def _unbind(program: Any, stages: Sequence[Any], back: dict[int, torch.Tensor]) -> None:
     """Point the decode program's own parameters and buffers that were bound to a full tensor
     back at the live DTensor (the next call binds them again), so that nothing keeps it."""
-    program = pipe.derived.get("decode_program")
-    if program is None or not back:
-        return
     for st in stages:
         module = program.stage_module(st.stage_index)
         for name, t in [*module.named_parameters(remove_duplicate=False),
