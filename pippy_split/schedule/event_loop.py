@@ -106,7 +106,7 @@ def requirement_table(index: DepIndex, stage_rank: dict[int, int], num_mb: int,
 class LoopRun:
     """How far every rank got: start times of what ran, where each stopped, what it waits for."""
 
-    starts: dict[int, list[float]]
+    starts: Mapping[int, list[float]]
     """Per rank, the start time of each action run, in list order (idle steps dropped);
     its length is how many of the rank's actions ran."""
     free: dict[int, float]

@@ -61,3 +61,22 @@ def test_actions_of_equals_constructor():
     built = actions_of([0, 3], [F, B], [5, 0], 2)
     assert built == [Action(0, F, 5), Action(3, B, 0)]
     assert [repr(a) for a in built] == ["Action(0F5)", "Action(3B0)"] and hash(built[0]) == hash(Action(0, F, 5))
+
+
+def test_idle_steps_empty_rank_and_per_link_latency_read_the_same(monkeypatch):
+    """Rounds lay each rank's actions out with a sentinel after them: idle steps, a rank
+    with nothing to run and latencies that differ per link must not shift a position."""
+    order = get_order_spec("1F1B").compute_order(4, 6)
+    order[1] = [None, *order[1][:3], None, *order[1][3:]]
+    order[7] = []  # a rank with no actions
+    lat = {(0, 1): 0.25, (1, 2): 0.5, (2, 3): 1.75}
+    a, b = _both(monkeypatch, order, costs={"F": 1.1, "B": 2.3}, comm_latency=lat, microbatch_scale=[1, 2, 1, 3, 1, 1])
+    assert a == b and not isinstance(a, str)
+
+
+def test_a_negative_cost_is_left_to_the_loop(monkeypatch):
+    """``inf`` marks "not done" in rounds and zero slots pad the requirements, so a
+    negative time goes to the sequential loop, which gives its own answer."""
+    order = get_order_spec("1F1B").compute_order(3, 4)
+    a, b = _both(monkeypatch, order, costs={"F": -1.0})
+    assert a == b
