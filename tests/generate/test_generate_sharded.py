@@ -47,6 +47,7 @@ def _numel(names: tuple[str, ...], stage_rank: tuple[int, ...] = (0, 1)) -> list
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("schedule,stage_rank", [("1F1B", (0, 1)), ("ZBVZeroBubble", (0, 1, 1, 0))])
 def test_generate_on_per_block_fsdp2_stages_equals_hf_before_and_after_a_step(schedule: str,
@@ -59,6 +60,7 @@ def test_generate_on_per_block_fsdp2_stages_equals_hf_before_and_after_a_step(sc
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_generate_on_tensor_parallel_stages_equals_hf_before_and_after_a_step() -> None:
     results = run_ranks(tp_body, 4, KWARGS, timeout=840)
@@ -69,6 +71,7 @@ def test_generate_on_tensor_parallel_stages_equals_hf_before_and_after_a_step() 
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_generate_on_fsdp2_over_tensor_parallel_stages_equals_hf_before_and_after_a_step() -> None:
     results = run_ranks(fsdp_tp_body, 4, KWARGS, timeout=840)
