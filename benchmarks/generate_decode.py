@@ -8,7 +8,7 @@ Run with ``python -m benchmarks.generate_decode [--quick]``. A tiny HF Llama (d=
 process (HF ``generate`` with its own cache, one thread). Each configuration generates
 once to warm up (the decode program is traced then), then ``REPS`` times; the figure is the
 median (the lane settings take turns within each rank process). Tokens/s counts new tokens of all rows. Busy fraction: a rank's time inside its
-stages' decode steps over the call's wall time; predicted: :func:`simulate_decode` of the
+stages' decode steps over the call's wall time; predicted: ``ps.simulate`` of the
 same lowered order with one cost per compute. Results go to
 ``benchmarks/results/generate_decode.{json,md}``.
 
@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 import pippy_split as ps
-from pippy_split.generate.distributed import generate_on_schedule
-from pippy_split.generate.order import decode_order, lower_decode, simulate_decode
+from pippy_split.generate.distributed import generate_on_schedule, lowered_decode
+from pippy_split.generate.lanes import make_lanes
+from pippy_split.generate.options import GenerateOptions
 from pippy_split.generate.program import decode_program
 from pippy_split.testing import run_ranks
 
@@ -76,12 +77,12 @@ def rank_body(rank: int, world: int, d: int, layers: int, batch: int, length: in
             steps[lanes].append(statistics.median(computes))
     program = decode_program(pipe)
     for lanes in lanes_list:
-        n_lanes = min(lanes or program.num_stages, batch)
-        lowered = lower_decode(decode_order(dict(sched.placement), lanes=n_lanes, rounds=new), dict(sched.placement),
-                               links=program.links(), token_readers=program.token_readers())
+        opts = GenerateOptions(max_new_tokens=new)
+        lane_list = make_lanes(ids, torch.ones_like(ids), lanes or program.num_stages, None, opts)
+        lowered, _ = lowered_decode(dict(sched.placement), program, lane_list)  # the order generate runs
         out[str(lanes)] = {"wall": statistics.median(walls[lanes]), "busy": statistics.median(busy[lanes]),
                            "stage_step_ms": 1e3 * statistics.median(steps[lanes]),
-                           "predicted_busy": simulate_decode(lowered).busy[rank], "lanes": n_lanes}
+                           "predicted_busy": ps.simulate(lowered).busy[rank], "lanes": len(lane_list)}
     return out
 
 

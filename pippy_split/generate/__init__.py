@@ -3,10 +3,12 @@
 Where this sits: beside the training flow, reusing it. ``pipe.generate`` and
 ``sched.generate`` hand over here. :mod:`.decode_model` is the decode step as a module,
 :mod:`.program` its trace cut where the training pipe is cut (each stage keeps its own
-layers' cache), :mod:`.stage_step` one stage's step for a lane, :mod:`.lanes` what each
-lane feeds and what the rows produced, :mod:`.sampling` the token choice, :mod:`.order`
-the decode order as data (built, lowered, validated, simulated), :mod:`.local` the
-one-process driver and :mod:`.distributed` the driver on the schedule's ranks.
+layers' cache), :mod:`.stage_step` one stage's step for a lane, :mod:`.lanes` each lane's
+slots (what it feeds, which waiting row takes a finished row's slot) and what the rows
+produced, :mod:`.sampling` the token choice, :mod:`.local` the one-process driver and
+:mod:`.distributed` the driver on the schedule's ranks. The decode order itself is data
+of the schedule layer (:mod:`pippy_split.schedule.decode_order`: built, lowered,
+validated, simulated by ``ps.simulate``).
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ class CheckedCall:
     mask: torch.Tensor
     """``(batch, prompt_len)`` the prompts' attention mask."""
     lanes: int | None
+    slots: int | None
+    """Rows in flight per lane (None: all of the lane's rows at once)."""
     dtype: torch.dtype
     """The cache's dtype (the model's floating-point parameters')."""
 
@@ -51,7 +53,8 @@ def _generation_default(model: torch.nn.Module, name: str) -> Any:
 def checked_call(pipe: Any, input_ids: torch.Tensor, *, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, eos_token_id: int | list[int] | None = None,
-                 pad_token_id: int | None = None, lanes: int | None = None, return_logprobs: bool = False
+                 pad_token_id: int | None = None, lanes: int | None = None, slots: int | None = None,
+                 return_logprobs: bool = False
                  ) -> CheckedCall:
     model = pipe._model
     if model is None:
@@ -72,6 +75,8 @@ def checked_call(pipe: Any, input_ids: torch.Tensor, *, max_new_tokens: int, att
     mask = prompt_mask(input_ids, attention_mask)
     if lanes is not None and (not isinstance(lanes, int) or lanes < 1):
         raise GenerationError(f"lanes must be None or an int >= 1, got {lanes!r}")
+    if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
+        raise GenerationError(f"slots must be None or an int >= 1 (rows in flight per lane), got {slots!r}")
     cache_argument(model)  # a model that cannot take a cache is refused here, by name
     limit = position_limit(model)
     total = int(input_ids.shape[1]) + max_new_tokens
@@ -80,4 +85,4 @@ def checked_call(pipe: Any, input_ids: torch.Tensor, *, max_new_tokens: int, att
                               f"positions, beyond the model's {limit[0]} ({limit[1]}); shorten the prompt or "
                               "ask for fewer tokens")
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return CheckedCall(opts, mask.to(input_ids.device), lanes, dtype)
+    return CheckedCall(opts, mask.to(input_ids.device), lanes, slots, dtype)

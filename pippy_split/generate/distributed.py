@@ -3,12 +3,15 @@
 Every rank gets the same call. It checks the arguments (:mod:`.checks`), takes the Pipe's
 decode program (:mod:`.program`, traced once per Pipe on each rank) and binds each of its
 stages to the live tensors of this rank's training stage (the same parameter objects the
-optimizer updates: no copy), builds the decode order for the schedule's placement
-(:mod:`.order`: built, lowered, validated), then runs its own actions: ``D`` through a
-:class:`~.stage_step.StageDecoder` (the lane's KV cache stays on the stage), each maximal run
-of ``SEND``/``RECV`` as one batch on the pipeline's order-matched transport. The last stage
-chooses the tokens (:class:`~.lanes.Progress`); at the end one broadcast gives every rank
-the sequences.
+optimizer updates: no copy; FSDP2 / TP shards are made whole for the call by
+:mod:`.gathered`), builds the decode order for the schedule's placement
+(:mod:`pippy_split.schedule.decode_order`: built, lowered, validated), then runs its own
+actions: ``D`` through a :class:`~.stage_step.StageDecoder` (the lane's KV cache stays on
+the stage), each maximal run of ``SEND``/``RECV`` as one batch on the pipeline's
+order-matched transport, skipping the rounds of a lane that has nothing left. The last
+stage chooses the tokens (:class:`~.lanes.Progress`) and sends them to every other rank,
+where :class:`~.lanes.Lane` follows which row holds which slot; at the end one broadcast
+gives every rank the sequences.
 """
 
 from __future__ import annotations
@@ -20,13 +23,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..schedule.decode_order import (
+    DecodeAction,
+    content_round,
+    decision_lag,
+    decode_order,
+    lower_decode,
+    validate_decode,
+)
 from ..split.module_calls import parent_of
-from ..stage.data_parallel import holds_sharded_state
 from ..stage.transport import P2P, P2POp
 from .checks import checked_call
 from .errors import GenerationError
-from .lanes import Progress, lane_rows, step_inputs
-from .order import DecodeAction, decode_order, lower_decode, validate_decode
+from .gathered import unsharded_stages
+from .lanes import Lane, Progress, make_lanes
 from .program import DecodeProgram, decode_program
 from .result import Generation
 from .stage_step import StageDecoder
@@ -61,28 +71,39 @@ def _pipe_of(sched: Any) -> Any:
 
 
 class _Run:
-    """One generate() call on this rank: the lanes' values in flight and the tokens."""
+    """One generate() call on this rank: the lanes, the values in flight and the tokens."""
 
-    def __init__(self, sched: Any, program: DecodeProgram, prompt: torch.Tensor, mask: torch.Tensor,
-                 rows: list[list[int]], decoders: dict[int, StageDecoder], progress: Progress | None) -> None:
-        self.sched, self.program, self.prompt, self.mask, self.rows = sched, program, prompt, mask, rows
-        self.decoders, self.progress = decoders, progress
-        self.device = prompt.device
+    def __init__(self, sched: Any, program: DecodeProgram, lanes: list[Lane], decoders: dict[int, StageDecoder],
+                 progress: Progress | None, lag: int, device: torch.device) -> None:
+        self.sched, self.program, self.lanes = sched, program, lanes
+        self.decoders, self.progress, self.lag, self.device = decoders, progress, lag, device
+        self.prompt_len = lanes[0].prompt.shape[1]
         self.values: dict[tuple[int, int], dict[tuple[int, int], Any]] = {}  # (lane, round) -> (stage, out)
-        self.tokens: dict[tuple[int, int], torch.Tensor] = {}  # (lane, round) -> tokens fed at that round
+        self.tokens: dict[tuple[int, int], torch.Tensor] = {}  # (lane, round) -> tokens chosen at round - 1
         self.edges = program.messages()
         self.last = program.num_stages - 1
 
+    def stops_at(self, lane: int) -> int:
+        """The first round of ``lane`` that does not run (as far as this rank knows yet)."""
+        state = self.lanes[lane]
+        if state.idle_after is None:
+            return state.rounds
+        return min(state.rounds, state.idle_after + self.lag)
+
+    def skipped(self, a: DecodeAction) -> bool:
+        return content_round(a) >= self.stops_at(a.lane)
+
     def compute(self, a: DecodeAction) -> None:
         lane, t = a.lane, a.round
-        step = step_inputs(self.prompt, self.mask, self.rows[lane], t, self.tokens.get((lane, t))).as_list()
+        step = self.lanes[lane].inputs(t).as_list()
         produced = self.values.setdefault((lane, t), {})
         outs = self.decoders[a.stage].run(lane, step, produced)
         produced.update({(a.stage, i): v for i, v in enumerate(outs)})
         if a.stage == self.last:
             assert self.progress is not None
-            logits = outs[self.program.logits_output]
-            self.tokens[(lane, t + 1)] = self.progress.record(self.rows[lane], t, logits)
+            tokens = self.progress.record(self.lanes[lane], t, outs[self.program.logits_output])
+            self.lanes[lane].advance(t, tokens)
+            self.tokens[(lane, t + 1)] = tokens
             self.values.pop((lane, t), None)  # the round is done on this rank's last stage
 
     def _edges(self, src: int, dst: int) -> list[Any]:
@@ -92,11 +113,11 @@ class _Run:
         """The transport ops of one comm action, each with where a received tensor goes."""
         peer = self.sched.placement[a.peer]
         lane, t = a.lane, a.round
-        b = len(self.rows[lane])
+        b = self.lanes[lane].slots
         if a.what == "t":
             if a.kind == "SEND":
-                return [(P2P.send_op(self.tokens[(lane, t)], peer, f"stage {a.stage} sending tokens of lane {lane} "
-                                     f"round {t} to stage {a.peer}"), None)]
+                return [(P2P.send_op(self.tokens[(lane, t)], peer, f"stage {a.stage} sending tokens of lane "
+                                     f"{lane} round {t} to stage {a.peer}"), None)]
             op, _ = P2P.recv_op((b,), torch.long, self.device, peer, f"stage {a.stage} waiting for the tokens of "
                                 f"lane {lane} round {t} from stage {a.peer} on rank {peer}")
             return [(op, ("t", lane, t))]
@@ -104,8 +125,8 @@ class _Run:
             produced = self.values[(lane, t)]
             return [(P2P.send_op(produced[(a.stage, e.src_output)], peer, f"stage {a.stage} sending lane {lane} "
                                  f"round {t} to stage {a.peer}"), None) for e in self._edges(a.stage, a.peer)]
-        new = self.prompt.shape[1] if t == 0 else 1
-        past = 0 if t == 0 else self.prompt.shape[1] + t - 1
+        new = self.prompt_len if t == 0 else 1
+        past = 0 if t == 0 else self.prompt_len + t - 1
         bindings = self.program.bindings(b, new, past)
         out = []
         for e in self._edges(a.peer, a.stage):
@@ -124,46 +145,53 @@ class _Run:
                 continue
             value = p2p.wait_recv(op)
             if where[0] == "t":
-                self.tokens[(where[1], where[2])] = value
+                self.lanes[where[1]].advance(where[2] - 1, value)
             else:
                 self.values.setdefault((where[1], where[2]), {})[(where[3], where[4])] = value
 
 
 def _run_actions(run: _Run, actions: list[DecodeAction], p2p: P2P | None, record: list | None) -> None:
     """This rank's part of the lowered decode order: computes one by one, each run of comm
-    actions as one batch."""
+    actions as one batch; the rounds a lane no longer runs are skipped (every rank knows which
+    before it reaches them: :func:`~pippy_split.schedule.decode_order.decision_lag`)."""
     begin = time.perf_counter()
     i = 0
     while i < len(actions):
         if actions[i].kind == "D":
-            start = time.perf_counter()
-            run.compute(actions[i])
-            if record is not None:
-                a = actions[i]
-                record.append(("D", a.stage, a.lane, a.round, start, time.perf_counter()))
+            a = actions[i]
             i += 1
+            if run.skipped(a):
+                continue
+            start = time.perf_counter()
+            run.compute(a)
+            if record is not None:
+                record.append(("D", a.stage, a.lane, a.round, start, time.perf_counter()))
             continue
         j = i
         while j < len(actions) and actions[j].kind != "D":
             j += 1
-        assert p2p is not None, "one rank has no messages"
-        run.exchange(p2p, actions[i:j])
+        batch = [a for a in actions[i:j] if not run.skipped(a)]
         i = j
+        if batch:
+            assert p2p is not None, "one rank has no messages"
+            run.exchange(p2p, batch)
     if record is not None:
         record.append(("run", -1, -1, -1, begin, time.perf_counter()))
 
 
-def refuse_sharded_stages(stages: list) -> None:
-    """Decoding reads each stage's parameters in traced ops, outside the modules' own
-    ``forward``: FSDP2 would not gather them and a TP DTensor would meet plain tensors.
-    Refused by name instead of running on shards."""
-    sharded = [st.stage_index for st in stages if holds_sharded_state(st.module)]
-    if sharded:
-        raise GenerationError(f"stage{'s' if len(sharded) > 1 else ''} {sharded} hold FSDP2 or tensor-parallel "
-                              "(DTensor) parameters, which generate() does not gather yet: decoding reads them in "
-                              "traced ops, not through the modules' own forward. What works: generate on a schedule "
-                              "of unsharded stages (e.g. pipe.generate(...) in one process on the model, or a "
-                              "schedule built without fully_shard / parallelize_module)")
+def lowered_decode(placement: dict[int, int], program: DecodeProgram, lanes: list[Lane]
+                   ) -> tuple[dict[int, list[DecodeAction]], int]:
+    """The decode order for ``lanes`` on ``placement``, lowered and validated, and its
+    :func:`~pippy_split.schedule.decode_order.decision_lag`. Every rank but the last stage's
+    learns each round's tokens (at its lowest stage), so each can follow the lanes' slots."""
+    rounds = max(lane.rounds for lane in lanes)
+    order = decode_order(placement, lanes=len(lanes), rounds=rounds)
+    last_rank = placement[program.num_stages - 1]
+    lowest = {r: min(s for s in placement if placement[s] == r) for r in set(placement.values()) if r != last_rank}
+    readers = program.token_readers() | set(lowest.values())
+    lowered = lower_decode(order, placement, links=program.links(), token_readers=readers)
+    validate_decode(lowered, placement, lanes=len(lanes), rounds=rounds)
+    return lowered, decision_lag(lowered, placement)
 
 
 def generate_on_schedule(sched: Any, input_ids: torch.Tensor, *, record: list | None = None,
@@ -173,16 +201,19 @@ def generate_on_schedule(sched: Any, input_ids: torch.Tensor, *, record: list | 
     ``"D"``) and for the whole run (what ``"run"``): the benchmark's busy fractions."""
     pipe = _pipe_of(sched)
     call = checked_call(pipe, input_ids, **kwargs)  # on every rank, before any message
-    refuse_sharded_stages(sched.stages)
+    # FSDP2 / TP stages: their DTensors whole for this call, freed after it (gathered.py)
+    with unsharded_stages(sched.stages, pipe):
+        return _generate(sched, pipe, call, input_ids, record)
+
+
+def _generate(sched: Any, pipe: Any, call: Any, input_ids: torch.Tensor, record: list | None) -> Generation:
     program = decode_program(pipe)
     opts = call.options
     device = sched.stages[0].device
     prompt, mask = input_ids.to(device), call.mask.to(device)
-    rows = lane_rows(prompt.shape[0], call.lanes or program.num_stages)
+    lanes = make_lanes(prompt, mask, call.lanes or program.num_stages, call.slots, opts)
     placement = dict(sched.placement)
-    order = decode_order(placement, lanes=len(rows), rounds=opts.max_new_tokens)
-    lowered = lower_decode(order, placement, links=program.links(), token_readers=program.token_readers())
-    validate_decode(lowered, placement, lanes=len(rows), rounds=opts.max_new_tokens)
+    lowered, lag = lowered_decode(placement, program, lanes)
     decoders = {}
     for st in sched.stages:
         module = program.stage_module(st.stage_index)
@@ -190,7 +221,7 @@ def generate_on_schedule(sched: Any, input_ids: torch.Tensor, *, record: list | 
         decoders[st.stage_index] = StageDecoder(program, st.stage_index, module, device, call.dtype)
     last_rank = placement[program.num_stages - 1]
     progress = Progress(prompt, opts) if last_rank == sched.rank else None
-    run = _Run(sched, program, prompt, mask, rows, decoders, progress)
+    run = _Run(sched, program, lanes, decoders, progress, lag, device)
     # The schedule's own transport and failure channel: a rank that fails mid-generation posts
     # its cause and every other rank stops with PipelineAborted naming it, as in step().
     p2p = getattr(getattr(sched, "_runtime", None), "p2p", None) if sched.world > 1 else None

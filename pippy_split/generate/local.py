@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .checks import checked_call
-from .lanes import Progress, lane_rows, step_inputs
+from .lanes import Progress, make_lanes
 from .program import decode_program
 from .result import Generation
 from .stage_step import StageDecoder
@@ -27,16 +27,17 @@ def generate_in_process(pipe: Any, input_ids: torch.Tensor, **kwargs: Any) -> Ge
     device = input_ids.device
     decoders = [StageDecoder(program, s, program.stage_module(s), device, call.dtype)
                 for s in range(program.num_stages)]
-    lanes = lane_rows(input_ids.shape[0], call.lanes or program.num_stages)
+    lanes = make_lanes(input_ids, mask, call.lanes or program.num_stages, call.slots, opts)
     progress = Progress(input_ids, opts)
-    tokens: dict[int, torch.Tensor | None] = {lane: None for lane in range(len(lanes))}
-    for round_ in range(opts.max_new_tokens):
-        for lane, rows in enumerate(lanes):
-            step = step_inputs(input_ids, mask, rows, round_, tokens[lane]).as_list()
+    for round_ in range(max((lane.rounds for lane in lanes), default=0)):
+        for lane_index, lane in enumerate(lanes):
+            if round_ >= lane.rounds or lane.idle_after is not None:
+                continue
+            step = lane.inputs(round_).as_list()
             produced: dict[tuple[int, int], Any] = {}
             outs: tuple[Any, ...] = ()
             for s, decoder in enumerate(decoders):
-                outs = decoder.run(lane, step, produced)
+                outs = decoder.run(lane_index, step, produced)
                 produced.update({(s, i): v for i, v in enumerate(outs)})
-            tokens[lane] = progress.record(rows, round_, outs[program.logits_output])
+            lane.advance(round_, progress.record(lane, round_, outs[program.logits_output]))
     return Generation(progress.sequences, progress.logprobs if opts.return_logprobs else None)

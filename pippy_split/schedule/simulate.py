@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence, overload
 
 from . import event_rounds
 from .actions import Action, ActionKind, Order
 from .batch_loop import BatchRun, run_batches
+from .decode_order import DecodeOrder, DecodeSimulation, is_decode_order, simulate_decode
 from .deps import DepIndex, Link, chain_links
 from .errors import deadlock_message
 from .event_loop import (
@@ -111,6 +112,11 @@ def _render() -> ModuleType:
     return render
 
 
+@overload
+def simulate(order: DecodeOrder, costs: float | Mapping[str, float] | None = None) -> DecodeSimulation: ...
+
+
+@overload
 def simulate(
     order: Order,
     costs: CostSpec = None,
@@ -121,11 +127,28 @@ def simulate(
     workspace_bytes: Mapping[Any, float] | Sequence[float] | None = None,
     input_grad_bytes: Mapping[int, float] | Sequence[float] | None = None,
     microbatch_scale: Sequence[float] | None = None,
-) -> Simulation:
+) -> Simulation: ...
+
+
+def simulate(
+    order: Any,
+    costs: Any = None,
+    *,
+    links: Iterable[Link] | None = None,
+    comm_latency: float | Mapping[tuple[int, int], float] = 0.0,
+    activation_bytes: Mapping[int, float] | Sequence[float] | None = None,
+    workspace_bytes: Mapping[Any, float] | Sequence[float] | None = None,
+    input_grad_bytes: Mapping[int, float] | Sequence[float] | None = None,
+    microbatch_scale: Sequence[float] | None = None,
+) -> Simulation | DecodeSimulation:
     """Simulate ``order`` and report makespan, bubble and activation memory.
 
     Args:
-        order: ``{rank: [Action | None, ...]}``, compute-only or lowered.
+        order: ``{rank: [Action | None, ...]}``, compute-only or lowered; or a lowered decode
+            order (:mod:`.decode_order`, what ``generate`` runs), which gives a
+            :class:`~.decode_order.DecodeSimulation` (makespan, each rank's busy fraction,
+            bubble) with ``costs`` the time of one stage's decode step (a number, or
+            ``{"D": t}``; default 1).
         costs: time per kind, keys among ``F``, ``I``, ``W`` (default 1 each) and ``B``
             (default ``I + W``); or per stage and kind, ``{(stage, "F"): t}`` (missing pairs
             take the kind's value); or a function ``(stage, kind) -> t``. SEND/RECV cost 0.
@@ -161,7 +184,15 @@ def simulate(
         (23.0, {0: 20.0, 1: 20.0})
         >>> simulate(get_order_spec("1F1B").compute_order(2, 2), microbatch_scale=[2, 1]).makespan  # unscaled: 9.0
         14.0
+        >>> from pippy_split.schedule.decode_order import decode_order, lower_decode
+        >>> decode = lower_decode(decode_order({0: 0, 1: 1}, lanes=2, rounds=8), {0: 0, 1: 1}, links={1: {0}},
+        ...                       token_readers={0})
+        >>> round(simulate(decode).bubble_fraction, 3), simulate(decode, {"D": 2.0}).makespan
+        (0.059, 34.0)
     """
+    if is_decode_order(order):
+        step = costs.get("D", 1.0) if isinstance(costs, Mapping) else 1.0 if costs is None else costs
+        return simulate_decode(order, float(step))
     latency = latency_fn(comm_latency)
     scale = _checked_scale(order, microbatch_scale)
     try:

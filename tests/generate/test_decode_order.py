@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pippy_split.generate import GenerationError
-from pippy_split.generate.order import (
+from pippy_split.schedule.decode_order import (
     DecodeAction,
+    DecodeOrderError,
     decode_order,
     lower_decode,
     simulate_decode,
@@ -55,8 +55,25 @@ def test_a_wrong_order_is_refused() -> None:
     order = decode_order(placement, lanes=2, rounds=1)
     lowered = lower_decode(order, placement, links={1: {0}}, token_readers={0})
     swapped = {0: lowered[0], 1: [lowered[1][2], lowered[1][3], lowered[1][0], lowered[1][1]]}
-    with pytest.raises(GenerationError, match="another order"):
+    with pytest.raises(DecodeOrderError, match="another order"):
         validate_decode(swapped, placement, lanes=2, rounds=1)
-    with pytest.raises(GenerationError, match="missing"):
+    with pytest.raises(DecodeOrderError, match="missing"):
         validate_decode({0: lowered[0][:1], 1: []}, placement, lanes=2, rounds=1)
     assert str(DecodeAction("SEND", 0, 1, 2, 1, "h")) == "0SEND_h1.2>1"
+
+
+def test_ps_simulate_takes_a_decode_order() -> None:
+    """``ps.simulate`` of a lowered decode order gives its bubble (the same run as simulate_decode)."""
+    import pippy_split as ps
+
+    placement = stage_to_rank(4, 2, "v")
+    links = {s: {s - 1} for s in range(1, 4)}
+    for lanes in (1, 2):
+        lowered = lower_decode(decode_order(placement, lanes=lanes, rounds=6), placement, links=links,
+                               token_readers={0, 1})
+        sim = ps.simulate(lowered, {"D": 3.0})
+        assert sim.bubble_fraction == simulate_decode(lowered, 3.0).bubble_fraction
+        assert sim.makespan >= 3.0 * lanes * 6 * 2
+    assert ps.simulate(lowered).bubble_fraction < 0.5 <= ps.simulate(
+        lower_decode(decode_order(placement, lanes=1, rounds=6), placement, links=links, token_readers={0, 1})
+    ).bubble_fraction

@@ -1,0 +1,203 @@
+"""Continuous batching: with fewer slots than prompts, a row that finishes hands its slot to
+the lane's next waiting prompt, and every row's tokens are what it gets with every row in
+flight (Hugging Face ``generate`` of the whole batch). The lanes' bookkeeping and the
+truncated decode order (a lane that has nothing left stops on every rank at once) are
+tested as pure data; the sequences in one process and on gloo ranks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import pippy_split as ps
+from pippy_split.generate import GenerationError
+from pippy_split.generate.lanes import Lane
+from pippy_split.schedule.decode_order import (
+    DecodeAction,
+    _run_batches,
+    content_round,
+    decision_lag,
+    decode_order,
+    lower_decode,
+    validate_decode,
+)
+from pippy_split.schedule.placement import stage_to_rank
+from pippy_split.testing import run_ranks
+
+from .gen_bodies import generate_body, reference
+from .models import hf_model, hf_reference, prompts
+
+N_NEW = 8
+EOS = {"llama": [3, 68], "qwen2": [104, 94], "gpt2": [19, 2], "mistral_tied": [122]}  # rows end at different steps
+
+
+def _lane(lengths: list[int], slots: int, max_new: int, eos: tuple[int, ...] = ()) -> Lane:
+    width = max(lengths)
+    ids = torch.arange(1, 1 + len(lengths) * width).reshape(len(lengths), width)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        mask[r, width - n:] = 1
+    return Lane(ids * mask, mask, list(range(len(lengths))), slots=slots, max_new_tokens=max_new, eos=eos, pad=0)
+
+
+def test_a_refilled_row_sees_only_its_own_tokens() -> None:
+    lane = _lane([2, 3, 3], slots=2, max_new=2, eos=(99,))
+    assert lane.rounds == 2 + 2 + 2  # row 2 waits for row 0's slot (free at round 2), feeds 3 tokens
+    lane.inputs(0)
+    lane.advance(0, torch.tensor([99, 7]))  # row 0 ends with EOS at its first token
+    fed = lane.inputs(1)
+    assert lane.occupant == [2, 1]
+    # slot 0 now holds row 2 (prompt 7, 8, 9): its first token, and a mask hiding row 0's columns
+    assert fed.ids[:, 0].tolist() == [7, 7]
+    assert fed.mask.tolist() == [[0, 0, 0, 1], [1, 1, 1, 1]]
+    assert fed.positions[:, 0].tolist() == [0, 3]
+    assert [p.row for p in lane.producing(1)] == [1]  # row 2 feeds its prompt, row 1 chooses
+    lane.advance(1, torch.tensor([0, 5]))  # row 1 reaches max_new_tokens
+    fed = lane.inputs(2)
+    # slot 1 is idle (nobody waits): it feeds the pad and sees only itself, so its position
+    # stays 0 however many rounds the lane runs (a learned-position table is never outrun)
+    assert fed.ids[:, 0].tolist() == [8, 0] and fed.positions[:, 0].tolist() == [1, 0]
+    assert fed.mask[1].tolist() == [0, 0, 0, 0, 1]
+    lane.advance(2, torch.tensor([0, 0]))
+    assert [(p.row, p.step) for p in lane.producing(3)] == [(2, 0)]
+    lane.advance(3, torch.tensor([99, 0]))
+    assert lane.idle_after == 3  # every slot idle, nobody waiting: the lane can stop
+
+
+def test_rounds_bound_counts_every_row_to_max_new_tokens() -> None:
+    lane = _lane([3, 1, 4, 2, 2], slots=2, max_new=3)
+    t = 0
+    while lane.idle_after is None:
+        lane.inputs(t)
+        lane.advance(t, torch.tensor([5, 5]))
+        t += 1
+    assert t == lane.rounds
+
+
+@pytest.mark.parametrize("style,ranks,per_rank", [("loop", 2, 1), ("loop", 2, 2), ("v", 2, 2), ("loop", 4, 1),
+                                                   ("loop", 4, 2), ("v", 4, 2), ("loop", 3, 1)])
+def test_lanes_stopping_early_keep_every_rank_in_step(style: str, ranks: int, per_rank: int) -> None:
+    """Cut each lane's rounds at a random point (the round its rows ended, plus the lag): what
+    is left still runs to the end under NCCL's batch rule, with both ends of every message."""
+    n = ranks * per_rank
+    placement = stage_to_rank(n, ranks, style)
+    links = {s: {s - 1} for s in range(1, n)}
+    if n > 2:
+        links[n - 1].add(0)
+    lanes, rounds = 3, 7
+    lowest = {min(s for s in placement if placement[s] == r) for r in set(placement.values())}
+    lowered = lower_decode(decode_order(placement, lanes=lanes, rounds=rounds), placement, links=links,
+                           token_readers=lowest)
+    validate_decode(lowered, placement, lanes=lanes, rounds=rounds)
+    lag = decision_lag(lowered, placement)
+    rng = random.Random(ranks * 10 + per_rank)
+    for _ in range(20):
+        stop = {lane: min(rounds, rng.randrange(rounds) + lag) for lane in range(lanes)}
+        cut = {r: [a for a in acts if content_round(a) < stop[a.lane]] for r, acts in lowered.items()}
+        _run_batches(cut, placement)
+        sends = sorted(a.message for acts in cut.values() for a in acts if a.kind == "SEND")
+        recvs = sorted(a.message for acts in cut.values() for a in acts if a.kind == "RECV")
+        assert sends == recvs
+
+
+def test_the_lag_covers_a_receive_batched_with_the_next_round() -> None:
+    """A rank that learns round t's tokens in the same batch as it receives round t + 1's values
+    cannot skip round t + 1 on what it learns there: the lag counts that."""
+    placement = {0: 0, 1: 1, 2: 2}
+    batched = {0: [DecodeAction("D", 0, 0, 0), DecodeAction("SEND", 0, 0, 0, 1),
+                   DecodeAction("RECV", 0, 0, 1, 2, "t"), DecodeAction("D", 0, 0, 1), DecodeAction("SEND", 0, 0, 1, 1)],
+               1: [DecodeAction("RECV", 1, 0, 0, 0), DecodeAction("D", 1, 0, 0), DecodeAction("SEND", 1, 0, 0, 2),
+                   DecodeAction("RECV", 1, 0, 1, 2, "t"), DecodeAction("RECV", 1, 0, 1, 0), DecodeAction("D", 1, 0, 1),
+                   DecodeAction("SEND", 1, 0, 1, 2)],
+               2: [DecodeAction("RECV", 2, 0, 0, 1), DecodeAction("D", 2, 0, 0), DecodeAction("SEND", 2, 0, 1, 0, "t"),
+                   DecodeAction("SEND", 2, 0, 1, 1, "t"), DecodeAction("RECV", 2, 0, 1, 1), DecodeAction("D", 2, 0, 1)]}
+    assert decision_lag(batched, placement) == 2
+
+
+def test_slots_must_be_positive() -> None:
+    from pippy_split import zoo
+
+    e = zoo.get("tiny_gpt")
+    pipe = ps.pipeline(e.model, e.split_spec, e.args)
+    with pytest.raises(GenerationError, match="slots must be None or an int >= 1"):
+        pipe.generate(e.args[0][:2, :4], max_new_tokens=2, slots=0)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", sorted(EOS))
+def test_refilled_slots_equal_hf_generate(name: str) -> None:
+    model, spec = hf_model(name)
+    ids, mask = prompts(True)
+    pipe = ps.pipeline(model, spec, (ids[:2],))
+    ref, ref_logprobs = hf_reference(model, ids, mask, N_NEW, eos_token_id=EOS[name], pad_token_id=0)
+    for lanes, slots in [(1, 1), (2, 1), (2, 2)]:
+        out = pipe.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, return_logprobs=True,
+                            eos_token_id=EOS[name], pad_token_id=0, lanes=lanes, slots=slots)
+        assert torch.equal(out.sequences[:, : ref.shape[1]], ref), (name, lanes, slots)
+        assert (out.sequences[:, ref.shape[1]:] == 0).all()
+        n = ref.shape[1] - ids.shape[1]
+        live = _live(ref[:, ids.shape[1]:], EOS[name])
+        torch.testing.assert_close(out.logprobs[:, :n][live], ref_logprobs[live], atol=1e-5, rtol=0)
+
+
+def _live(new: torch.Tensor, eos: list[int]) -> torch.Tensor:
+    hit = torch.isin(new, torch.tensor(eos))
+    return (hit.cumsum(1) - hit.long()) == 0
+
+
+@pytest.mark.timeout(600)
+def test_sampling_with_refills_is_the_same_as_without() -> None:
+    from pippy_split import zoo
+
+    e = zoo.get("tiny_gpt")
+    pipe = ps.pipeline(e.model, e.split_spec, e.args)
+    ids, mask = prompts(True, batch=7, low=1)
+    ids = ids % 64
+    kw = {"max_new_tokens": N_NEW, "do_sample": True, "seed": 5, "top_p": 0.9, "eos_token_id": [20, 34],
+          "pad_token_id": 0, "attention_mask": mask, "return_logprobs": True}
+    whole = pipe.generate(ids, lanes=1, **kw)
+    assert (whole.sequences[:, -N_NEW:] == 0).any()  # some rows did end early (so slots were refilled)
+    for lanes, slots in [(1, 1), (2, 2), (3, 1)]:
+        out = pipe.generate(ids, lanes=lanes, slots=slots, **kw)
+        assert torch.equal(out.sequences, whole.sequences), (lanes, slots)
+        torch.testing.assert_close(out.logprobs, whole.logprobs, atol=1e-5, rtol=0)
+
+
+CASES = [("llama", "1F1B", 2, 2, [47, 107]), ("llama", "ZBVZeroBubble", 2, 4, [47, 107]),
+         ("tiny_gpt", "Interleaved1F1B", 2, 4, [20, 34]), ("llama", "1F1B", 4, 4, [47, 107]),
+         ("tiny_gpt", "ZBVZeroBubble", 4, 8, [20, 34]), ("tiny_gpt", "DualPipeV", 2, 4, [20, 34])]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name,schedule,world,stages,eos", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}r" for c in CASES])
+def test_refilled_slots_on_ranks_equal_unsplit(name: str, schedule: str, world: int, stages: int,
+                                               eos: list[int]) -> None:
+    kwargs = {"max_new_tokens": 6, "eos_token_id": eos, "pad_token_id": 0, "lanes": 2, "slots": 1}
+    results = run_ranks(generate_body, world, name, schedule, stages, kwargs, timeout=540)
+    seq, logprobs = reference(name, {"max_new_tokens": 6, "eos_token_id": eos, "pad_token_id": 0})
+    for r in results:
+        assert torch.equal(r["sequences"], results[0]["sequences"])
+    out = results[0]
+    assert (out["sequences"][:, 6:] == 0).any()  # rows ended early and handed their slots on
+    assert torch.equal(out["sequences"][:, : seq.shape[1]], seq)
+    n = seq.shape[1] - 6
+    live = _live(seq[:, 6:], eos)
+    torch.testing.assert_close(out["logprobs"][:, :n][live], logprobs[:, :n][live], atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(600)
+def test_a_long_lane_never_outruns_learned_positions() -> None:
+    """GPT-2's 64 learned positions: each row needs at most 36, but the lane runs 100 rounds and
+    one slot sits idle for the last 35 of them; an idle slot must not count positions up."""
+    model, spec = hf_model("gpt2")
+    ids, mask = prompts(False)
+    eos = [126]
+    assert Lane(ids, mask, list(range(5)), slots=2, max_new_tokens=30, eos=()).rounds > 64
+    pipe = ps.pipeline(model, spec, (ids[:2],))
+    ref, _ = hf_reference(model, ids, mask, 30, eos_token_id=eos, pad_token_id=0)
+    out = pipe.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=0, lanes=1,
+                        slots=2)
+    assert torch.equal(out.sequences[:, : ref.shape[1]], ref)
