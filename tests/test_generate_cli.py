@@ -46,9 +46,9 @@ def sums(tmp_path_factory):
     pipe = ps.pipeline(model.eval(), _split_of(meta), (torch.zeros(2, 16, dtype=torch.long),))
     chars = meta["chars"]
 
-    def reference(prompts: list[str], **kwargs) -> list[str]:
+    def reference(prompts: list[str], masked: bool = True, **kwargs) -> list[str]:
         ids, mask = _left_padded([[chars.index(c) for c in p] for p in prompts])
-        new = pipe.generate(ids, attention_mask=mask, **kwargs).sequences[:, ids.shape[1]:]
+        new = pipe.generate(ids, attention_mask=mask if masked else None, **kwargs).sequences[:, ids.shape[1]:]
         return ["".join(chars[i] for i in row) for row in new.tolist()]
 
     return where, reference
@@ -63,8 +63,9 @@ def test_greedy_samples_equal_pipe_generate_on_the_trained_weights(sums):
                    "--json", cwd=where))
     got = json.loads(out)
     assert [g["prompt"] for g in got] == prompts
-    assert [g["completion"] for g in got] == reference(prompts, max_new_tokens=6)
-    assert all(len(g["completion"]) == 6 for g in got)
+    want = reference(prompts, max_new_tokens=6)
+    assert [g["completion"] for g in got] == want and all(len(w) == 6 for w in want)
+    assert reference(prompts, masked=False, max_new_tokens=6) != want  # the pads must be masked to get these
 
 
 def test_the_flags_are_generates_arguments_and_the_text_is_each_prompt_and_completion(sums, monkeypatch):
