@@ -151,20 +151,21 @@ def _word_tokenizer(lines: list[str], directory) -> object:
 
 @pytest.mark.dist
 @pytest.mark.timeout(600)
-def test_an_hf_run_generates_with_its_tokenizer(tmp_path):
+def test_an_hf_run_from_a_pretrained_directory_generates_with_its_tokenizer(tmp_path):
+    """hf:DIR with safetensors (trained on meta stage by stage, generated from the whole model) and --tokenizer;
+    generated from another directory than the run's, whose relative paths are read from where the run ran."""
     transformers = pytest.importorskip("transformers")
     lines = [f"the {i} line says {i * 7 % 13} apples" for i in range(40)]
     (tmp_path / "text.txt").write_text("".join(ln + "\n" for ln in lines))
-    (tmp_path / "tiny.json").write_text(json.dumps(_QWEN))
+    config = transformers.AutoConfig.for_model(**_QWEN)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "pre"))
     tokenizer = _word_tokenizer(lines, tmp_path / "tok")
-    _ok(_cli(*_TRAIN, "--model", "hf:tiny.json", "--data", "text.txt", "--tokenizer", "tok", "--schedule", "1F1B",
+    _ok(_cli(*_TRAIN, "--model", "hf:pre", "--data", "text.txt", "--tokenizer", "tok", "--schedule", "1F1B",
              "--seq-len", "8", "--checkpoint", "qwen", cwd=tmp_path))
     prompts = ["the 3 line says", "apples"]
-    elsewhere = tmp_path / "elsewhere"  # the run's relative paths (hf:tiny.json, tok) are the run's, not the cwd's
-    elsewhere.mkdir()
+    (tmp_path / "elsewhere").mkdir()
     got = json.loads(_ok(_cli("generate", "../qwen", "--prompt", prompts[0], "--prompt", prompts[1],
-                              "--max-new-tokens", "5", "--json", cwd=elsewhere)))
-    config = transformers.AutoConfig.for_model(**_QWEN)
+                              "--max-new-tokens", "5", "--json", cwd=tmp_path / "elsewhere")))
     config.use_cache = False
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.load_state_dict(load_model_file(str(tmp_path / "qwen"))["state_dict"])

@@ -116,12 +116,10 @@ def read_run(run_dir: str) -> dict:
 
 @dataclass
 class Rebuilt:
-    """The run's model (trained weights loaded, or on meta), its Pipe, and the stages' weights where the
-    model is on meta."""
+    """The run's model, its trained weights loaded, and its Pipe."""
 
     model: Any
     pipe: Any
-    state_dict: Any
 
 
 def rebuild_pipe(cfg: TrainConfig, saved: dict, pp: int) -> Rebuilt:
@@ -135,11 +133,12 @@ def rebuild_pipe(cfg: TrainConfig, saved: dict, pp: int) -> Rebuilt:
     from ..zoo.entry import layer_split
     from ..zoo.gpt import TinyGPT
     from .nd import block_split
-    from .setup import model_source, parse_split, stages_per_rank
+    from .setup import fresh_model, model_source, parse_split, stages_per_rank
 
     meta = saved["meta"]
     num_stages = pp * stages_per_rank(cfg.schedule)
-    dynamic = state_dict = None
+    dynamic = None
+    model: torch.nn.Module
     if meta.get("gpt_config"):  # the built-in TinyGPT: its config is recorded; its text is not needed
         model = TinyGPT(**meta["gpt_config"])
         given = parse_split(cfg.split) or layer_split("blocks", meta["gpt_config"]["n_layer"], num_stages)
@@ -151,21 +150,22 @@ def rebuild_pipe(cfg: TrainConfig, saved: dict, pp: int) -> Rebuilt:
         if isinstance(here, str) and here not in sys.path:
             sys.path.append(here)  # a module:factory the run imported from its directory
         prep, split, args, kwargs = model_source(cfg, num_stages)
-        model, dynamic, state_dict = prep.model, prep.dynamic_shapes, prep.state_dict
-    if state_dict is not None:  # built on meta: each stage is filled from model.pt
-        state_dict = saved["state_dict"]
-    else:
-        missing, unexpected = model.load_state_dict(saved["state_dict"], strict=False)
-        if missing or unexpected:
-            raise JobError(f"{cfg.checkpoint}/model.pt does not match the run's model: missing {missing}, "
-                           f"unexpected {unexpected}")
+        model, dynamic = prep.model, prep.dynamic_shapes
+        if prep.state_dict is not None:
+            # A pretrained directory's model is built on meta to train (each stage filled from the files), but
+            # generate runs the whole model once on every rank (its KV layout), so here it is built whole.
+            model = fresh_model(cfg, prep)
+    missing, unexpected = model.load_state_dict(saved["state_dict"], strict=False)
+    if missing or unexpected:
+        raise JobError(f"{cfg.checkpoint}/model.pt does not match the run's model: missing {missing}, "
+                       f"unexpected {unexpected}")
     model.eval()
     pipe = ps.pipeline(model, split, args, kwargs or None, dynamic_shapes=dynamic)
     stages = [list(s.modules) for s in pipe.stages]
     if meta.get("split") is not None and stages != meta["split"]:
         raise JobError(f"the run's model split into {meta['split']} when it trained, but {stages} now (has its "
                        f"model source changed?); generate runs on the stages the run trained")
-    return Rebuilt(model, pipe, state_dict)
+    return Rebuilt(model, pipe)
 
 
 def _check_vocabulary(model: Any, ids: Any) -> None:
@@ -191,8 +191,7 @@ def generate_rank(req: GenerateRequest, rank: int, world: int, device: Any) -> l
         raise JobError(f"the run trained on {cfg.ranks} ranks; generate runs on the same ranks, not {world}")
     layout = Layout.of(cfg, world, rank, device)
     built = rebuild_pipe(cfg, saved, layout.pp)
-    sched = ps.build_schedule(built.pipe, cfg.schedule, cfg.microbatches, device=device, group=layout.pp_group,
-                              state_dict=built.state_dict)
+    sched = ps.build_schedule(built.pipe, cfg.schedule, cfg.microbatches, device=device, group=layout.pp_group)
     parallelize_stages(cfg, sched, built.model, layout)
     ids, mask = torch.tensor(req.input_ids, device=device), torch.tensor(req.attention_mask, device=device)
     _check_vocabulary(built.model, ids)
