@@ -195,7 +195,7 @@ def generate_rank(req: GenerateRequest, rank: int, world: int, device: Any) -> l
     parallelize_stages(cfg, sched, built.model, layout)
     ids, mask = torch.tensor(req.input_ids, device=device), torch.tensor(req.attention_mask, device=device)
     _check_vocabulary(built.model, ids)
-    out = sched.generate(ids, attention_mask=mask, **req.sampling())  # a refusal names its cause on every rank
+    out = sched.generate(ids, attention_mask=mask, **req.sampling())  # the same call and result on every rank
     eos = getattr(getattr(built.model, "generation_config", None), "eos_token_id", None)
     return [_until_eos(row, eos) for row in out.sequences[:, ids.shape[1]:].tolist()]
 
