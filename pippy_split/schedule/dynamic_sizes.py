@@ -4,7 +4,7 @@ Part of the schedule layer (… → **schedule** → runtime). A pipe traced wit
 dims has symbolic edge shapes; a receive is sized from them and the values of the
 symbols *for its own microbatch*, so microbatches of one step may differ (a sequence
 length per microbatch). Every rank given model inputs reads the values off them and
-checks them against the traced ranges (:func:`local_sizes`, no messages); one small
+checks them against the traced ranges (:class:`SizeReader`, no messages); one small
 all-gather per step then tells every rank every microbatch's values
 (:func:`share_sizes`) and stops every rank alike where two ranks read different
 values. Sizes never travel in a header on the data channels: NCCL pairs the k-th
@@ -25,58 +25,70 @@ from ..split.spec import SymbolSource
 from ..stage.errors import PipelineError
 from ..stage.groups import PipelineGroup
 
-__all__ = ["local_sizes", "inputs_given_anyway", "share_sizes", "message_bytes"]
+__all__ = ["SizeReader", "inputs_given_anyway", "share_sizes", "message_bytes"]
 
 if TYPE_CHECKING:
-    from ..stage.pipe_view import PipeView
+    from ..stage.model_io import ModelInputs
 
 Bindings = dict[sympy.Symbol, int]
 
 
-def local_sizes(symbols: Sequence[SymbolSource], flat_inputs: list[list[Any]] | None, n_microbatches: int,
-                input_names: Sequence[str]) -> torch.Tensor:
-    """``(n_microbatches, len(symbols))`` sizes this rank reads off its microbatches
-    (-1 where it has none), each checked against the range it was traced for.
+class SizeReader:
+    """Reads each microbatch's dynamic sizes off its flat inputs and checks each against the
+    range it was traced for (``SymbolSource.lower`` / ``upper``; ``upper`` None: unbounded).
+    Made once per schedule from the pipe's symbols and input names; no messages.
 
     Example:
         >>> s = SymbolSource(sympy.Symbol("T"), 0, 1, lower=2, upper=64)
-        >>> local_sizes([s], [[torch.zeros(2, 16)], [torch.zeros(2, 8)]], 2, ["idx"]).tolist()
+        >>> SizeReader([s], ["idx"])([[torch.zeros(2, 16)], [torch.zeros(2, 8)]], 2).tolist()
         [[16], [8]]
+        >>> SizeReader([s], ["idx"])([[torch.zeros(2, 80)]], 1)  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        PipelineError: microbatch 0: input 'idx' has size 80 in dim 1 (T), outside the range [2, 64] ...
     """
-    values = torch.full((n_microbatches, len(symbols)), -1, dtype=torch.int64)
-    if flat_inputs is None:
+
+    def __init__(self, symbols: Sequence[SymbolSource], input_names: Sequence[str]) -> None:
+        self.symbols = list(symbols)
+        self._reads = [(s.input_index, s.dim, s.lower, s.upper, s.symbol,
+                        input_names[s.input_index] if s.input_index < len(input_names) else f"input {s.input_index}")
+                       for s in self.symbols]
+
+    def __call__(self, flat_inputs: list[list[Any]] | None, n_microbatches: int) -> torch.Tensor:
+        """``(n_microbatches, len(symbols))`` sizes this rank reads off its microbatches (-1 where
+        it has none)."""
+        values = torch.full((n_microbatches, len(self._reads)), -1, dtype=torch.int64)
+        if flat_inputs is None:
+            return values
+        for mb, flat in enumerate(flat_inputs):
+            for j, (index, dim, lower, upper, symbol, name) in enumerate(self._reads):
+                size = int(flat[index].shape[dim])
+                if size < lower or (upper is not None and size > upper):
+                    raise PipelineError(f"microbatch {mb}: input {name!r} has size {size} in dim {dim} ({symbol}), "
+                                        f"outside the range [{lower}, {'inf' if upper is None else upper}] the pipe "
+                                        "was traced for; trace with a Dim whose min/max cover it (dynamic_shapes= "
+                                        "in pipeline())")
+                values[mb, j] = size
         return values
-    for mb, flat in enumerate(flat_inputs):
-        for j, s in enumerate(symbols):
-            size = int(flat[s.input_index].shape[s.dim])
-            if not s.allows(size):
-                name = input_names[s.input_index] if s.input_index < len(input_names) else f"input {s.input_index}"
-                raise PipelineError(f"microbatch {mb}: input {name!r} has size {size} in dim {s.dim} ({s.symbol}), "
-                                    f"outside the range {s.range_text()} the pipe was traced for; trace with a "
-                                    f"Dim whose min/max cover it (dynamic_shapes= in pipeline())")
-            values[mb, j] = size
-    return values
 
 
-def inputs_given_anyway(pipe: PipeView, args: tuple, kwargs: dict, n: int, args_chunk_spec: Any = None,
-                        kwargs_chunk_spec: Any = None) -> list | None:
+def inputs_given_anyway(model_inputs: ModelInputs, arg_names: Sequence[str] | None, args: tuple, kwargs: dict, n: int,
+                        args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None) -> list | None:
     """A rank that reads no model input but was given them (every rank loading the same batch,
     the usual torchrun script) still reports their sizes, so ranks whose data differ (an
     unseeded loader) are caught before any message; inputs it cannot split are ignored.
-    Returns each microbatch's flat inputs (for :func:`local_sizes`), or ``None``."""
+    Returns each microbatch's flat inputs (for :class:`SizeReader`), or ``None``."""
     if not args and not kwargs:
         return None
     try:
-        mbs = split_args_kwargs(tuple(args), dict(kwargs), n, args_chunk_spec, kwargs_chunk_spec,
-                                names=pipe.arg_names)
-        return [pipe.flatten_inputs(a, k) for a, k in mbs]
+        mbs = split_args_kwargs(tuple(args), dict(kwargs), n, args_chunk_spec, kwargs_chunk_spec, names=arg_names)
+        return [model_inputs.flatten(a, k) for a, k in mbs]
     except (TypeError, ValueError):
         return None
 
 
 def share_sizes(symbols: Sequence[SymbolSource], mine: torch.Tensor, pg: PipelineGroup) -> list[Bindings]:
     """Every microbatch's ``{symbol: size}`` on every rank: one all-gather of each rank's
-    :func:`local_sizes` (ranks without inputs send -1). Ranks given inputs must agree;
+    :class:`SizeReader` (ranks without inputs send -1). Ranks given inputs must agree;
     where they do not, every rank raises the same error before any message."""
     if pg.world > 1:
         every = [torch.empty_like(mine, device=pg.device) for _ in range(pg.world)]

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 
 from ..split.spec import MODEL_INPUT, Edge, InputKind, StageInput, TensorSpec
+from ..stage.arguments import StageArgs
 from ..stage.stage import PipelineStage
 from ..stage.transport import P2POp
 
@@ -32,7 +33,7 @@ class Channel:
     peer_stage: int
     peer_rank: int
     keys: list[Any]  # sends: the key of its value in InFlight.to_send / grads_to_send; receives: where it lands
-    specs: list[TensorSpec]  # receives: how to size the buffer
+    specs: list[TensorSpec]  # receives: how to size the buffer (its dtype, its symbolic shape)
     shapes: list[tuple[int, ...] | None]  # ... its shape where no microbatch changes it (None: dynamic)
     dim_orders: list[tuple[int, ...] | None]  # the memory order it travels in, both ways (None: row-major)
     carries_grad: list[bool]  # forward receives: a gradient flows back along it
@@ -59,6 +60,7 @@ class Wiring:
     """One stage's exchanges, fixed once its inputs and edges are known."""
 
     slots: list[StageInput]  # the stage's inputs
+    args: StageArgs  # its forward's arguments from them, made once
     outgoing: list[Outgoing]
     send_forward: list[Channel]
     recv_forward: list[Channel]
@@ -116,6 +118,7 @@ def wire(stage: PipelineStage, slots: list[StageInput], stage_rank: Mapping[int,
     inputs = [sl for sl in slots if sl.kind is InputKind.EDGE and stage_rank[sl.sender_stage] != rank]
     return Wiring(
         slots=list(slots),
+        args=StageArgs(slots),
         outgoing=[Outgoing(r, i, (r.src_stage, r.src_output), stage_rank[r.dst_stage] == rank, r.from_input,
                            r.spec is not None and r.spec.carries_grad,
                            None if r.spec is None or r.spec.is_dynamic else r.spec.shape)

@@ -28,7 +28,7 @@ from .actions import Action, ActionKind, Order
 from .agree import FailureChannel, StepGuard, agree_before_step
 from .collectives import agree_on_order, gather_links, item_count, refuse_no_items, share_loss, sync_shared_grads
 from .deps import edge_links
-from .dynamic_sizes import inputs_given_anyway, local_sizes, share_sizes
+from .dynamic_sizes import SizeReader, inputs_given_anyway, share_sizes
 from .errors import ScheduleError
 from .lower import lower
 from .manual_shapes import refuse_unequal_microbatches
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from ..generate.result import Generation
-    from ..stage.pipe_view import PipeView
+    from ..stage.model_io import ModelInputs
 
 __all__ = ["PipelineSchedule"]
 
@@ -156,6 +156,13 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         # last: a schedule whose construction failed on some rank takes no key (see FailureChannel)
         self._failures = FailureChannel(self.pipeline_group, self._runtime.p2p, owner=self)
         self._target_check: TargetCheck | None = None  # made at the first step (loss_fn may change until then)
+        # what a step reads of the split, made once so that a step runs no code of split/
+        pipe = self.stages[0].pipe
+        self._model_inputs: ModelInputs | None = pipe.model_inputs if pipe is not None else None
+        self._arg_names: list[str] | None = pipe.arg_names if pipe is not None else None
+        self._sizes = SizeReader(pipe.symbols, pipe.input_names) if pipe is not None and pipe.symbols else None
+        self._reads_inputs = self._first is not None or any(  # a later stage may read a model input itself
+            s.pipe is not None and any(sl.kind is InputKind.MODEL for sl in s.in_slots or []) for s in self.stages)
         self._loss: torch.Tensor | None = None
         self._unchecked: tuple[LossRule | None, list] = (None, [])  # the step's rule and losses, until checked
 
@@ -225,9 +232,8 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         if self.loss_fn is not None:
             ctx.loss = LossRule.for_step(self.loss_fn, n_microbatches=self.n_microbatches, scale_grads=self.scale_grads,
                                          items=items, scale=self.loss_scale, on_nonfinite=self.on_nonfinite)
-        pipe = self.stages[0].pipe
-        if pipe is not None and pipe.symbols:
-            ctx.bindings = share_sizes(pipe.symbols, sizes, self.pipeline_group)
+        if self._sizes is not None:
+            ctx.bindings = share_sizes(self._sizes.symbols, sizes, self.pipeline_group)
         return ctx
 
     def _local_context(self, ctx: StepContext, args: tuple, kwargs: dict, target: Any, train: bool) -> Any:
@@ -235,18 +241,16 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         dynamic sizes this rank read off its inputs (a tensor, zeros where it has none)."""
         n = ctx.n_microbatches
         first, last = self._first, self._last
-        needs_inputs = first is not None or any(
-            s.pipe is not None and any(sl.kind is InputKind.MODEL for sl in s.in_slots or []) for s in self.stages)
+        needs_inputs = self._reads_inputs
         pipe = self.stages[0].pipe
         if needs_inputs:
             if not args and not kwargs:
                 raise PipelineError(f"rank {self.rank} holds stage {first.stage_index if first else '?'} which reads "
                                     "the model inputs, but step() was called without inputs")
-            names = pipe.arg_names if pipe is not None else None
             mbs = split_args_kwargs(tuple(args), dict(kwargs), n, self.args_chunk_spec, self.kwargs_chunk_spec,
-                                    names=names)
-            if pipe is not None:
-                ctx.flat_inputs = [_flat_microbatch(pipe, mb, a, k) for mb, (a, k) in enumerate(mbs)]
+                                    names=self._arg_names)
+            if self._model_inputs is not None:
+                ctx.flat_inputs = [_flat_microbatch(self._model_inputs, mb, a, k) for mb, (a, k) in enumerate(mbs)]
             ctx.mb_args = [a for a, _ in mbs]
             ctx.mb_kwargs = [k for _, k in mbs]
         if last is not None and train:
@@ -263,11 +267,11 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         ctx.per_microbatch = any_per_microbatch(args, kwargs, target)
         if pipe is None and ctx.mb_args is not None:
             refuse_unequal_microbatches(ctx.mb_args, ctx.mb_kwargs or [])
-        if pipe is None:
+        if pipe is None or self._model_inputs is None:
             return None
-        flat = ctx.flat_inputs if needs_inputs or not pipe.symbols else inputs_given_anyway(
-            pipe, args, kwargs, n, self.args_chunk_spec, self.kwargs_chunk_spec)
-        sizes = local_sizes(pipe.symbols, flat, n, pipe.input_names) if pipe.symbols else None
+        flat = ctx.flat_inputs if needs_inputs or self._sizes is None else inputs_given_anyway(
+            self._model_inputs, self._arg_names, args, kwargs, n, self.args_chunk_spec, self.kwargs_chunk_spec)
+        sizes = self._sizes(flat, n) if self._sizes is not None else None
         if ctx.targets is not None and last is not None and self.loss_fn is not None:
             if self._target_check is None or self._target_check.loss_fn is not self.loss_fn:
                 self._target_check = TargetCheck(self.loss_fn, pipe, last.stage_index, last.device)
@@ -443,10 +447,10 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         return render.render_schedule_html(self, simulate(self.order, links=self.links) if small else None)
 
 
-def _flat_microbatch(pipe: PipeView, mb: int, args: tuple, kwargs: dict) -> list[Any]:
+def _flat_microbatch(inputs: ModelInputs, mb: int, args: tuple, kwargs: dict) -> list[Any]:
     """One microbatch's model inputs, flat; a shape the trace cannot take names the microbatch."""
     try:
-        return pipe.flatten_inputs(args, kwargs)
+        return inputs.flatten(args, kwargs)
     except (TypeError, ValueError) as e:
         if isinstance(e, MicrobatchError):
             raise

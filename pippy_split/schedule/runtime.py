@@ -20,7 +20,8 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-from ..split.spec import MODEL_INPUT, Edge, InputKind, TensorSpec, gather_inputs
+from ..split.spec import MODEL_INPUT, Edge, InputKind, TensorSpec
+from ..stage.arguments import concrete_shape
 from ..stage.data_parallel import set_grad_sync
 from ..stage.errors import PipelineError
 from ..stage.loss import LossRule
@@ -175,15 +176,14 @@ class Interpreter:
             self._sends.append(posted)
 
     def _shape(self, spec: TensorSpec, ctx: StepContext, mb: int) -> tuple[int, ...]:
-        """Concrete shape of a spec for microbatch ``mb`` of this step (its own sizes: microbatches
-        may differ in a dynamic dim); evaluated once per distinct sizes, not per message."""
-        if not spec.is_dynamic:
-            return spec.shape
+        """Concrete shape of a dynamic spec for microbatch ``mb`` of this step (its own sizes:
+        microbatches may differ in a dynamic dim); evaluated once per distinct sizes, not per
+        message. Static shapes are read off the wiring (``Channel.shapes``, ``Outgoing.shape``)."""
         bindings = ctx.bindings[mb]
         key = (id(spec), tuple(bindings.values()))
         shape = self._shapes.get(key)
         if shape is None:
-            shape = self._shapes[key] = spec.concrete_shape(bindings)
+            shape = self._shapes[key] = concrete_shape(spec.shape, bindings)
         return shape
 
     def finish(self) -> None:
@@ -226,8 +226,8 @@ class Interpreter:
                 expected = out.shape if out.shape is not None else self._shape(out.route.spec, ctx, a.mb)
                 wrong_grad = ctx.train and not out.carries_grad and not out.from_input and value.requires_grad
                 if tuple(value.shape) != expected or value.dtype != out.route.spec.dtype or wrong_grad:
-                    _refuse(value, out.route, expected, wrong_grad, f"stage {a.stage}, microbatch {a.mb}, forward "
-                            f"to stage {out.route.dst_stage} (rank {self.stage_rank[out.route.dst_stage]})")
+                    _refuse(value, out.route, expected, wrong_grad, out.shape is None, f"stage {a.stage}, microbatch "
+                            f"{a.mb}, forward to stage {out.route.dst_stage} (rank {self.stage_rank[out.route.dst_stage]})")
             if out.local:
                 self._flight[(out.route.dst_stage, a.mb)].inputs[out.key] = _received(value, out.carries_grad)
             else:
@@ -247,7 +247,7 @@ class Interpreter:
                                 "(the schedule ran a forward before its input was received)")
 
         flat = ctx.flat_inputs[mb] if ctx.flat_inputs is not None else None
-        args = gather_inputs(wiring.slots, flat, inbox, ctx.bindings[mb] if ctx.bindings else {}, on_missing=missing)
+        args = wiring.args(flat, inbox, ctx.bindings[mb] if ctx.bindings else {}, on_missing=missing)
         return [_to(a, stage.device) if slot.kind is InputKind.MODEL else a for a, slot in zip(args, wiring.slots)]
 
     def _backward(self, a: Action, ctx: StepContext) -> None:
@@ -352,13 +352,14 @@ def _received(t: torch.Tensor, carries_grad: bool) -> torch.Tensor:
     return t
 
 
-def _refuse(value: torch.Tensor, route: Edge, expected: tuple[int, ...], wrong_grad: bool, what: str) -> None:
-    """A value about to cross a cut that is not what the trace said."""
+def _refuse(value: torch.Tensor, route: Edge, expected: tuple[int, ...], wrong_grad: bool, dynamic: bool,
+            what: str) -> None:
+    """A value about to cross a cut that is not what the trace said (``dynamic``: its shape has a dynamic dim)."""
     spec = route.spec
     if tuple(value.shape) != tuple(expected) or value.dtype != spec.dtype:
         changed = [f"dim {i}: traced {spec.shape[i]}, got {g}" for i, (g, e) in enumerate(zip(value.shape, expected))
                    if g != e]
-        hint = (" — declare it dynamic with dynamic_shapes=... when calling pipeline()" if changed and not spec.is_dynamic
+        hint = (" — declare it dynamic with dynamic_shapes=... when calling pipeline()" if changed and not dynamic
                 else "")
         raise PipelineError(f"{what}: expected shape {tuple(expected)} {spec.dtype}, got {tuple(value.shape)} "
                             f"{value.dtype} ({'; '.join(changed) or 'dtype differs'}){hint}")

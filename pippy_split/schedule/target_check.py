@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from ..stage.arguments import concrete_shape
 from ..stage.errors import PipelineError
 
 if TYPE_CHECKING:
@@ -68,7 +69,8 @@ class TargetCheck:
     """
 
     def __init__(self, loss_fn: Callable, pipe: PipeView, last_stage: int, device: torch.device) -> None:
-        self.loss_fn, self.pipe, self.last_stage, self.device = loss_fn, pipe, last_stage, device
+        self.loss_fn, self.last_stage, self.device = loss_fn, last_stage, device
+        self.outputs = pipe.model_outputs
         self.specs: list[TensorSpec | None] = list(pipe.stages[last_stage].output_specs)
         self.symbols = list(pipe.symbols)
         known = all(s is not None and not s.is_dynamic for s in self.specs)
@@ -87,7 +89,7 @@ class TargetCheck:
             if shapes is None:
                 bindings = {s.symbol: int(flat_inputs[mb][s.input_index].shape[s.dim])  # type: ignore[index]
                             for s in self.symbols}
-                shapes = tuple(spec.concrete_shape(bindings) for spec in self.specs)  # type: ignore[union-attr]
+                shapes = tuple(concrete_shape(spec.shape, bindings) for spec in self.specs)  # type: ignore[union-attr]
             key = (shapes, _signature(target))
             if key == passed:
                 continue
@@ -116,7 +118,7 @@ class TargetCheck:
                 outs = [torch.empty(shape, dtype=spec.dtype, device=self.device) for shape, spec in zip(shapes, specs)]
                 fake_target = tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype,
                                                                                  device=self.device), target)
-                self.loss_fn(self.pipe.unflatten_outputs(outs), fake_target)
+                self.loss_fn(self.outputs(outs), fake_target)
         except _FAKE_LIMITS:
             return None
         except (RuntimeError, ValueError, IndexError) as e:

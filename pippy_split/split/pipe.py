@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import sympy
 import torch
-from torch.utils import _pytree as pytree
 
 from .autocast_trace import TraceRecipe
 from .calls import call_tree
@@ -28,6 +27,7 @@ from .trace import Traced, trace_model
 if TYPE_CHECKING:
     from ..stage import PipelineStage
     from ..stage.groups import GroupArg
+    from ..stage.model_io import ModelInputs, ModelOutputs
     from ..stage.options import StageOptions
 
 __all__ = ["Pipe", "pipeline"]
@@ -51,11 +51,13 @@ class Pipe:
                  model: torch.nn.Module | None = None, balance: Any = None, *,
                  recipe: TraceRecipe | None = None, plan: Plan | None = None,
                  autocast: tuple[str, torch.dtype] | None = None) -> None:
+        from ..stage.model_io import ModelOutputs  # the one home of the output structure, which steps keep
+
         self._traced = traced
         self.stages = stages
         self.edges = edges
         self.symbols = symbols
-        self._output_leaves = output_leaves
+        self._outputs = ModelOutputs(output_leaves, traced.out_spec)
         self.shared_parameters = shared_parameters
         self.model_name = model_name
         self._model = model  # the traced model (not modified): owners initialise a meta stage's tensors
@@ -81,6 +83,19 @@ class Pipe:
         """Names of the arguments the traced example passed positionally (for splitting
         ``step()``'s inputs by name)."""
         return list(self._traced.example_arg_names)
+
+    @property
+    def model_inputs(self) -> ModelInputs:
+        """How a call of the model becomes the flat inputs stages index into, each checked
+        against the trace (:meth:`flatten_inputs`); made when tracing, kept by schedules so a
+        step runs it without the Pipe."""
+        return self._traced.model_inputs
+
+    @property
+    def model_outputs(self) -> ModelOutputs:
+        """How the last stage's outputs become what the model returns (:meth:`unflatten_outputs`);
+        kept by the last stage."""
+        return self._outputs
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -112,7 +127,7 @@ class Pipe:
     # ---- running in one process -------------------------------------------------
     def flatten_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
         """The model's inputs as the flat list stages index into."""
-        return self._traced.flatten_inputs(tuple(args), dict(kwargs))
+        return self._traced.model_inputs.flatten(tuple(args), dict(kwargs))
 
     def bind_symbols(self, flat_inputs: Sequence[Any]) -> dict[sympy.Symbol, int]:
         """Values of the dynamic-shape symbols for these inputs."""
@@ -127,8 +142,7 @@ class Pipe:
 
     def unflatten_outputs(self, last_stage_outputs: Sequence[Any]) -> Any:
         """Rebuild the model's output structure (tuples, dicts, ModelOutput) from the last stage's outputs."""
-        leaves = [last_stage_outputs[v] if kind == "stage" else v for kind, v in self._output_leaves]
-        return pytree.tree_unflatten(leaves, self._traced.out_spec)
+        return self._outputs(last_stage_outputs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run every stage in order in this process; returns what the model returns. Inside a

@@ -72,7 +72,9 @@ class TensorSpec:
             return self.shape  # type: ignore[return-value]
         if not bindings:
             raise ValueError(f"shape {self.shape} is dynamic but no symbol values were given")
-        return tuple(d if isinstance(d, int) else int(d.xreplace(bindings)) for d in self.shape)
+        from ..stage.arguments import concrete_shape  # the one home, which a step runs without this class
+
+        return concrete_shape(self.shape, bindings)
 
     def short(self) -> str:
         dims = ", ".join(str(d) for d in self.shape)
@@ -147,13 +149,6 @@ class SymbolSource:
     lower: int = 0
     upper: int | None = None
 
-    def allows(self, value: int) -> bool:
-        """Whether ``value`` lies in the traced range."""
-        return self.lower <= value and (self.upper is None or value <= self.upper)
-
-    def range_text(self) -> str:
-        return f"[{self.lower}, {'inf' if self.upper is None else self.upper}]"
-
 
 class InputKind(str, enum.Enum):
     """Where a stage input's value comes from (a ``str`` enum: ``InputKind.MODEL == "input"``)."""
@@ -174,8 +169,9 @@ class StageInput:
     The one description of a stage input: a Pipe's stages list them
     (``StageInfo.inputs``), a ``PipelineStage`` holds them as ``in_slots`` (their edges'
     specs as its precision gives them; a hand-built stage learns its own on the first
-    step), and :func:`gather_inputs` turns them into arguments, in one process
-    (``pipe(x)``) and in the runtime alike.
+    step), and :class:`~pippy_split.stage.arguments.StageArgs` turns them into arguments, in
+    one process (``pipe(x)``, through :func:`gather_inputs`) and in the runtime alike (one per
+    stage, made once).
 
     Example:
         >>> e = Edge(MODEL_INPUT, 1, 2, 0, TensorSpec((4,), torch.float32, False), "y")
@@ -240,20 +236,6 @@ def gather_inputs(inputs: Sequence[StageInput], flat_inputs: Sequence[Any] | Non
         >>> gather_inputs(slots, ["x", "y"], {(0, 0): "h"}, {})
         ['y', 'h']
     """
-    out = []
-    for slot in inputs:
-        if slot.kind is InputKind.MODEL:
-            if flat_inputs is None:
-                raise ValueError(f"input {slot.index} is model input {slot.model_input}, but no model inputs were given")
-            out.append(flat_inputs[slot.model_input])
-        elif slot.kind is InputKind.SYMBOL:
-            out.append(int(slot.expr.xreplace(bindings)))
-        else:
-            assert slot.edge is not None  # an edge input (checked when it was made)
-            key = (slot.edge.src_stage, slot.edge.src_output)  # slot.key, without two property calls per input
-            if key not in produced:
-                if on_missing is not None:
-                    on_missing(slot)
-                raise KeyError(f"input {slot.index}: value {key} (stage, output) was not produced")
-            out.append(produced[key])
-    return out
+    from ..stage.arguments import StageArgs  # the one home: the runtime keeps one per stage, made once
+
+    return StageArgs(inputs)(flat_inputs, produced, bindings, on_missing)

@@ -21,7 +21,6 @@ from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw as hint
 from torch.utils import _pytree as pytree
 
 from .errors import TraceError
-from .input_checks import check_input, input_check
 from .python_effects import ForwardEffects, StateWrite, modules_kept_traced, watch_forward
 
 __all__ = ["Traced", "trace_model", "ROOT_PREFIX", "user_module_path"]
@@ -95,8 +94,8 @@ class Traced:
     example_kwarg_names: list[str]
     example_n_varargs: int = 0  # values the example passed to the model's *args
     requires_grad_inputs: dict[str, bool] = field(default_factory=dict)
-    # Per flat user input, what a call must match: a tensor's (dims, dtype), where a
-    # dim is None if dynamic, or a non-tensor's value (export baked it into the graph).
+    # Per flat user input, what a call must match (``stage.model_io.input_check``): a tensor's
+    # (dims, dtype), where a dim is None if dynamic, or a non-tensor's value (export baked it in).
     input_checks: list[Any] = field(default_factory=list)
     # The user's FQN (``@k`` for the k-th repeat of a call) -> export's ModuleCallSignature
     module_signatures: dict[str, Any] = field(default_factory=dict)
@@ -107,9 +106,14 @@ class Traced:
     functions: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from ..stage.model_io import ModelInputs  # the one home of the call's checks, which steps keep
+
         # ExportedProgram.call_spec builds a new NamedTuple class on every access: read it once.
         spec = self.ep.call_spec
         self.in_spec, self.out_spec = spec.in_spec, spec.out_spec
+        # how a call becomes the flat inputs, checked against the trace; schedules keep it for their steps
+        self.model_inputs = ModelInputs(self.signature, self.example_arg_names, self.example_kwarg_names,
+                                        self.example_n_varargs, self.in_spec, self.user_inputs, self.input_checks)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -135,54 +139,10 @@ class Traced:
                 out.append(val if not isinstance(val, torch.SymInt) else hint_int(val))
         return out
 
-    def normalize_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Rearrange a call's arguments into the (args, kwargs) shape of the example.
-
-        Inputs the example did not pass were baked into the graph as their defaults,
-        so passing them now is an error rather than silently ignored.
-        """
-        if self.signature is None:
-            return tuple(args), dict(kwargs)
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"pipeline called with arguments that do not fit the model's forward: {e}") from None
-        arguments = dict(bound.arguments)
-        kinds = {p.name: p.kind for p in self.signature.parameters.values()}
-        var_pos = next((n for n, k in kinds.items() if k is inspect.Parameter.VAR_POSITIONAL), None)
-        var_kw = next((n for n, k in kinds.items() if k is inspect.Parameter.VAR_KEYWORD), None)
-        extra_args = tuple(arguments.pop(var_pos, ())) if var_pos else ()
-        arguments.update(arguments.pop(var_kw, {}) if var_kw else {})  # **kwargs by their own names
-        expected = self.example_arg_names + self.example_kwarg_names
-        missing = [n for n in expected if n not in arguments]
-        if missing:
-            raise TypeError(
-                f"missing model input(s) {missing}: the pipeline was traced with them, pass them on every call"
-            )
-        unexpected = [n for n in arguments if n not in expected]
-        if len(extra_args) != self.example_n_varargs:
-            unexpected.append(f"*{var_pos} ({len(extra_args)} values, traced with {self.example_n_varargs})")
-        if unexpected:
-            raise TypeError(
-                f"model input(s) {unexpected} differ from the example the pipeline was traced with, which "
-                f"passed {expected}" + (f" and {self.example_n_varargs} *{var_pos}" if var_pos else "")
-                + "; inputs not traced were baked in as their defaults, so trace with the inputs you will pass"
-            )
-        new_args = tuple(arguments[n] for n in self.example_arg_names) + extra_args
-        new_kwargs = {n: arguments[n] for n in self.example_kwarg_names}
-        return new_args, new_kwargs
-
     def flatten_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
-        args, kwargs = self.normalize_call(args, kwargs)
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if spec != self.in_spec:
-            raise TypeError(
-                f"inputs have a different structure than the example the pipeline was traced with:\n"
-                f"  expected {self.in_spec}\n  got      {spec}"
-            )
-        for name, x, check in zip(self.user_inputs, flat, self.input_checks):
-            check_input(name, x, check)
-        return flat
+        """A call's inputs as the flat list stages index into, each checked against the trace
+        (:meth:`~pippy_split.stage.model_io.ModelInputs.flatten`)."""
+        return self.model_inputs.flatten(args, kwargs)
 
 
 def _example_names(sig: inspect.Signature | None, args: tuple, kwargs: dict) -> tuple[list[str], list[str]]:
@@ -413,6 +373,8 @@ def trace_model(
     ``cuts``: the module FQNs the split will cut at, where known before tracing; the trace
     then keeps only the call signatures the stages need (:func:`calls_to_keep`: export's
     cost grows with them). None keeps every module's."""
+    from ..stage.model_io import input_check  # what a call must match; checked where steps run it
+
     kwargs = dict(kwargs or {})
     root = _root_for(model)
     try:

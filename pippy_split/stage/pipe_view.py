@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from ..split.spec import Edge, SymbolSource
     from ..split.stage_graph import StageInfo
+    from .model_io import ModelInputs, ModelOutputs
 
 __all__ = ["PipeView"]
 
@@ -71,6 +72,16 @@ class PipeView(Protocol):
 
     @property
     def arg_names(self) -> list[str]: ...
+
+    @property
+    def model_inputs(self) -> ModelInputs:
+        """How a call becomes the flat inputs, checked against the trace (kept by schedules)."""
+        ...
+
+    @property
+    def model_outputs(self) -> ModelOutputs:
+        """How the last stage's outputs become what the model returns (kept by the last stage)."""
+        ...
 
     def example_inputs(self) -> tuple[list[Any], dict[sympy.Symbol, int]]: ...
 

@@ -22,6 +22,7 @@ from .errors import PipelineError
 from .groups import GroupArg, process_group
 from .loss import LossRule
 from .mixed_precision import autocast_edge_specs
+from .model_io import ModelOutputs
 from .options import StageOptions
 from .pipe_view import PipeView
 from .recompute import (
@@ -117,6 +118,7 @@ class PipelineStage(StageBackward):
         self._region_call: torch.nn.Module | None = None  # the stage graph with its regions checkpointed, built lazily
         self.group = process_group(group, f"stage {stage_index}")  # a 1-D DeviceMesh: its process group
         self.pipe: PipeView | None = None  # set by from_pipe; None for a hand-built stage
+        self._outputs: ModelOutputs | None = None  # from_pipe: the model's output structure, kept for steps
         self.inputs_from = dict(inputs_from or {})
         self.outputs_to = {k: list(v) for k, v in (outputs_to or {}).items()}
         for idx, (src, _) in self.inputs_from.items():
@@ -176,6 +178,7 @@ class PipelineStage(StageBackward):
             module = module.to(device)
         stage = cls(module, stage_index, pipe.num_stages, device=device, group=group, options=options)
         stage.pipe = pipe
+        stage._outputs = pipe.model_outputs
         if options.selective is not None:
             check_patterns_match(options.selective,
                                  {p for st in pipe.stages for p in graph_module_paths(st.module)},
@@ -325,8 +328,8 @@ class PipelineStage(StageBackward):
 
     def model_output(self, outputs: tuple) -> Any:
         """The last stage's outputs in the structure the model returns."""
-        if self.pipe is not None:
-            return self.pipe.unflatten_outputs(outputs)
+        if self._outputs is not None:
+            return self._outputs(outputs)
         return outputs[0] if len(outputs) == 1 else outputs
 
     def clear(self) -> None:
