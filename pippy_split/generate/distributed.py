@@ -40,25 +40,42 @@ from .lanes import Lane, Progress, make_lanes
 from .program import DecodeProgram, decode_program
 from .result import Generation
 from .stage_step import StageDecoder
+from .stand_ins import is_stand_in
 
 __all__ = ["generate_on_schedule", "bind_live"]
 
 
-def bind_live(decode_module: torch.nn.Module, live: torch.nn.Module) -> None:
+def bind_live(decode_module: torch.nn.Module, live: torch.nn.Module, stage: int = 0) -> None:
     """Point ``decode_module``'s parameters and buffers at ``live``'s tensors of the same name
-    (the training stage's: what the optimizer updates, wherever the stage was filled)."""
+    (the training stage's: what the optimizer updates, wherever the stage was filled).
+
+    Raises:
+        GenerationError: where a tensor the decode step of ``stage`` reads was traced on a
+            stand-in (a pipe built on ``meta``) and this rank's training stage does not hold it.
+    """
     tensors: dict[str, torch.Tensor] = dict(live.named_parameters(remove_duplicate=False))
     tensors.update(live.named_buffers(remove_duplicate=False))
+    unbound = []
     for name, t in [*decode_module.named_parameters(remove_duplicate=False),
                     *decode_module.named_buffers(remove_duplicate=False)]:
         new = tensors.get(name)
-        if new is None or new is t:
+        if new is None:
+            if is_stand_in(t) or t.device.type == "meta":
+                unbound.append(name)
+            continue
+        if new is t:
             continue
         parent, leaf = parent_of(decode_module, name)
         if leaf in parent._parameters:
             parent._parameters[leaf] = new  # type: ignore[assignment]
         else:
             parent._buffers[leaf] = new
+    if unbound:
+        raise GenerationError(f"stage {stage}'s decode step reads {', '.join(sorted(unbound)[:4])}"
+                              f"{' ...' if len(unbound) > 4 else ''}, which the model held on meta and this rank's "
+                              "training stage does not hold: generation cannot read their values here. What works: "
+                              "build the model with real tensors on every rank (not on meta), or a split whose stages "
+                              "hold every tensor their layers read")
 
 
 def _pipe_of(sched: Any) -> Any:
@@ -217,7 +234,7 @@ def _generate(sched: Any, pipe: Any, call: Any, input_ids: torch.Tensor, record:
     decoders = {}
     for st in sched.stages:
         module = program.stage_module(st.stage_index)
-        bind_live(module, st.module)
+        bind_live(module, st.module, st.stage_index)
         decoders[st.stage_index] = StageDecoder(program, st.stage_index, module, device, call.dtype)
     last_rank = placement[program.num_stages - 1]
     progress = Progress(prompt, opts) if last_rank == sched.rank else None

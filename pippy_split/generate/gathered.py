@@ -41,6 +41,7 @@ import torch
 
 from ..split.module_calls import parent_of
 from .program import decode_program
+from .stand_ins import stand_in
 
 __all__ = ["Gathered", "unsharded_stages"]
 
@@ -93,7 +94,7 @@ def unsharded_stages(stages: Sequence[Any], pipe: Any) -> Iterator[Gathered]:
         _suspend_hooks(modules, undo)
         traced: list[Callable[[], None]] = []
         try:
-            _lend(sharded, _stand_in, {}, traced)
+            _lend(sharded, stand_in, {}, traced)
             program = decode_program(pipe)  # traced on the Pipe's first call: it needs shapes only
         finally:
             _undo(traced)
@@ -127,11 +128,6 @@ def _pairs(sharded: list[_Entry], whole: dict[int, torch.Tensor]) -> list[tuple[
 def _like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``new`` as what ``old`` was registered as (a Parameter or a buffer), never requiring grad."""
     return torch.nn.Parameter(new, requires_grad=False) if isinstance(old, torch.nn.Parameter) else new
-
-
-def _stand_in(t: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``t``'s full shape, dtype and device that holds one element."""
-    return _like(t, torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape))
 
 
 def _full(t: Any) -> torch.Tensor:

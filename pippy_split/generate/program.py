@@ -23,6 +23,7 @@ import torch
 from ..split.spec import MODEL_INPUT, InputKind, StageInput, gather_inputs
 from .decode_model import DecodeRoot, kv_layout
 from .errors import GenerationError
+from .stand_ins import meta_stood_in
 
 __all__ = ["DecodeProgram", "StagePlan", "decode_program", "N_STEP_INPUTS"]
 
@@ -207,14 +208,17 @@ def decode_program(pipe: Any) -> DecodeProgram:
                               "traces the model's decode step, so build the Pipe with pippy_split.pipeline()")
     root = DecodeRoot(model)
     tensors = [*model.parameters(), *model.buffers()]
-    device = next((t.device for t in tensors), torch.device("cpu"))
+    # A pipe built on meta and filled per rank: the trace reads shapes only, on stand-ins
+    # (each stage binds its live tensors before it decodes; bind_live refuses a stand-in left)
+    device = next((t.device for t in tensors if t.device.type != "meta"), torch.device("cpu"))
     dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
-    layout = kv_layout(model, device)
-    args, kwargs = _example(layout, device, dtype)
-    dyn = torch.export.Dim.DYNAMIC
-    shapes = {"input_ids": {0: dyn, 1: dyn}, "attention_mask": {0: dyn, 1: dyn},
-              "position_ids": {0: dyn, 1: dyn}, "past": [{0: dyn, 2: dyn} for _ in layout]}
-    decode_pipe = trace_again(pipe, root, args, kwargs, dynamic_shapes=shapes)
+    with meta_stood_in(model, device):
+        layout = kv_layout(model, device)
+        args, kwargs = _example(layout, device, dtype)
+        dyn = torch.export.Dim.DYNAMIC
+        shapes = {"input_ids": {0: dyn, 1: dyn}, "attention_mask": {0: dyn, 1: dyn},
+                  "position_ids": {0: dyn, 1: dyn}, "past": [{0: dyn, 2: dyn} for _ in layout]}
+        decode_pipe = trace_again(pipe, root, args, kwargs, dynamic_shapes=shapes)
     program = DecodeProgram(decode_pipe, layout)
     pipe.derived["decode_program"] = program
     return program

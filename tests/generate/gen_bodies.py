@@ -161,3 +161,16 @@ def generate_on_fsdp_stages(rank: int, world: int):
     fully_shard(sched.stages[0].module, mesh=init_device_mesh("cpu", (world,)))
     out = sched.generate(prompt, max_new_tokens=3, return_logprobs=True)
     return before.sequences, before.logprobs, out.sequences, out.logprobs
+
+
+def generate_on_meta_body(rank: int, world: int, kwargs: dict) -> torch.Tensor:
+    """A pipe traced on a ``meta`` HF Llama, each rank's stages filled from the state dict
+    (as a big model is built): generate reads shapes of the other ranks' layers only."""
+    model = llama8()
+    with torch.device("meta"):
+        meta = type(model)(model.config).eval()
+    ids, _ = train_batch()
+    pipe = ps.pipeline(meta, layer_split("model.layers", 8, world), (ids[: 4 // N_MB],))
+    sched = ps.build_schedule(pipe, "1F1B", N_MB, loss_fn=lm_loss, state_dict=model.state_dict())
+    prompt, mask = prompts(True, batch=5)
+    return sched.generate(prompt % 64, attention_mask=mask, **kwargs).sequences

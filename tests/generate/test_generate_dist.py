@@ -92,3 +92,30 @@ def test_a_stage_under_fsdp2_generates_what_the_unsharded_pipe_does():
     ((seq, logprobs, got_seq, got_logprobs),) = run_ranks(generate_on_fsdp_stages, 1, timeout=100)
     assert torch.equal(got_seq, seq)
     torch.testing.assert_close(got_logprobs, logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_generate_on_a_pipe_built_on_meta() -> None:
+    """Each rank holds only its own stages' tensors; the decode step is traced on stand-ins of
+    the rest (it failed with "Tensor on device cpu is not on the expected device meta")."""
+    from .gen_bodies import generate_on_meta_body
+
+    kwargs = {"max_new_tokens": 6, "eos_token_id": 999, "pad_token_id": 0}
+    results = run_ranks(generate_on_meta_body, 2, kwargs, timeout=540)
+    seq, _ = reference("llama", kwargs)
+    assert all(torch.equal(r, seq) for r in results)
+
+
+def test_a_tensor_left_on_a_stand_in_is_refused_by_name() -> None:
+    from pippy_split.generate import GenerationError
+    from pippy_split.generate.distributed import bind_live
+    from pippy_split.generate.stand_ins import stand_in
+
+    decode = torch.nn.Linear(3, 2)
+    decode.weight = stand_in(decode.weight)  # traced on meta; this rank's stage lacks it
+    live = torch.nn.Module()
+    live.bias = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(GenerationError, match="stage 1's decode step reads weight"):
+        bind_live(decode, live, 1)
+    assert decode.bias is live.bias
