@@ -36,6 +36,13 @@ class Cluster:
     """Bytes/s one device sends to the others of its node (NVLink, one direction)."""
     inter_node_bw: float = 50e9
     """Bytes/s one device sends across nodes (400 Gb/s NIC per GPU = 50e9)."""
+    p2p_latency: float = 0.0
+    """Seconds a point-to-point message costs besides its bytes / bandwidth (the network's
+    and the communication library's fixed cost per message)."""
+    action_overhead: float = 0.0
+    """Seconds of host work each pipeline action (F, B, I or W of one microbatch on one
+    stage) costs besides its ops: the runtime's bookkeeping and the launch of its ops,
+    where the device does not hide them (0: hidden, as on a GPU kept busy)."""
     efficiency: float = 0.5
     """The fraction of peak ``flops`` a transformer block's ops reach (kernel efficiency,
     the one factor fitted to measurements); communication runs at the stated bandwidths."""
@@ -47,6 +54,9 @@ class Cluster:
             raise ValueError(f"Cluster: {self.gpus} gpus is not a whole number of {self.gpus_per_node}-GPU nodes")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"Cluster: efficiency must be in (0, 1], got {self.efficiency}")
+        if self.p2p_latency < 0 or self.action_overhead < 0:
+            raise ValueError(f"Cluster: p2p_latency and action_overhead must be >= 0 seconds, got "
+                             f"{self.p2p_latency}, {self.action_overhead}")
 
     @property
     def nodes(self) -> int:

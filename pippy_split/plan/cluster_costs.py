@@ -22,8 +22,9 @@ width ``h``, ``tp``/``dp``/``pp`` the mesh, ``e`` the cluster's efficiency, bf16
   across microbatches), ``(dp-1)/dp`` of bf16 bytes each; overlapped with compute except
   the first block's all-gather and the last block's reduce-scatter, and any part longer
   than the rank's compute.
-* **PP**: a microbatch's boundary activation ``t h / tp`` bf16 per message, as the
-  simulator's link latency.
+* **PP**: a microbatch's boundary activation ``t h / tp`` bf16 per message, plus the
+  cluster's fixed cost per message (``p2p_latency``), as the simulator's link latency;
+  each action also costs the cluster's ``action_overhead`` of host work (0 by default).
 * **Memory per GPU**: parameters, fp32 gradients and optimizer state sharded over
   ``dp x tp`` (AdamW: 4 + 4 + 8 bytes per parameter, SGD 4 + 4); the rank's stages held
   unsharded in bf16 during the step (parameters and their gradients, TP-sharded; without
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from .cluster import Cluster
 from .cluster_model import ModelShape
 
-__all__ = ["Layout", "StageCosts", "stage_costs", "static_bytes", "fsdp_exposed_s", "BF16"]
+__all__ = ["Layout", "StageCosts", "stage_costs", "block_forward_s", "static_bytes", "fsdp_exposed_s", "BF16"]
 
 BF16 = 2
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 0}
@@ -86,31 +87,45 @@ def stage_layers(model: ModelShape, stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(stages)]
 
 
-def stage_costs(model: ModelShape, cluster: Cluster, lay: Layout, seq_len: int) -> StageCosts:
-    """Per-stage costs of ``lay`` (see the module docstring)."""
+def block_forward_s(model: ModelShape, cluster: Cluster, tokens: int, seq_len: int, tp: int = 1,
+                    dtype_bytes: int = BF16) -> float:
+    """Seconds of one block's forward over ``tokens`` tokens (sequences of ``seq_len``), its
+    TP traffic included (see the module docstring).
+
+    Example:
+        >>> shape = ModelShape(layers=1, hidden=256, intermediate=1024, heads=4, kv_heads=4, vocab=64, gated=False)
+        >>> round(block_forward_s(shape, Cluster(gpus=1, flops=1e11, efficiency=1.0), 256, 128) * 1e3, 2)  # ms
+        4.2
+    """
+    h, e = model.hidden, dtype_bytes
+    layer_flops = (2 * model.layer_params * tokens + 2 * seq_len * h * tokens) / tp
+    layer_bytes = (model.layer_params * e + 4 * tokens * h * e) / tp
+    layer_f = max(layer_flops / (cluster.flops * cluster.efficiency), layer_bytes / cluster.hbm_bw)
+    return layer_f + (0.0 if tp == 1 else 4 * (tp - 1) / tp * tokens * h * e / cluster.bandwidth(tp))
+
+
+def stage_costs(model: ModelShape, cluster: Cluster, lay: Layout, seq_len: int, dtype_bytes: int = BF16) -> StageCosts:
+    """Per-stage costs of ``lay`` (see the module docstring); ``dtype_bytes`` is the size of
+    one weight or activation element in the training dtype (bf16: 2, fp32: 4)."""
     t = lay.mb * seq_len
-    h, tp = model.hidden, lay.tp
+    h, tp, e = model.hidden, lay.tp, dtype_bytes
     peak = cluster.flops * cluster.efficiency
-    layer_flops = (2 * model.layer_params * t + 2 * seq_len * h * t) / tp
-    layer_bytes = (model.layer_params * BF16 + 4 * t * h * BF16) / tp
-    layer_f = max(layer_flops / peak, layer_bytes / cluster.hbm_bw)
-    tp_bw = cluster.bandwidth(tp)
-    tp_comm = 0.0 if tp == 1 else 4 * (tp - 1) / tp * t * h * BF16 / tp_bw
+    block_f = block_forward_s(model, cluster, t, seq_len, tp, e)
     head_flops = 2 * model.vocab * h * t / tp
-    head_f = max(head_flops / peak, model.vocab * h * BF16 / tp / cluster.hbm_bw)
+    head_f = max(head_flops / peak, model.vocab * h * e / tp / cluster.hbm_bw)
     layers = stage_layers(model, lay.stages)
     fwd, bwd, rec, held, work = [], [], [], [], []
     for s, n in enumerate(layers):
-        f = n * (layer_f + tp_comm) + (head_f if s == lay.stages - 1 else 0.0)
+        f = n * block_f + (head_f if s == lay.stages - 1 else 0.0)
         fwd.append(f)
         bwd.append(2 * f)
         rec.append(f if lay.ac else 0.0)
         block_all = 34 * t * h / tp
-        held.append(n * (t * h * BF16 / tp if lay.ac else block_all))
+        held.append(n * (t * h * e / tp if lay.ac else block_all))
         logits = 4 * t * model.vocab / tp if s == lay.stages - 1 else 0.0
         work.append((block_all if lay.ac else 0.0) + logits)
     pp_span = lay.tp * lay.dp + 1  # neighbours in PP sit tp x dp ranks apart
-    p2p = 0.0 if lay.pp == 1 else t * h * BF16 / tp / cluster.bandwidth(pp_span)
+    p2p = 0.0 if lay.pp == 1 else cluster.p2p_latency + t * h * e / tp / cluster.bandwidth(pp_span)
     return StageCosts(fwd, bwd, rec, p2p, held, work, layers)
 
 

@@ -20,7 +20,7 @@ __all__ = ["ModelShape", "model_shape"]
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
     """A Llama-style decoder: attention (grouped KV) and a gated MLP per layer, embedding
-    and an untied output projection."""
+    and an untied output projection; ``gated=False`` for a GPT-style plain MLP."""
 
     layers: int
     """Transformer blocks."""
@@ -36,12 +36,15 @@ class ModelShape:
     """Vocabulary size."""
     tied: bool = False
     """Whether the output projection shares the embedding."""
+    gated: bool = True
+    """Whether the MLP is gated (SwiGLU: three ``hidden x intermediate`` matrices) or
+    plain (GPT: up and down projections, two)."""
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one block: q, k, v, o, the gated MLP and two norms."""
+        """Parameters of one block: q, k, v, o, the MLP and two norms."""
         h, kv = self.hidden, self.hidden * self.kv_heads // self.heads
-        return h * h * 2 + 2 * h * kv + 3 * h * self.intermediate + 2 * h
+        return h * h * 2 + 2 * h * kv + (3 if self.gated else 2) * h * self.intermediate + 2 * h
 
     @property
     def params(self) -> int:

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 from ..schedule import simulate
 from ..schedule.orders import get_order_spec
 from .cluster import Cluster
-from .cluster_costs import Layout, fsdp_exposed_s, stage_costs, static_bytes
+from .cluster_costs import BF16, Layout, fsdp_exposed_s, stage_costs, static_bytes
 from .cluster_model import ModelShape, model_shape
 
 __all__ = ["plan_cluster", "ClusterCandidate", "ClusterPlan", "SCHEDULES"]
@@ -113,16 +113,18 @@ def _divisors(n: int) -> list[int]:
 
 
 def evaluate(model: ModelShape, cluster: Cluster, lay: Layout, schedule: str, seq_len: int,
-             optimizer: str = "adamw") -> ClusterCandidate:
-    """Price one layout: its schedule's real order simulated once with per-stage costs."""
+             optimizer: str = "adamw", dtype_bytes: int = BF16) -> ClusterCandidate:
+    """Price one layout: its schedule's real order simulated once with per-stage costs
+    (``dtype_bytes``: the training dtype's element size, as :func:`.cluster_costs.stage_costs`)."""
     spec = get_order_spec(schedule)
     order = spec.compute_order(lay.pp, lay.m, lay.v)
-    c = stage_costs(model, cluster, lay, seq_len)
+    c = stage_costs(model, cluster, lay, seq_len, dtype_bytes)
     S = lay.stages
     costs: dict[Any, float] = {}
+    o = cluster.action_overhead  # each action's host work, besides its ops
     for s in range(S):
         f, b, r = c.forward[s], c.backward[s], c.recompute[s]
-        costs.update({(s, "F"): f, (s, "I"): b / 2 + r, (s, "W"): b / 2, (s, "B"): b + r})
+        costs.update({(s, "F"): f + o, (s, "I"): b / 2 + r + o, (s, "W"): b / 2 + o, (s, "B"): b + r + o})
     sim = simulate(order, costs, comm_latency=c.p2p_s, activation_bytes=c.held, workspace_bytes=c.workspace)
     where = spec.stage_placement(S, lay.pp)
     worst: dict[str, float] = {}
