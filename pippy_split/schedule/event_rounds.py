@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
 from operator import attrgetter
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -79,7 +79,7 @@ class Packed:
                        self.num_mb)
 
 
-def _ints(values: Iterable[int]) -> torch.Tensor:
+def _ints(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.zeros(0, dtype=torch.int64)
 
 
