@@ -1,7 +1,9 @@
 """The cluster planner's cost model against this machine (issue 33): predicted vs measured
 step times of zoo transformers on 2 and 4 gloo ranks.
 
-Run: ``python -m benchmarks.cluster_model_check [--smoke] [--reps N] [--only MODEL]``. For
+Run: ``python -m benchmarks.cluster_model_check [--smoke] [--reps N] [--only MODEL]``
+(``--block-alone``: only one block of each model in one process, measured against its
+matmul-only time, ``results/cluster_model_check_block.json``). For
 each case (a zoo model, a rank count, a schedule and microbatches), inside the rank
 processes that train it (one process and one intra-op thread per rank, as ``run_ranks``
 starts them, so the constants see the same sharing of the CPU as the step):
@@ -329,13 +331,45 @@ def _range(s: dict[str, float], fmt: str = ".3f") -> str:
     return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
 
 
+def block_alone(rounds: int = 4, seconds: float = 0.4) -> list[dict[str, Any]]:
+    """One block of each model in this one process (no ranks): its measured forward and
+    backward against the cost model's matmul-only time at the matmul rate measured in
+    turn with it (medians over ``rounds``): how much the ops besides matmuls add."""
+    torch.set_num_threads(1)
+    out = []
+    for name in ("tiny_gpt", "tiny_llama"):
+        case = Case(name, 2)
+        tokens = case.batch // case.m * case.seq
+        rates, fwd, bwd = [], [], []
+        for _ in range(rounds):
+            rates.append(matmul_rate(case.shape(), tokens, seconds))
+            f, b = block_s(case, seconds)
+            fwd.append(f)
+            bwd.append(b)
+        cluster = Cluster(gpus=1, flops=statistics.median(rates), efficiency=1.0, hbm_bw=1e12)
+        pred = 3 * block_forward_s(case.shape(), cluster, tokens, case.seq, dtype_bytes=FP32)
+        measured = statistics.median(fwd) + statistics.median(bwd)
+        out.append({"model": name, "matmul_flops": cluster.flops, "predicted_fwd_bwd_s": pred,
+                    "measured_fwd_bwd_s": measured, "measured_over_predicted": measured / pred})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="one tiny case, one step: checks it runs")
     parser.add_argument("--reps", type=int, default=5, help="steps per case, each after its own constants")
     parser.add_argument("--only", default=None, help="model name to run alone")
     parser.add_argument("--out", default=str(RESULTS / "cluster_model_check.json"))
+    parser.add_argument("--block-alone", action="store_true",
+                        help="only one block of each model in this process, against its matmul-only time")
     args = parser.parse_args(argv)
+    if args.block_alone:
+        rows_alone = block_alone()
+        out = RESULTS / "cluster_model_check_block.json"
+        out.write_text(json.dumps({"command": "python -m benchmarks.cluster_model_check --block-alone",
+                                   "load": os.getloadavg()[0], "rows": rows_alone}, indent=2))
+        print(json.dumps(rows_alone, indent=2))
+        return 0
     reps, warmup, seconds = (1, 0, 0.05) if args.smoke else (args.reps, 1, 0.4)
     rows = [measure(c, warmup, reps, seconds) for c in cases(args.smoke) if args.only in (None, c.model)]
     flags = " --smoke" if args.smoke else f" --reps {args.reps}" + (f" --only {args.only}" if args.only else "")
