@@ -133,7 +133,7 @@ def _split_rows(out: list, res: dict) -> None:
         ratio = row["ours_over_peer"]
         out.append(("1", f"split time, {n} blocks d=256 ({row.get('runs', '?')} runs, medians)",
                     f"{row['ours_s']:.2f} s", f"{row['peer_s']:.2f} s", f"{ratio:.2f}x (after export: {row['after_export_pct']:.1f}% of export)",
-                    "≤ 0.65x at 64", _met(ratio <= 0.65 if n == 64 else None)))
+                    "≤ 0.6x", _met(ratio <= 0.6)))
 
 
 def _step_rows(out: list, res: dict) -> None:
@@ -149,11 +149,11 @@ def _step_rows(out: list, res: dict) -> None:
     for row in res["rows"]:
         if "serial_s" in row:
             c = row["config"]
-            ok = row["speedup_ours"]["median"] >= 1.74
+            of_ideal = row["speedup_ours"]["median"] / row["ideal_speedup"]
             out.append(("4", f"efficiency {c['schedule']} m={c['n_mb']}: serial step {row['serial_s']['median']:.2f} s"
-                             f" / pipelined step (ideal {row['ideal_speedup']:.2f}x)",
-                        median_range(row["speedup_ours"]) + "x", median_range(row["speedup_peer"]) + "x", "speed-up over serial",
-                        "≥ 1.74x", _met(ok)))
+                             f" / pipelined step (simulated ideal {row['ideal_speedup']:.2f}x)",
+                        median_range(row["speedup_ours"]) + "x", median_range(row["speedup_peer"]) + "x",
+                        f"{of_ideal:.1%} of the ideal", "≥ 97% of ideal", _met(of_ideal >= 0.97)))
 
 
 def _bytes(ranks: list[dict]) -> str:
