@@ -28,6 +28,9 @@ class Cluster:
     """Devices sharing the fast intra-node fabric (NVLink); a group larger than this crosses nodes."""
     flops: float = 989e12
     """Peak dense matmul FLOP/s of one device in the training dtype (H100 SXM bf16: 989e12)."""
+    fp8_flops: float = 0.0
+    """Peak dense Float8 matmul FLOP/s of one device (H100 SXM: 1979e12; 0: none), used for
+    the blocks' projections when the runtime trains them in Float8."""
     hbm_bytes: float = 80e9
     """Device memory in bytes."""
     hbm_bw: float = 3.35e12
@@ -93,13 +96,13 @@ class Cluster:
 
 
 PRESETS: dict[str, Cluster] = {
-    "h100-sxm": Cluster(gpus=8, flops=989e12, hbm_bytes=80e9, hbm_bw=3.35e12, intra_node_bw=450e9,
-                        inter_node_bw=50e9),
-    "h100-96gb": Cluster(gpus=8, flops=989e12, hbm_bytes=96e9, hbm_bw=2.4e12, intra_node_bw=450e9,
-                         inter_node_bw=50e9),
+    "h100-sxm": Cluster(gpus=8, flops=989e12, fp8_flops=1979e12, hbm_bytes=80e9, hbm_bw=3.35e12,
+                        intra_node_bw=450e9, inter_node_bw=50e9),
+    "h100-96gb": Cluster(gpus=8, flops=989e12, fp8_flops=1979e12, hbm_bytes=96e9, hbm_bw=2.4e12,
+                         intra_node_bw=450e9, inter_node_bw=50e9),
     "a100-80gb": Cluster(gpus=8, flops=312e12, hbm_bytes=80e9, hbm_bw=2.0e12, intra_node_bw=300e9,
                          inter_node_bw=25e9),
 }
-"""Datasheet numbers (bf16 dense peak, HBM, NVLink per direction, one NIC per GPU)."""
+"""Datasheet numbers (bf16 and fp8 dense peaks, HBM, NVLink per direction, one NIC per GPU)."""
 
 _SHORT = {"h100": "h100-sxm", "h100-96gb": "h100-96gb", "a100": "a100-80gb"}

@@ -26,6 +26,7 @@ from ..schedule.orders import get_order_spec
 from .cluster import Cluster
 from .cluster_costs import BF16, Layout, fsdp_exposed_s, stage_costs, static_bytes
 from .cluster_model import ModelShape, model_shape
+from .cluster_runtime import Runtime
 
 __all__ = ["plan_cluster", "ClusterCandidate", "ClusterPlan", "SCHEDULES"]
 
@@ -113,12 +114,13 @@ def _divisors(n: int) -> list[int]:
 
 
 def evaluate(model: ModelShape, cluster: Cluster, lay: Layout, schedule: str, seq_len: int,
-             optimizer: str = "adamw", dtype_bytes: int = BF16) -> ClusterCandidate:
+             optimizer: str = "adamw", dtype_bytes: int = BF16, runtime: Runtime | None = None) -> ClusterCandidate:
     """Price one layout: its schedule's real order simulated once with per-stage costs
-    (``dtype_bytes``: the training dtype's element size, as :func:`.cluster_costs.stage_costs`)."""
+    (``dtype_bytes``: the training dtype's element size, as :func:`.cluster_costs.stage_costs`;
+    ``runtime``: how the training code runs, :class:`.cluster_runtime.Runtime`, default pippy_split's)."""
     spec = get_order_spec(schedule)
     order = spec.compute_order(lay.pp, lay.m, lay.v)
-    c = stage_costs(model, cluster, lay, seq_len, dtype_bytes)
+    c = stage_costs(model, cluster, lay, seq_len, dtype_bytes, runtime)
     S = lay.stages
     costs: dict[Any, float] = {}
     o = cluster.action_overhead  # each action's host work, besides its ops
@@ -135,7 +137,7 @@ def evaluate(model: ModelShape, cluster: Cluster, lay: Layout, schedule: str, se
     for rank in range(lay.pp):
         mine = [s for s in range(S) if where[s] == rank]
         layers = sum(c.layers[s] for s in mine)
-        mem = static_bytes(model, lay, layers, 0 in mine, S - 1 in mine, optimizer)
+        mem = static_bytes(model, lay, layers, 0 in mine, S - 1 in mine, optimizer, runtime, len(mine), seq_len)
         mem["activations (in flight, from the simulator)"] = (sim.peak_bytes or {}).get(rank, 0.0)
         exposed = max(exposed, fsdp_exposed_s(model, cluster, lay, layers, compute[rank]))
         if sum(mem.values()) > sum(worst.values()):
@@ -155,10 +157,12 @@ def _overflow(mem: dict[str, float], budget: float, lay: Layout) -> str:
     part, size = max(mem.items(), key=lambda kv: kv[1])
     if "activations" in part:
         knob = "a smaller microbatch" if lay.mb > 1 else ("activation checkpointing" if not lay.ac else "more pp")
-    elif "sharded" in part:
-        knob = "more GPUs, or more dp or tp (a finer shard)"
-    else:
+    elif "kept" in part:
+        knob = "fewer or smaller microbatches, or a runtime that frees each output after its backward"
+    elif part.startswith("unsharded"):
         knob = "more pp or tp (fewer blocks held unsharded)"
+    else:
+        knob = "more GPUs, or more dp or tp (a finer shard)"
     return f"over by {over / GiB:.1f} GiB; largest: {part} {size / GiB:.1f} GiB; try {knob}"
 
 
@@ -194,15 +198,16 @@ def candidates(model: ModelShape, cluster: Cluster, global_seqs: int, *, schedul
 
 def plan_cluster(model: Any, cluster: Cluster, *, global_batch_tokens: int, seq_len: int, dtype: Any = None,
                  optimizer: str = "adamw", schedules: Iterable[str] | None = None,
-                 microbatch_sizes: Sequence[int] = (1, 2), only: Iterable[tuple[Layout, str]] | None = None
-                 ) -> ClusterPlan:
+                 microbatch_sizes: Sequence[int] = (1, 2), only: Iterable[tuple[Layout, str]] | None = None,
+                 runtime: Runtime | None = None) -> ClusterPlan:
     """Rank every layout of ``model`` on ``cluster`` by predicted tokens/s/GPU (see
     :mod:`.cluster_costs` for the cost model).
 
     ``model``: ``"hf:DIR"`` (a ``config.json``), a transformers config, a model (meta device
     is enough: only ``.config`` is read) or a :class:`ModelShape`. ``dtype`` is the training
     dtype (bf16 assumed by the cost model). ``only`` prices just the given (layout, schedule)
-    pairs (to check a published configuration).
+    pairs (to check a published configuration). ``runtime`` says how the training code runs
+    (:class:`.cluster_runtime.Runtime`; default pippy_split's own).
 
     Raises:
         ValueError: nothing fits: names the closest layout, what overflows by how much and
@@ -231,7 +236,7 @@ def plan_cluster(model: Any, cluster: Cluster, *, global_batch_tokens: int, seq_
     priced = []
     for lay, name in pairs:
         try:
-            priced.append(evaluate(shape, cluster, lay, name, seq_len, optimizer))
+            priced.append(evaluate(shape, cluster, lay, name, seq_len, optimizer, runtime=runtime))
         except ValueError:  # the schedule cannot run these sizes (e.g. DualPipeV needs m >= 2 pp - 1)
             if only is not None:
                 raise
