@@ -14,6 +14,9 @@ parameters, 96% of the model), 1F1B with 4 microbatches per pipeline, AdamW:
     fsdp_stage  PP2 x FSDP2 on the whole stage: ``fully_shard(stage_module, mesh=mesh["dp"])``.
     fsdp_block  PP2 x FSDP2 per block: ours ``ps.parallelize(sched, dp_mesh=mesh["dp"],
                 fsdp=["layers.*"])``; the peer ``fully_shard`` on each block, then the root.
+    fsdp_once   the same with ``fsdp_gather="once"`` (no ``gather_budget``): ours keeps every
+                block and stage root gathered from its first forward of a step to the step's
+                end (one all-gather each per step); the peer as in fsdp_block.
     tp2         PP2 x TP2 on a (pp=2, tp=2) mesh, Megatron plan (wq/wk/wv/w1/w3 column-wise,
                 wo/w2 row-wise); both TP ranks run the whole batch (16 rows).
 
@@ -67,9 +70,10 @@ from .common import git_state, median_range
 __all__ = ["Size", "CONFIGS", "run", "main"]
 
 RESULTS = Path(__file__).parent / "results" / "nd_parallel.json"
-CONFIGS = ("pp2", "fsdp_stage", "fsdp_block", "tp2")
+CONFIGS = ("pp2", "fsdp_stage", "fsdp_block", "fsdp_once", "tp2")
 LABELS = {"pp2": "PP2 (2 replicas, no DP reduction)", "fsdp_stage": "PP2 x FSDP2 whole stage",
-          "fsdp_block": "PP2 x FSDP2 per block", "tp2": "PP2 x TP2"}
+          "fsdp_block": "PP2 x FSDP2 per block", "fsdp_once": "PP2 x FSDP2 per block, gathered once",
+          "tp2": "PP2 x TP2"}
 COL = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
 ROW = ("attention.wo", "feed_forward.w2")
 
@@ -174,6 +178,8 @@ def _build_ours(cfg: str, size: Size, mesh) -> Tool:
             fully_shard(st.module, mesh=mesh["dp"])
     elif cfg == "fsdp_block":
         ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["layers.*"])
+    elif cfg == "fsdp_once":
+        ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["layers.*"], fsdp_gather="once")
     elif cfg == "tp2":
         col, row = _tp_styles()
         ps.parallelize(sched, tp_mesh=mesh["tp"], tp_plan={**{f"layers.*.{n}": col for n in COL},
@@ -204,7 +210,7 @@ def _build_peer(cfg: str, size: Size, mesh) -> Tool:
     mod = LlamaStage(e.model, pp * per, (pp + 1) * per, pp == 0, pp == 1)
     if cfg == "fsdp_stage":
         fully_shard(mod, mesh=mesh["dp"])
-    elif cfg == "fsdp_block":
+    elif cfg in ("fsdp_block", "fsdp_once"):
         for block in mod.layers.values():
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(mod, mesh=mesh["dp"])
@@ -335,19 +341,20 @@ def measure(cfg: str, size: Size, warmup: int, reps: int, timeout: float = 900.0
             "cpu_ours_over_peer": common.summarize([a / b for a, b in zip(cpu["ours"], cpu["peer"])])}
 
 
-def run(smoke: bool = False, reps: int = 5, warmup: int = 2) -> dict:
+def run(smoke: bool = False, reps: int = 5, warmup: int = 2, configs: tuple[str, ...] | None = None) -> dict:
     size = SMOKE if smoke else FULL
-    configs = ("fsdp_block",) if smoke else CONFIGS
+    chosen = configs or (("fsdp_block",) if smoke else CONFIGS)
     if smoke:
         reps, warmup = 1, 1
     meta = {"command": "python -m benchmarks.nd_parallel" + (" --smoke" if smoke else "")
-            + ("" if smoke or reps == 5 else f" --reps {reps}"),
+            + ("" if smoke or reps == 5 else f" --reps {reps}")
+            + ("" if configs is None else f" --configs {','.join(configs)}"),
             "commit": git_state(Path(__file__).parent)[0], "torch": torch.__version__, "python": platform.python_version(),
             "cpus": os.cpu_count(), "size": asdict(size), "reps": reps, "warmup": warmup,
             "load_avg_before": os.getloadavg()}
     rows = []
     t0 = time.perf_counter()
-    for cfg in configs:
+    for cfg in chosen:
         rows.append(measure(cfg, size, warmup, reps))
         print(f"  {cfg}: done ({time.perf_counter() - t0:.0f} s)", flush=True)
     meta["load_avg_after"] = os.getloadavg()
@@ -406,6 +413,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=None,
                         help=f"write the JSON here (default: {RESULTS.relative_to(RESULTS.parents[2])} in a full "
                              "run; nothing in --smoke); the markdown goes beside it")
+    parser.add_argument("--configs", default=None,
+                        help=f"comma-separated rows to run (default: all of {', '.join(CONFIGS)})")
     parser.add_argument("--render", type=Path, default=None, help="print the tables of a saved JSON; run nothing")
     args = parser.parse_args(argv)
     if args.render is not None:
@@ -414,7 +423,11 @@ def main(argv: list[str] | None = None) -> dict:
         return res
     cmd = "python -m benchmarks.nd_parallel" + (" --smoke" if args.smoke else "")
     print(cmd, flush=True)
-    res = run(args.smoke, args.reps)
+    configs = tuple(args.configs.split(",")) if args.configs else None
+    unknown = sorted(set(configs or ()) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
+    res = run(args.smoke, args.reps, configs=configs)
     out = args.out if args.out is not None else (None if args.smoke else RESULTS)
     text = markdown(res)
     if out is not None:

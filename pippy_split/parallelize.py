@@ -12,17 +12,24 @@ schedule runs an FSDP2 stage's whole backward in I (see
 Traced stages (from ``pipe.build_stage`` / ``build_schedule``) are one flat ATen graph
 whose submodules' ``forward`` never runs, so per-block FSDP2 and TP do not apply to them
 (future work); only whole-stage FSDP2 (``fsdp=None``) is done there.
+
+``fsdp_gather="once"`` keeps FSDP2 modules gathered for a whole training step, as many as
+``gather_budget`` allows (:mod:`pippy_split.stage.gather_once`): one all-gather per module
+and step instead of one per microbatch forward and another per backward.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
+from .plan.costs import parse_bytes
 from .split.module_calls import called_module_names
 from .stage.errors import PipelineError
+from .stage.gather_once import plan_gather_once
 from .stage.stage import PipelineStage
 
 if TYPE_CHECKING:
@@ -33,6 +40,7 @@ __all__ = ["parallelize"]
 
 def parallelize(sched_or_stages: Any, *, dp_mesh: DeviceMesh | None = None, tp_mesh: DeviceMesh | None = None,
                 fsdp: Sequence[str] | None = None, tp_plan: Mapping[str, Any] | None = None,
+                fsdp_gather: str = "per_microbatch", gather_budget: int | str | None = None,
                 **fsdp_kwargs: Any) -> list[PipelineStage]:
     """Apply tensor parallelism and FSDP2 to this rank's stages, by FQN patterns.
 
@@ -48,6 +56,20 @@ def parallelize(sched_or_stages: Any, *, dp_mesh: DeviceMesh | None = None, tp_m
         tp_plan: ``{FQN pattern: ParallelStyle}`` (``ColwiseParallel()``, ...), patterns
             relative to the stage module (``"layers.*.attention.wq"``); each module that
             matches gets the style of the first pattern it matches. Needs ``tp_mesh``.
+        fsdp_gather: ``"per_microbatch"`` (default): FSDP2 as ``fully_shard`` leaves it, a
+            block all-gathered for every microbatch's forward and again for its backward,
+            one block gathered at a time. ``"once"``: the FSDP2 modules ``gather_budget``
+            allows (blocks and stage roots) stay gathered from their first forward of a
+            training step to its end, so each is all-gathered once per step and its
+            gradients reduce-scattered once; every one is back to its shard when ``step()``
+            returns (before the optimizer). ``eval()`` gathers per microbatch either way.
+        gather_budget: with ``fsdp_gather="once"``, the most full-size parameter bytes this
+            rank keeps gathered across a step, on top of its shards (an int, or a string
+            such as ``"512MiB"``; None: no limit, every module). The smallest modules are
+            kept first (each kept saves about the same number of all-gathers), ties in
+            module order; a budget smaller than every module keeps none (per microbatch).
+            Not a rank's whole memory (``ps.plan``'s ``memory_budget``): only what keeping
+            parameters gathered adds.
         **fsdp_kwargs: more keywords for every ``fully_shard`` call (``mp_policy=``,
             ``reshard_after_forward=``, ...).
 
@@ -58,7 +80,8 @@ def parallelize(sched_or_stages: Any, *, dp_mesh: DeviceMesh | None = None, tp_m
         PipelineError: an ``fsdp`` or ``tp_plan`` pattern naming a module a traced stage runs
             as traced ops (a split point enters it); names the stage, the module and what works.
         ValueError: a pattern matching no module of this rank's stages (with the closest
-            names), or ``fsdp`` / ``tp_plan`` without their mesh.
+            names), ``fsdp`` / ``tp_plan`` without their mesh, an ``fsdp_gather`` other than
+            the two, or a ``gather_budget`` that is not a size (or without ``"once"``).
 
     Example:
         >>> mesh = init_device_mesh("cuda", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))  # doctest: +SKIP
@@ -67,8 +90,14 @@ def parallelize(sched_or_stages: Any, *, dp_mesh: DeviceMesh | None = None, tp_m
         ...                tp_plan={"layers.*.attention.wq": ColwiseParallel(),
         ...                         "layers.*.attention.wo": RowwiseParallel()})
         >>> sched = ps.Schedule1F1B(stage, 8, loss_fn=loss_fn)  # doctest: +SKIP
+
+        Each block gathered once per step, within 2 GiB of gathered parameters per rank:
+
+        >>> ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["layers.*"],  # doctest: +SKIP
+        ...                fsdp_gather="once", gather_budget="2GiB")
     """
     stages = _stages_of(sched_or_stages)
+    budget = _gather_options(fsdp_gather, gather_budget, dp_mesh, fsdp_kwargs)
     patterns, plan = list(fsdp or []), dict(tp_plan or {})
     if patterns and dp_mesh is None:
         raise ValueError(f"parallelize(): fsdp={patterns} needs dp_mesh= (the data-parallel DeviceMesh dimension)")
@@ -85,7 +114,48 @@ def parallelize(sched_or_stages: Any, *, dp_mesh: DeviceMesh | None = None, tp_m
             _apply_tp(st.module, tp_mesh, plan)
         if dp_mesh is not None:
             _apply_fsdp(st.module, dp_mesh, patterns, fsdp_kwargs)
+    if fsdp_gather == "once":
+        policy = fsdp_kwargs.get("mp_policy")
+        plan_gather_once(stages, budget, fsdp_kwargs.get("reshard_after_forward", True) is not False,
+                         getattr(policy, "param_dtype", None), dp_mesh.ndim if dp_mesh is not None else 1)
     return stages
+
+
+def _gather_options(how: Any, budget: Any, dp_mesh: Any, fsdp_kwargs: Mapping[str, Any]) -> int | None:
+    """``fsdp_gather`` and ``gather_budget`` checked; the budget in bytes (None: no limit)."""
+    if how not in ("per_microbatch", "once"):
+        raise ValueError(f"parallelize(): fsdp_gather={how!r}; it is 'per_microbatch' (the default: each block "
+                         "gathered for every microbatch's forward and backward) or 'once' (kept gathered for the "
+                         "step, within gather_budget)")
+    if how == "per_microbatch":
+        if budget is not None:
+            raise ValueError("parallelize(): gather_budget= applies to fsdp_gather='once'; pass fsdp_gather='once' "
+                             "with it, or drop it")
+        return None
+    if dp_mesh is None:
+        raise ValueError("parallelize(): fsdp_gather='once' needs dp_mesh= (FSDP2's data-parallel DeviceMesh "
+                         "dimension)")
+    keep = fsdp_kwargs.get("reshard_after_forward", True)
+    if keep is not None and not isinstance(keep, bool):
+        raise ValueError(f"parallelize(): fsdp_gather='once' sets FSDP2's reshard_after_forward for each step and "
+                         f"puts it back after; it takes a bool there, not reshard_after_forward={keep!r}")
+    return _budget_bytes(budget)
+
+
+def _budget_bytes(budget: Any) -> int | None:
+    if budget is None:
+        return None
+    works = ("gather_budget= takes a number of bytes >= 0: an int, or a string such as '512MiB' or '2GB' (units B, "
+             "KB, MB, GB, TB, KiB, MiB, GiB, TiB), or None for no limit")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise ValueError(f"parallelize(): {works}; got {budget!r} ({type(budget).__name__})")
+    try:
+        value = parse_bytes(budget)
+    except ValueError:
+        raise ValueError(f"parallelize(): {works}; got {budget!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"parallelize(): {works}; got {budget!r}")
+    return int(value)
 
 
 def _stages_of(obj: Any) -> list[PipelineStage]:

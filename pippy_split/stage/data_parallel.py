@@ -2,7 +2,12 @@
 
 Part of the stage layer. A stage's module may be wrapped in DDP or FSDP2 over a
 data-parallel group; the pipeline's interleaving of forwards and backwards decides
-when gradients are complete, so the wrappers' own hooks are steered from here.
+when gradients are complete, so the wrappers' own hooks are steered from here. The
+runtime calls :func:`set_grad_sync` with ``False`` on every stage at the start of a step and
+with ``True`` before each stage's last backward, and the schedule calls
+:func:`sync_data_parallel` on every stage at the end of a training step (before the caller's
+optimizer): FSDP2 blocks kept gathered for a step (``ps.parallelize(fsdp_gather="once")``,
+:mod:`.gather_once`) are kept from the first and put back to their shards at the second.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from . import gather_once
 
 __all__ = ["set_grad_sync", "sync_data_parallel", "holds_sharded_state", "unsplittable_backward"]
 
@@ -21,7 +28,13 @@ def set_grad_sync(module: torch.nn.Module, enabled: bool) -> None:
     DDP decides at *forward* time whether the next backward syncs, which cannot
     follow a pipeline's interleaving of forwards and backwards; a DDP module is
     never synced by its hooks and :func:`sync_data_parallel` averages once per step.
+
+    ``enabled=False`` is the start of a step: in a training step (gradients enabled) the
+    FSDP2 modules :mod:`.gather_once` chose stay gathered from their first forward to the
+    step's end.
     """
+    if not enabled:
+        gather_once.begin_step(module)
     target: Any = module  # DDP or an FSDP2 module, duck-typed
     if hasattr(target, "require_backward_grad_sync"):
         target.require_backward_grad_sync = False  # DDP: see sync_data_parallel
@@ -37,7 +50,12 @@ def sync_data_parallel(module: torch.nn.Module) -> None:
     got a gradient (a branch one replica took) still reduce buffers of one size: a
     missing gradient counts as zeros, and a parameter no replica touched keeps
     ``grad=None``.
+
+    First, FSDP2 modules kept gathered for the step (:mod:`.gather_once`) go back to their
+    shards: their gradients are reduce-scattered by now, and the optimizer must update the
+    shards that the next step gathers.
     """
+    gather_once.end_step(module)
     group = getattr(module, "process_group", None)
     if not hasattr(module, "require_backward_grad_sync") or group is None:
         return
