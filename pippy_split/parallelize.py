@@ -67,7 +67,10 @@ def parallelize(sched_or_stages: Any, *, dp_mesh: DeviceMesh | None = None, tp_m
             rank keeps gathered across a step, on top of its shards (an int, or a string
             such as ``"512MiB"``; None: no limit, every module). The smallest modules are
             kept first (each kept saves about the same number of all-gathers), ties in
-            module order; a budget smaller than every module keeps none (per microbatch).
+            module order; a budget smaller than every module keeps none. Blocks not kept
+            are gathered per microbatch's forward and backward, except that the block one
+            action ends with stays gathered into the next action on the rank if that starts
+            with it (no more memory: one such block at a time).
             Not a rank's whole memory (``ps.plan``'s ``memory_budget``): only what keeping
             parameters gathered adds.
         **fsdp_kwargs: more keywords for every ``fully_shard`` call (``mp_policy=``,

@@ -8,20 +8,29 @@ accumulate unsharded and are reduce-scattered once, on the stage's last backward
 runtime turns FSDP2's gradient sync on only there). The cost is the block's full parameters
 held for the whole step instead of for one action.
 
-Only torch's own FSDP2 controls are used: at the start of a training step
-(:func:`begin_step`) each kept module gets ``set_reshard_after_forward(False)`` and
-``set_reshard_after_backward(False)``; at its end (:func:`end_step`, after the last
-backward's reduce-scatter and before the caller's optimizer) both are set back and
-``reshard()`` frees the gathered parameters, so between steps every parameter is its shard
-again and the next step gathers what the optimizer wrote. The runtime's existing
-data-parallel hooks call both (:mod:`.data_parallel`); ``eval()`` (no gradients) is not a
-training step and gathers per microbatch as before.
-
 Which modules are kept (:func:`choose_kept`): the smallest first, ties in module order, while
 their full parameter bytes fit the budget. Every module kept saves about the same number of
 all-gathers whatever its size (``2 m - 1`` for a block, ``m - 1`` for a stage root, which FSDP2
 already keeps from forward to backward), so the smallest first removes the most all-gathers
 per byte held.
+
+The blocks not kept are gathered per action as before, with one saving that holds no more
+memory: a forward ends with a stage's last block and a backward with its first, and the
+next action on the rank often starts with that same block (1F1B's steady state alternates
+F and B on a stage). That block stays gathered into the next action, and is freed when an
+action starts that does not begin with it (a forward hook and a hook on the stage outputs'
+gradients mark the start of each forward and backward). At most one block not kept is
+gathered at a time, as with plain FSDP2.
+
+Only torch's own FSDP2 controls are used: at the start of a training step
+(:func:`begin_step`) each kept module gets ``set_reshard_after_forward(False)`` and
+``set_reshard_after_backward(False)`` (a stage's last block not kept the first, its first
+block the second); at its end (:func:`end_step`, after the last backward's reduce-scatter
+and before the caller's optimizer) they are set back and ``reshard()`` frees the gathered
+parameters, so between steps every parameter is its shard again and the next step gathers
+what the optimizer wrote. The runtime's existing data-parallel hooks call both
+(:mod:`.data_parallel`); ``eval()`` (no gradients) is not a training step and gathers as
+FSDP2 does.
 """
 
 from __future__ import annotations
@@ -33,11 +42,6 @@ from typing import Any, Sequence
 import torch
 
 __all__ = ["GatherUnit", "choose_kept", "fsdp_units", "plan_gather_once", "kept_modules", "begin_step", "end_step"]
-
-# stage module -> (FQN, reshard_after_forward to put back) of each FSDP2 module under it kept gathered
-# for a step; names, not modules: a value holding the stage module would keep its key alive
-_KEPT: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[str, bool | None], ...]] = weakref.WeakKeyDictionary()
-
 
 @dataclass(frozen=True)
 class GatherUnit:
@@ -116,49 +120,126 @@ def _gathered_numel(p: torch.Tensor, dp_dims: int) -> int:
     return n
 
 
+class _Rank:
+    """This rank's stages under one plan: whether a training step is running, and the blocks
+    that may be handed from one action to the next (each stage's first and last block not
+    kept gathered for the step)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.handed: list[Any] = []
+
+    def release(self, keep: Any) -> None:
+        """An action starts: every handed-over block but ``keep`` (the one it starts with) goes
+        back to its shard, so at most one block not kept is gathered at a time."""
+        for m in self.handed:
+            if m is not keep:
+                m.reshard()
+
+
+@dataclass
+class _StagePlan:
+    kept: tuple[tuple[str, bool | None], ...]  # (FQN, reshard_after_forward to put back)
+    first: Any  # the first and last FSDP2 blocks not kept (None: none), in module order
+    last: Any
+    last_after_forward: bool
+    rank: _Rank
+
+
+# stage module -> its plan; the plan holds no reference to the stage module (it would keep its key alive)
+_PLANS: weakref.WeakKeyDictionary[torch.nn.Module, _StagePlan] = weakref.WeakKeyDictionary()
+
+
 def plan_gather_once(stages: Sequence[Any], budget: int | None, reshard_after_forward: bool = True,
                      param_dtype: torch.dtype | None = None, dp_dims: int = 1) -> list[GatherUnit]:
     """Choose, over all of this rank's stages together, the FSDP2 modules kept gathered for a
-    training step (:func:`choose_kept`) and register them with their stage modules; returns
-    them. A budget too small for any module keeps none (every module gathers per microbatch).
+    training step (:func:`choose_kept`), register them with their stage modules and hook
+    the hand-over of the blocks not kept; returns the kept ones. A budget too small for any
+    module keeps none.
 
     ``stages``: PipelineStages whose modules FSDP2 already wraps; ``reshard_after_forward``:
     the blocks' own setting (``fully_shard``'s), put back at each step's end.
     """
     units = [u for st in stages
              for u in fsdp_units(st.stage_index, st.module, reshard_after_forward, param_dtype, dp_dims)]
-    kept = [units[i] for i in choose_kept([u.nbytes for u in units], budget)]
+    chosen = set(choose_kept([u.nbytes for u in units], budget))
+    kept = [u for i, u in enumerate(units) if i in chosen]
+    rank = _Rank()
     for st in stages:
-        _KEPT[st.module] = tuple((u.name, u.reshard_after_forward) for u in kept if u.stage == st.stage_index)
+        mine = [u for u in units if u.stage == st.stage_index]
+        blocks = [u.module for i, u in enumerate(units) if u in mine and i not in chosen and u.module is not st.module]
+        plan = _StagePlan(tuple((u.name, u.reshard_after_forward) for u in mine if u in kept),
+                          blocks[0] if blocks else None, blocks[-1] if blocks else None, reshard_after_forward, rank)
+        rank.handed += [m for m in (plan.first, plan.last) if m is not None and m not in rank.handed]
+        if st.module not in _PLANS:
+            st.module.register_forward_pre_hook(_forward_starts)
+            st.module.register_forward_hook(_watch_backward)
+        _PLANS[st.module] = plan
     return kept
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1  # as FSDP2 tells (a recompute runs forwards in backward)
+
+
+def _forward_starts(module: torch.nn.Module, args: Any) -> None:
+    plan = _PLANS.get(module)
+    if plan is not None and plan.rank.active and not _in_backward():
+        plan.rank.release(keep=plan.first)
+
+
+def _watch_backward(module: torch.nn.Module, args: Any, out: Any) -> None:
+    """Hook the start of this microbatch's backward of the stage (its outputs' gradients)."""
+    plan = _PLANS.get(module)
+    if plan is None or not plan.rank.active or plan.first is None or not torch.is_grad_enabled() or _in_backward():
+        return
+    tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if tensors:
+        rank, last = plan.rank, plan.last
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: rank.release(keep=last), mode="any")
 
 
 def kept_modules(module: torch.nn.Module) -> list[str]:
     """The FQNs (``""``: the stage root) of the FSDP2 modules of this stage module kept gathered
     for a step; empty: none, or no plan."""
-    return [name for name, _ in _KEPT.get(module, ())]
+    plan = _PLANS.get(module)
+    return [name for name, _ in plan.kept] if plan is not None else []
 
 
 def begin_step(module: torch.nn.Module) -> None:
-    """Start of a step: keep this stage's chosen modules gathered once gathered. Only for a
-    training step (gradients enabled); ``eval()`` runs under ``no_grad`` and gathers per microbatch."""
-    kept = _KEPT.get(module)
-    if not kept or not torch.is_grad_enabled():
+    """Start of a step: keep this stage's chosen modules gathered once gathered, and let its
+    first and last blocks not kept outlast their action into the next. Only for a training
+    step (gradients enabled); ``eval()`` runs under ``no_grad`` and gathers as FSDP2 does."""
+    plan = _PLANS.get(module)
+    if plan is None or not torch.is_grad_enabled():
         return
-    for name, after_forward in kept:
+    for name, after_forward in plan.kept:
         m: Any = module.get_submodule(name)
         m.reshard()  # a step that failed after gathering left it unsharded: gather what is current
         if after_forward is not None:
             m.set_reshard_after_forward(False, recurse=False)
         m.set_reshard_after_backward(False, recurse=False)
+    if plan.first is not None:
+        plan.rank.release(keep=None)
+        plan.first.set_reshard_after_backward(False, recurse=False)  # a backward ends with it
+        plan.last.set_reshard_after_forward(False, recurse=False)  # a forward ends with it
+    plan.rank.active = True
 
 
 def end_step(module: torch.nn.Module) -> None:
     """End of a training step, after its last backward and before the optimizer: every kept
-    module back to its shard, and FSDP2's own resharding as it was."""
-    for name, after_forward in _KEPT.get(module, ()):
+    or handed-over module back to its shard, and FSDP2's own resharding as it was."""
+    plan = _PLANS.get(module)
+    if plan is None:
+        return
+    plan.rank.active = False
+    for name, after_forward in plan.kept:
         m: Any = module.get_submodule(name)
         m.set_reshard_after_backward(True, recurse=False)
         if after_forward is not None:
             m.set_reshard_after_forward(after_forward, recurse=False)
         m.reshard()
+    if plan.first is not None:
+        plan.first.set_reshard_after_backward(True, recurse=False)
+        plan.last.set_reshard_after_forward(plan.last_after_forward, recurse=False)
+        plan.rank.release(keep=None)

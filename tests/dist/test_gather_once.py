@@ -6,8 +6,10 @@ when ``step()`` returns, and FSDP2's all-gathers and reduce-scatters counted in 
 Per step and rank, with ``m`` microbatches: per microbatch, a block is all-gathered for each
 forward and again for each backward (``2 m``) and a stage root once per microbatch (FSDP2
 keeps a root gathered from its forward to its backward); kept gathered, each module is
-all-gathered once, by its first forward, and not again in any backward. Either way each
-module's gradients are reduce-scattered once, on its stage's last backward.
+all-gathered once, by its first forward, and not again in any backward. Blocks ``"once"``
+does not keep (the budget) are gathered per action, but the block an action ends with is
+reused by the next action on the rank when that starts with it. Either way each module's
+gradients are reduce-scattered once, on its stage's last backward.
 """
 
 from __future__ import annotations
@@ -72,22 +74,39 @@ EMBEDDING, HEAD = 64 * 32 * 4, (64 * 32 + 32) * 4  # stage 0's root (tok_embeddi
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_the_budget_keeps_the_smallest_modules_that_fit_and_too_small_a_budget_keeps_none():
+def test_the_budget_keeps_the_smallest_modules_that_fit():
     from tests.dist.gather_once_bodies import reference, two_steps
 
-    ref = reference()
     # Stage 0: its root and its first block fit exactly; stage 1's root is 128 bytes larger,
     # so after it no block fits
     results = run_ranks(two_steps, 4, "1F1B", "once", f"{EMBEDDING + BLOCK}B", timeout=280)
-    _assert_exact(results, ref, "budget")
+    _assert_exact(results, reference(), "budget")
     for rank, res in enumerate(results):
         stage0 = res["stages"] == [0]
         assert res["kept"] == (["0:", "0:layers.0"] if stage0 else ["1:"]), f"rank {rank}: kept {res['kept']}"
-        # kept: once each (stage 0: root and layers.0; stage 1: root); every other block 2 per microbatch
-        expected = 2 + 2 * N_MB * 1 if stage0 else 1 + 2 * N_MB * 2
+        # stage 0: three modules once each (layers.1, the one block not kept, is handed from
+        # each action to the next); stage 1: its root once, and layers.2 / layers.3 gathered
+        # by the first forward, then one each for the 7 later actions (the other is handed over)
+        expected = 3 if stage0 else 1 + 2 + 7
         assert res["gathers"] == expected, f"rank {rank}: {res['gathers']} all-gathers, kept {res['kept']}"
-    tiny = run_ranks(two_steps, 4, "1F1B", "once", 100, timeout=280)  # smaller than any module: per microbatch
-    _assert_exact(tiny, ref, "budget too small")
-    for rank, res in enumerate(tiny):
-        assert res["kept"] == [], f"rank {rank}: kept {res['kept']}"
-        assert res["gathers"] == 2 * N_MB * 2 + N_MB, f"rank {rank}: {res['gathers']} all-gathers"
+        assert res["scatters"] == 3, f"rank {rank}: {res['scatters']} reduce-scatters"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_too_small_a_budget_keeps_nothing_and_hands_blocks_between_adjacent_actions(schedule):
+    from tests.dist.gather_once_bodies import reference, two_steps
+
+    results = run_ranks(two_steps, 4, schedule, "once", 100, timeout=280)
+    _assert_exact(results, reference(), f"{schedule} budget too small")
+    # 1F1B per microbatch: 2 * 4 * 2 blocks + 4 root = 20 all-gathers on either stage
+    expected = {"1F1B": {(0,): 15, (1,): 13}, "ZBVZeroBubble": {(0, 3): 15, (1, 2): 11}}[schedule]
+    for rank, res in enumerate(results):
+        # only stage roots without parameters of their own (0 bytes) fit
+        assert all(k.endswith(":") for k in res["kept"]), f"rank {rank}: kept {res['kept']}"
+        if schedule == "1F1B":
+            # stage 0 runs F0 F1 B0 F2 B1 F3 B2 B3: 2 + 2 + 1 + 1 + 1 + 1 + 1 + 2 block gathers;
+            # stage 1 runs F B F B ...: 2 + 7 * 1; and each root once per microbatch (4)
+            assert res["kept"] == []
+        assert res["gathers"] == expected[tuple(res["stages"])], f"rank {rank}: {res['gathers']} all-gathers"
