@@ -102,3 +102,23 @@ def two_steps(rank: int, world: int, schedule: str, how: str, budget) -> dict:
             "gathers": len(count.gathers), "scatters": count.scatters, "eval_gathers": len(in_eval.gathers),
             "kept": kept, "blocks": blocks, "fused": [st.weight_grads_in_input for st in sched.stages],
             "stages": [st.stage_index for st in sched.stages]}
+
+
+def hand_built(rank: int, world: int, schedule: str, budget) -> dict:
+    """Hand-built stages (the first step learns their shapes with a real forward) with
+    ``fsdp_gather="once"``: one step, gradients and FSDP2's all-gathers."""
+    from tests.dist.nd_bodies import _STAGES, _pp_dp_mesh, _stage_modules, hb_entry
+    from tests.dist.nd_bodies import N_MB as HB_MB
+
+    mesh = _pp_dp_mesh()
+    e = hb_entry()
+    mods = _stage_modules(e.model, schedule, mesh.get_local_rank("pp"), 2)
+    stages = [ps.PipelineStage(mods[s], s, _STAGES[schedule], group=mesh["pp"]) for s in sorted(mods)]
+    ps.parallelize(stages, dp_mesh=mesh["dp"], fsdp=["layers.*"], fsdp_gather="once", gather_budget=budget)
+    sched = ps.get_schedule_class(schedule)(stages, HB_MB, loss_fn=e.loss_fn)
+    half = slice(4 * mesh.get_local_rank("dp"), 4 * mesh.get_local_rank("dp") + 4)
+    tokens, positions = e.args
+    with _Count() as count:
+        sched.step(tokens[half], positions[half], target=e.target[half])
+    return {"loss": float(sched.loss), "grads": _stage_grads(sched.stages), "gathers": len(count.gathers),
+            "sharded": _all_sharded(sched.stages)}

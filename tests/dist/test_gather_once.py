@@ -110,3 +110,21 @@ def test_too_small_a_budget_keeps_nothing_and_hands_blocks_between_adjacent_acti
             # stage 1 runs F B F B ...: 2 + 7 * 1; and each root once per microbatch (4)
             assert res["kept"] == []
         assert res["gathers"] == expected[tuple(res["stages"])], f"rank {rank}: {res['gathers']} all-gathers"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("budget", [None, 100])
+def test_hand_built_interleaved_stages_gathered_once_are_exact(budget):
+    """Two stages per rank (Interleaved1F1B), hand-built: their first step learns the shapes
+    with a real forward, with the blocks kept (no budget) or handed between the rank's actions."""
+    from tests.dist.gather_once_bodies import hand_built
+    from tests.dist.nd_bodies import hb_reference
+    from tests.dist.test_nd_parallel import _assert_dp_exact
+
+    results = run_ranks(hand_built, 4, "Interleaved1F1B", budget, timeout=280)
+    _assert_dp_exact(results, hb_reference(), f"hand-built Interleaved1F1B, gather_budget={budget}")
+    for rank, res in enumerate(results):
+        assert res["sharded"], f"rank {rank}: a parameter left gathered after step()"
+        if budget is None:  # 2 stages x (1 block + root), each once; a middle stage's root holds nothing
+            assert res["gathers"] == 3, f"rank {rank}: {res['gathers']} all-gathers"
