@@ -43,6 +43,9 @@ deterministic, so one is enough):
     gather     the largest FSDP2 all-gather (elements), from ``dist.all_gather_single``,
                which FSDP2's default all-gather calls.
 
+The step-time table also gives each row's held ratio (the most of any rank) and the FSDP2
+all-gathers of one step on ranks 0 and 1 (stage 0 and stage 1 of replica 0), ours / the peer's.
+
 The machine's load average is recorded before and after; on a shared 2-core machine the
 wall-clock ratios are only as even as the load was.
 """
@@ -386,11 +389,15 @@ def markdown(res: dict) -> str:
              f"1F1B m={s['n_mb']}, AdamW; {m['warmup']} warm-up + {m['reps']} timed steps per tool, "
              "alternating step by step.", "",
              "### Step time (ours / peer: median of per-step ratios [min, max])", "",
-             "| config | ours s | peer s | ours/peer wall | ours/peer CPU s (4 ranks) |",
-             "|---|---|---|---|---|"]
+             "| config | ours s | peer s | ours/peer wall | ours/peer CPU s (4 ranks) | held params ours/peer "
+             "(most of any rank) | all-gathers per step ours / peer (rank 0, rank 1) |",
+             "|---|---|---|---|---|---|---|"]
     for row in res["rows"]:
+        held = max(x["held_ours_over_peer"] for x in row["ranks"])
+        gathers = " / ".join(", ".join(str(x[t]["gathers"]) for x in row["ranks"][:2]) for t in ("ours", "peer"))
         lines.append(f"| {row['label']} | {median_range(row['ours_s'])} | {median_range(row['peer_s'])} | "
-                     f"{median_range(row['ours_over_peer'])}x | {median_range(row['cpu_ours_over_peer'])}x |")
+                     f"{median_range(row['ours_over_peer'])}x | {median_range(row['cpu_ours_over_peer'])}x | "
+                     f"{held:.2f}x | {gathers} |")
     lines += ["", "### Memory per rank (one measured step each; local shards)", "",
               "state = parameters + gradients + AdamW state at the end of the step; params/stage = "
               "local parameter bytes over the stage's full parameter bytes; held = most parameter "
