@@ -20,6 +20,8 @@ parameters, 96% of the model), 1F1B with 4 microbatches per pipeline, AdamW:
     fsdp_budget the same with ``gather_budget="64KiB"``: only the stage root (32 KiB) fits, the
                 blocks are gathered per action and the block one action ends with is handed to
                 the next when it starts with it; parameter memory as per block's.
+    fsdp_1block the same with ``gather_budget="1.1MiB"``: the stage root and one block (1,025 KiB)
+                kept, the other three blocks handed over as in fsdp_budget.
     tp2         PP2 x TP2 on a (pp=2, tp=2) mesh, Megatron plan (wq/wk/wv/w1/w3 column-wise,
                 wo/w2 row-wise); both TP ranks run the whole batch (16 rows).
 
@@ -76,10 +78,11 @@ from .common import git_state, median_range
 __all__ = ["Size", "CONFIGS", "run", "main"]
 
 RESULTS = Path(__file__).parent / "results" / "nd_parallel.json"
-CONFIGS = ("pp2", "fsdp_stage", "fsdp_block", "fsdp_once", "fsdp_budget", "tp2")
+CONFIGS = ("pp2", "fsdp_stage", "fsdp_block", "fsdp_once", "fsdp_budget", "fsdp_1block", "tp2")
 LABELS = {"pp2": "PP2 (2 replicas, no DP reduction)", "fsdp_stage": "PP2 x FSDP2 whole stage",
           "fsdp_block": "PP2 x FSDP2 per block", "fsdp_once": "PP2 x FSDP2 per block, gathered once",
           "fsdp_budget": "PP2 x FSDP2 per block, gathered once within 64 KiB",
+          "fsdp_1block": "PP2 x FSDP2 per block, gathered once within 1.1 MiB",
           "tp2": "PP2 x TP2"}
 COL = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
 ROW = ("attention.wo", "feed_forward.w2")
@@ -187,8 +190,9 @@ def _build_ours(cfg: str, size: Size, mesh) -> Tool:
         ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["layers.*"])
     elif cfg == "fsdp_once":
         ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["layers.*"], fsdp_gather="once")
-    elif cfg == "fsdp_budget":
-        ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["layers.*"], fsdp_gather="once", gather_budget="64KiB")
+    elif cfg in ("fsdp_budget", "fsdp_1block"):
+        ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["layers.*"], fsdp_gather="once",
+                       gather_budget="64KiB" if cfg == "fsdp_budget" else "1.1MiB")
     elif cfg == "tp2":
         col, row = _tp_styles()
         ps.parallelize(sched, tp_mesh=mesh["tp"], tp_plan={**{f"layers.*.{n}": col for n in COL},
@@ -219,7 +223,7 @@ def _build_peer(cfg: str, size: Size, mesh) -> Tool:
     mod = LlamaStage(e.model, pp * per, (pp + 1) * per, pp == 0, pp == 1)
     if cfg == "fsdp_stage":
         fully_shard(mod, mesh=mesh["dp"])
-    elif cfg in ("fsdp_block", "fsdp_once", "fsdp_budget"):
+    elif cfg in ("fsdp_block", "fsdp_once", "fsdp_budget", "fsdp_1block"):
         for block in mod.layers.values():
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(mod, mesh=mesh["dp"])
