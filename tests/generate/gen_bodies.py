@@ -1,10 +1,18 @@
-"""Rank bodies of the generation tests (top-level so they pickle) and their references."""
+"""Rank bodies of the generation tests (top-level so they pickle) and their references.
+
+The test models have ``layers_for(stages)`` blocks: 4, or one per stage where a pipe has more
+stages (each rank traces the decode step of the whole model, block by block, so a block no
+stage needs only costs time). :func:`cases_body` runs several cases on one set of ranks.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import pippy_split as ps
@@ -14,25 +22,33 @@ from .models import VOCAB, prompts
 
 N_MB = 4
 LR = 0.5
+CASE_TIMEOUT_S = 240.0  # one case's blocking waits in cases_body
 
 
-def llama8() -> torch.nn.Module:
-    """A tiny HF Llama with 8 blocks (8 stages on 4 ranks under V and interleaved placement)."""
+def layers_for(stages: int) -> int:
+    """Blocks of the test models cut into ``stages`` stages: 4 (two stages hold two blocks each),
+    or one per stage beyond that."""
+    return max(4, stages)
+
+
+def llama(layers: int) -> torch.nn.Module:
+    """A tiny HF Llama with ``layers`` blocks."""
     import transformers as t
 
     torch.manual_seed(0)
-    cfg = t.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+    cfg = t.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
     return t.LlamaForCausalLM(cfg).eval()
 
 
-def gpt8() -> torch.nn.Module:
+def gpt(layers: int) -> torch.nn.Module:
     from pippy_split import zoo
 
-    return zoo.get("tiny_gpt", n_layer=8).model
+    return zoo.get("tiny_gpt", n_layer=layers).model
 
 
-MODELS = {"llama": (llama8, "model.layers"), "tiny_gpt": (gpt8, "blocks")}
+MODELS: dict[str, tuple[Callable[[int], torch.nn.Module], str]] = {"llama": (llama, "model.layers"),
+                                                                   "tiny_gpt": (gpt, "blocks")}
 
 
 def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
@@ -46,19 +62,42 @@ def train_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.roll(ids, -1, 1)
 
 
-def build(name: str, schedule: str, stages: int) -> tuple[torch.nn.Module, Any, Any]:
+def build(name: str, schedule: str, stages: int, group: Any = None) -> tuple[torch.nn.Module, Any, Any]:
     make, blocks = MODELS[name]
-    model = make()
+    model = make(layers_for(stages))
     ids, _ = train_batch()
-    pipe = ps.pipeline(model, layer_split(blocks, 8, stages), (ids[: 4 // N_MB],))
-    sched = ps.build_schedule(pipe, schedule, N_MB, loss_fn=lm_loss)
+    pipe = ps.pipeline(model, layer_split(blocks, layers_for(stages), stages), (ids[: 4 // N_MB],))
+    sched = ps.build_schedule(pipe, schedule, N_MB, loss_fn=lm_loss, group=group)
     return model, pipe, sched
 
 
+def cases_body(rank: int, world: int, cases: dict[str, tuple[Callable[..., Any], tuple]]) -> dict[str, Any]:
+    """Every case ``{key: (body, args)}`` on these ranks, in order: ``body(rank, world, *args,
+    group=...)`` in a fresh process group of its own; one that raises gives ``{"error": its
+    traceback}`` and the next case still runs (several tests share one spawn of the ranks)."""
+    out: dict[str, Any] = {}
+    for key, (body, args) in cases.items():
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=CASE_TIMEOUT_S))
+        try:
+            out[key] = body(rank, world, *args, group=group)
+        except Exception:
+            out[key] = {"error": f"rank {rank}, case {key}:\n{traceback.format_exc()[-4000:]}"}
+    return out
+
+
+def case_results(results: list[dict[str, Any]], key: str) -> list[Any]:
+    """Case ``key`` of a :func:`cases_body` run, one result per rank; a case that raised fails
+    the test with every rank's traceback."""
+    errors = [r[key]["error"] for r in results if isinstance(r[key], dict) and "error" in r[key]]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [r[key] for r in results]
+
+
 def generate_body(rank: int, world: int, name: str, schedule: str, stages: int, kwargs: dict,
-                  train_first: bool = False) -> dict:
+                  train_first: bool = False, group: Any = None) -> dict:
     """Build the schedule, optionally train one SGD step, then generate on every rank."""
-    _, _, sched = build(name, schedule, stages)
+    _, _, sched = build(name, schedule, stages, group)
     if train_first:
         _train_step(sched)
     ids, mask = prompts(True, batch=5)
@@ -76,11 +115,12 @@ def _train_step(sched: Any) -> None:
     opt.zero_grad()
 
 
-def reference(name: str, kwargs: dict, train_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unsplit model: optionally the same SGD step on the whole batch, then pipe.generate
-    on a one-stage pipe (itself checked against HF generate / no-cache decoding elsewhere)."""
+def reference(name: str, kwargs: dict, layers: int, train_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unsplit model with ``layers`` blocks: optionally the same SGD step on the whole batch,
+    then HF ``generate`` (Llama) or pipe.generate on a one-stage pipe (the zoo's GPT, itself
+    checked against no-cache decoding elsewhere)."""
     make, _ = MODELS[name]
-    model = make()
+    model = make(layers)
     if train_first:
         ids, target = train_batch()
         opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -103,11 +143,11 @@ def reference(name: str, kwargs: dict, train_first: bool = False) -> tuple[torch
     return out.sequences, out.logprobs
 
 
-def bad_call_body(rank: int, world: int, kwargs: dict) -> str:
+def bad_call_body(rank: int, world: int, kwargs: dict, group: Any = None) -> str:
     """A bad generate() call on every rank: each returns the error it raised (none hangs)."""
     from pippy_split.generate import GenerationError
 
-    _, _, sched = build("tiny_gpt", "1F1B", world)
+    _, _, sched = build("tiny_gpt", "1F1B", world, group)
     ids, mask = prompts(True, batch=3)
     try:
         sched.generate(ids % 64, attention_mask=mask, **kwargs)
@@ -163,14 +203,14 @@ def generate_on_fsdp_stages(rank: int, world: int):
     return before.sequences, before.logprobs, out.sequences, out.logprobs
 
 
-def generate_on_meta_body(rank: int, world: int, kwargs: dict) -> torch.Tensor:
+def generate_on_meta_body(rank: int, world: int, kwargs: dict, group: Any = None) -> torch.Tensor:
     """A pipe traced on a ``meta`` HF Llama, each rank's stages filled from the state dict
     (as a big model is built): generate reads shapes of the other ranks' layers only."""
-    model = llama8()
+    model = llama(layers_for(world))
     with torch.device("meta"):
         meta = type(model)(model.config).eval()
     ids, _ = train_batch()
-    pipe = ps.pipeline(meta, layer_split("model.layers", 8, world), (ids[: 4 // N_MB],))
-    sched = ps.build_schedule(pipe, "1F1B", N_MB, loss_fn=lm_loss, state_dict=model.state_dict())
+    pipe = ps.pipeline(meta, layer_split("model.layers", layers_for(world), world), (ids[: 4 // N_MB],))
+    sched = ps.build_schedule(pipe, "1F1B", N_MB, loss_fn=lm_loss, state_dict=model.state_dict(), group=group)
     prompt, mask = prompts(True, batch=5)
     return sched.generate(prompt % 64, attention_mask=mask, **kwargs).sequences

@@ -1,8 +1,10 @@
 """Rank bodies of the generation tests on FSDP2 / TP stages (top-level so they pickle).
 
-Each body builds an HF Llama's traced stages on a 2 x 2 DeviceMesh, shards them with
-torch's own ``fully_shard`` / ``parallelize_module`` (through ``ps.parallelize``),
-generates, trains one SGD step, generates again, and reports what each call gathered."""
+Each body builds an HF Llama's traced stages (``LAYERS`` blocks) on a 2 x 2 DeviceMesh,
+shards them with torch's own ``fully_shard`` / ``parallelize_module`` (through
+``ps.parallelize``), generates, trains one SGD step, generates again, and reports what each
+call gathered. ``group`` (from :func:`~.gen_bodies.cases_body`) is not used: each body builds
+its own mesh."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import torch
 import pippy_split as ps
 from pippy_split.zoo import layer_split
 
-from .gen_bodies import LR, N_MB, llama8, lm_loss, train_batch
+from .gen_bodies import LR, N_MB, llama, lm_loss, train_batch
 from .models import prompts
+
+LAYERS = 4  # two stages of two blocks; four of one under V
 
 
 def tp_plan() -> dict:
@@ -73,7 +77,8 @@ def _generate_train_generate(sched: Any, ids: torch.Tensor, target: torch.Tensor
             "gathered": [(g.tensors, g.numel) for g in seen], "freed": all(g.freed() for g in seen)}
 
 
-def fsdp_body(rank: int, world: int, kwargs: dict, schedule: str = "1F1B", stages: int = 2) -> dict:
+def fsdp_body(rank: int, world: int, kwargs: dict, schedule: str = "1F1B", stages: int = 2,
+              group: Any = None) -> dict:
     """(dp=2, pp=2): per-block FSDP2 (``model.layers.*``, then each stage root) over
     ``mesh["dp"]``; each replica trains on its half of the batch. Under a V schedule each
     rank holds two stages, gathered in the order of ``sched.stages``."""
@@ -82,25 +87,25 @@ def fsdp_body(rank: int, world: int, kwargs: dict, schedule: str = "1F1B", stage
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     ids, target = train_batch()
     half = slice(2 * mesh.get_local_rank("dp"), 2 * mesh.get_local_rank("dp") + 2)
-    pipe = ps.pipeline(llama8(), layer_split("model.layers", 8, stages), (ids[:1],))
+    pipe = ps.pipeline(llama(LAYERS), layer_split("model.layers", LAYERS, stages), (ids[:1],))
     sched = ps.build_schedule(pipe, schedule, N_MB // 2, loss_fn=lm_loss, group=mesh["pp"])
     ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["model.layers.*"])
     return _generate_train_generate(sched, ids[half], target[half], kwargs)
 
 
-def tp_body(rank: int, world: int, kwargs: dict) -> dict:
+def tp_body(rank: int, world: int, kwargs: dict, group: Any = None) -> dict:
     """(pp=2, tp=2): the decoder layers' linears tensor-parallel over ``mesh["tp"]``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     ids, target = train_batch()
-    pipe = ps.pipeline(llama8(), layer_split("model.layers", 8, 2), (ids[:1],))
+    pipe = ps.pipeline(llama(LAYERS), layer_split("model.layers", LAYERS, 2), (ids[:1],))
     sched = ps.build_schedule(pipe, "1F1B", N_MB, loss_fn=lm_loss, group=mesh["pp"])
     ps.parallelize(sched, tp_mesh=mesh["tp"], tp_plan=tp_plan())
     return _generate_train_generate(sched, ids, target, kwargs)
 
 
-def fsdp_tp_body(rank: int, world: int, kwargs: dict) -> dict:
+def fsdp_tp_body(rank: int, world: int, kwargs: dict, group: Any = None) -> dict:
     """(pp=1, dp=2, tp=2): TP over ``mesh["tp"]`` and per-block FSDP2 over ``mesh["dp"]`` on
     one stage: 2-D DTensors (Shard on dp and on tp) made whole by one ``full_tensor`` each."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -108,7 +113,7 @@ def fsdp_tp_body(rank: int, world: int, kwargs: dict) -> dict:
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     ids, target = train_batch()
     half = slice(2 * mesh.get_local_rank("dp"), 2 * mesh.get_local_rank("dp") + 2)
-    pipe = ps.pipeline(llama8(), layer_split("model.layers", 8, 1), (ids[:1],))
+    pipe = ps.pipeline(llama(LAYERS), layer_split("model.layers", LAYERS, 1), (ids[:1],))
     sched = ps.build_schedule(pipe, "1F1B", N_MB // 2, loss_fn=lm_loss, group=mesh["pp"])
     ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["model.layers.*"], tp_mesh=mesh["tp"], tp_plan=tp_plan())
     return _generate_train_generate(sched, ids[half], target[half], kwargs)
@@ -124,7 +129,7 @@ def failing_generate_body(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
     ids, _ = train_batch()
-    pipe = ps.pipeline(llama8(), layer_split("model.layers", 8, 1), (ids[:1],))
+    pipe = ps.pipeline(llama(LAYERS), layer_split("model.layers", LAYERS, 1), (ids[:1],))
     sched = ps.build_schedule(pipe, "1F1B", N_MB, loss_fn=lm_loss)
     prompt, mask = prompts(True, batch=3)
     prompt = prompt % 64

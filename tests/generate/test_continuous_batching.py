@@ -26,7 +26,7 @@ from pippy_split.schedule.decode_order import (
 from pippy_split.schedule.placement import stage_to_rank
 from pippy_split.testing import run_ranks
 
-from .gen_bodies import generate_body, reference
+from .gen_bodies import case_results, cases_body, generate_body, layers_for, reference
 from .models import hf_model, hf_reference, prompts
 
 N_NEW = 8
@@ -165,18 +165,30 @@ def test_sampling_with_refills_is_the_same_as_without() -> None:
         torch.testing.assert_close(out.logprobs, whole.logprobs, atol=1e-5, rtol=0)
 
 
-CASES = [("llama", "1F1B", 2, 2, [47, 107]), ("tiny_gpt", "Interleaved1F1B", 2, 4, [20, 34]),
-         ("tiny_gpt", "ZBVZeroBubble", 4, 8, [20, 34]), ("tiny_gpt", "DualPipeV", 2, 4, [20, 34])]
+CASES = [("llama", "1F1B", 2, 2, [11, 68]), ("tiny_gpt", "Interleaved1F1B", 2, 4, [3, 32]),  # rows end at
+         ("tiny_gpt", "ZBVZeroBubble", 4, 8, [20, 34]), ("tiny_gpt", "DualPipeV", 2, 4, [3, 32])]  # different steps
+_REFILL = {"max_new_tokens": 6, "pad_token_id": 0, "lanes": 2, "slots": 1}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """The 2-rank cases, run by one spawn of the ranks."""
+    cases = {f"{n}-{s}": (generate_body, (n, s, stages, {**_REFILL, "eos_token_id": eos}))
+             for n, s, world, stages, eos in CASES if world == 2}
+    return run_ranks(cases_body, 2, cases, timeout=540)
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name,schedule,world,stages,eos", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}r" for c in CASES])
-def test_refilled_slots_on_ranks_equal_unsplit(name: str, schedule: str, world: int, stages: int,
+def test_refilled_slots_on_ranks_equal_unsplit(request, name: str, schedule: str, world: int, stages: int,
                                                eos: list[int]) -> None:
-    kwargs = {"max_new_tokens": 6, "eos_token_id": eos, "pad_token_id": 0, "lanes": 2, "slots": 1}
-    results = run_ranks(generate_body, world, name, schedule, stages, kwargs, timeout=540)
-    seq, logprobs = reference(name, {"max_new_tokens": 6, "eos_token_id": eos, "pad_token_id": 0})
+    if world == 2:
+        results = case_results(request.getfixturevalue("two_ranks"), f"{name}-{schedule}")
+    else:
+        kwargs = {**_REFILL, "eos_token_id": eos}
+        results = run_ranks(generate_body, world, name, schedule, stages, kwargs, timeout=540)
+    seq, logprobs = reference(name, {"max_new_tokens": 6, "eos_token_id": eos, "pad_token_id": 0}, layers_for(stages))
     for r in results:
         assert torch.equal(r["sequences"], results[0]["sequences"])
     out = results[0]

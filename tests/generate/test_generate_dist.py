@@ -1,6 +1,11 @@
 """``sched.generate`` on gloo ranks: the same sequences on every rank, equal to the unsplit
 model's, under looped and V schedules on 1, 2 and 4 ranks (HF Llama's rotary tables and mask
-reach every stage from stage 0: skip edges at every decode step)."""
+reach every stage from stage 0: skip edges at every decode step).
+
+The 2-rank cases of this file run in one spawn of the ranks (``two_ranks``, a module fixture:
+each case in its own process group, its own error). On 4 ranks, looped 1F1B here (skip edges to
+ranks that are not neighbours, tokens from the last stage's rank to three others); V placement
+on 4 ranks, with the same skip edges, is test_continuous_batching.py's ZBVZeroBubble-4r case."""
 
 from __future__ import annotations
 
@@ -9,8 +14,19 @@ import torch
 
 from pippy_split.testing import run_ranks
 
-from .gen_bodies import bad_call_body, failing_rank_body, generate_body, reference
+from .gen_bodies import (
+    bad_call_body,
+    case_results,
+    cases_body,
+    failing_rank_body,
+    generate_body,
+    generate_on_meta_body,
+    layers_for,
+    reference,
+)
 
+GREEDY = {"max_new_tokens": 6, "eos_token_id": 999, "pad_token_id": 0}  # no EOS: every step compared
+SAMPLING = {"max_new_tokens": 6, "do_sample": True, "seed": 11, "top_k": 30, "temperature": 0.9, "lanes": 2}
 CASES = [  # (model, schedule, world, stages)
     ("llama", "1F1B", 2, 2),
     ("llama", "Interleaved1F1B", 2, 4),
@@ -19,8 +35,22 @@ CASES = [  # (model, schedule, world, stages)
     ("tiny_gpt", "1F1B", 1, 1),
     ("tiny_gpt", "Interleaved1F1B", 1, 2),
     ("llama", "1F1B", 4, 4),
-    ("llama", "ZBVZeroBubble", 4, 8),
 ]
+TRAINED = [("tiny_gpt", "DualPipeV", 4), ("llama", "1F1B", 2)]
+BAD_CALLS = [({"max_new_tokens": -2}, "max_new_tokens"),
+             ({"max_new_tokens": 2, "do_sample": True, "top_p": 0.0}, "top_p")]
+TWO_RANKS = {  # key: (body, args) of every 2-rank case, run by one cases_body spawn
+    **{f"{n}-{s}": (generate_body, (n, s, stages, GREEDY)) for n, s, world, stages in CASES if world == 2},
+    **{f"trained-{n}-{s}": (generate_body, (n, s, stages, GREEDY, True)) for n, s, stages in TRAINED},
+    "sampling": (generate_body, ("tiny_gpt", "ZBVZeroBubble", 4, SAMPLING)),
+    **{f"bad-{m}": (bad_call_body, (kw,)) for kw, m in BAD_CALLS},
+    "meta": (generate_on_meta_body, (GREEDY,)),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(cases_body, 2, TWO_RANKS, timeout=840)
 
 
 def _check(results: list[dict], ref: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -35,41 +65,40 @@ def _check(results: list[dict], ref: tuple[torch.Tensor, torch.Tensor]) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name,schedule,world,stages", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}r" for c in CASES])
-def test_generate_on_ranks_equals_unsplit(name: str, schedule: str, world: int, stages: int) -> None:
-    kwargs = {"max_new_tokens": 6, "eos_token_id": 999, "pad_token_id": 0}  # no EOS: every step compared
-    results = run_ranks(generate_body, world, name, schedule, stages, kwargs, timeout=540)
-    _check(results, reference(name, kwargs))
+def test_generate_on_ranks_equals_unsplit(request, name: str, schedule: str, world: int, stages: int) -> None:
+    if world == 2:
+        results = case_results(request.getfixturevalue("two_ranks"), f"{name}-{schedule}")
+    else:
+        results = run_ranks(generate_body, world, name, schedule, stages, GREEDY, timeout=540)
+    _check(results, reference(name, GREEDY, layers_for(stages)))
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(600)
-def test_sampling_on_ranks_equals_one_process() -> None:
+@pytest.mark.timeout(900)
+def test_sampling_on_ranks_equals_one_process(two_ranks) -> None:
     """Row r's token at step t comes from (seed, r, t): 2 ranks under V placement and 2 lanes
     give the tokens one process gives with one lane."""
-    kwargs = {"max_new_tokens": 6, "do_sample": True, "seed": 11, "top_k": 30, "temperature": 0.9, "lanes": 2}
-    results = run_ranks(generate_body, 2, "tiny_gpt", "ZBVZeroBubble", 4, kwargs, timeout=540)
-    _check(results, reference("tiny_gpt", {**kwargs, "lanes": 1}))
+    _check(case_results(two_ranks, "sampling"), reference("tiny_gpt", {**SAMPLING, "lanes": 1}, layers_for(4)))
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("name,schedule,stages", [("tiny_gpt", "DualPipeV", 4), ("llama", "1F1B", 2)])
-def test_generate_after_a_training_step_uses_the_new_weights(name: str, schedule: str, stages: int) -> None:
-    kwargs = {"max_new_tokens": 6, "eos_token_id": 999, "pad_token_id": 0}
-    results = run_ranks(generate_body, 2, name, schedule, stages, kwargs, True, timeout=540)
-    before = reference(name, kwargs)
-    _check(results, reference(name, kwargs, train_first=True))
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name,schedule,stages", TRAINED)
+def test_generate_after_a_training_step_uses_the_new_weights(two_ranks, name: str, schedule: str,
+                                                             stages: int) -> None:
+    results = case_results(two_ranks, f"trained-{name}-{schedule}")
+    before = reference(name, GREEDY, layers_for(stages))
+    _check(results, reference(name, GREEDY, layers_for(stages), train_first=True))
     assert not torch.equal(results[0]["sequences"], before[0])  # the step changed what the model says
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("kwargs,match", [({"max_new_tokens": -2}, "max_new_tokens"),
-                                          ({"max_new_tokens": 2, "do_sample": True, "top_p": 0.0}, "top_p")])
-def test_bad_calls_fail_on_every_rank(kwargs: dict, match: str) -> None:
-    results = run_ranks(bad_call_body, 2, kwargs, timeout=240)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kwargs,match", BAD_CALLS)
+def test_bad_calls_fail_on_every_rank(two_ranks, kwargs: dict, match: str) -> None:
+    results = case_results(two_ranks, f"bad-{match}")
     assert len(set(results)) == 1 and match in results[0], results
 
 
@@ -95,15 +124,12 @@ def test_a_stage_under_fsdp2_generates_what_the_unsharded_pipe_does():
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(600)
-def test_generate_on_a_pipe_built_on_meta() -> None:
+@pytest.mark.timeout(900)
+def test_generate_on_a_pipe_built_on_meta(two_ranks) -> None:
     """Each rank holds only its own stages' tensors; the decode step is traced on stand-ins of
     the rest (it failed with "Tensor on device cpu is not on the expected device meta")."""
-    from .gen_bodies import generate_on_meta_body
-
-    kwargs = {"max_new_tokens": 6, "eos_token_id": 999, "pad_token_id": 0}
-    results = run_ranks(generate_on_meta_body, 2, kwargs, timeout=540)
-    seq, _ = reference("llama", kwargs)
+    results = case_results(two_ranks, "meta")
+    seq, _ = reference("llama", GREEDY, layers_for(2))
     assert all(torch.equal(r, seq) for r in results)
 
 

@@ -1,7 +1,9 @@
 """``sched.generate`` on stages under per-block FSDP2, under tensor parallelism and under both
 (gloo, 4 ranks on a DeviceMesh): greedy sequences equal Hugging Face ``generate`` on the
 unsplit model token for token and logprobs to 1e-5, before and after a training step and
-``optimizer.step()`` (live weights); each call gathers the stage whole and frees it."""
+``optimizer.step()`` (live weights); each call gathers the stage whole and frees it. The three
+4-rank layouts run in one spawn of the ranks (``four_ranks``, a module fixture: each body in
+its own process group, its own error)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,18 @@ import torch
 
 from pippy_split.testing import run_ranks
 
-from .gen_bodies import llama8, reference
-from .sharded_bodies import failing_generate_body, fsdp_body, fsdp_tp_body, tp_body
+from .gen_bodies import case_results, cases_body, llama, reference
+from .sharded_bodies import LAYERS, failing_generate_body, fsdp_body, fsdp_tp_body, tp_body
 
 KWARGS = {"max_new_tokens": 6, "eos_token_id": 999, "pad_token_id": 0}  # no EOS: every step compared
+FSDP = [("1F1B", (0, 1)), ("ZBVZeroBubble", (0, 1, 1, 0))]
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    cases = {**{f"fsdp-{s}": (fsdp_body, (KWARGS, s, len(stage_rank))) for s, stage_rank in FSDP},
+             "tp": (tp_body, (KWARGS,)), "fsdp_tp": (fsdp_tp_body, (KWARGS,))}
+    return run_ranks(cases_body, 4, cases, timeout=1140)
 
 
 def _equal_hf(got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor], what: str) -> None:
@@ -22,7 +32,7 @@ def _equal_hf(got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, t
 
 
 def _check(results: list[dict]) -> None:
-    before, after = reference("llama", KWARGS), reference("llama", KWARGS, train_first=True)
+    before, after = reference("llama", KWARGS, LAYERS), reference("llama", KWARGS, LAYERS, train_first=True)
     assert not torch.equal(before[0], after[0])  # the step changes what the model says
     for rank, r in enumerate(results):
         _equal_hf(r["before"], before, f"rank {rank} before the step")
@@ -34,13 +44,13 @@ def _check(results: list[dict]) -> None:
 
 def _numel(names: tuple[str, ...], stage_rank: tuple[int, ...] = (0, 1)) -> list[int]:
     """Elements of the parameters whose FQN contains one of ``names``, per pipeline rank, for
-    8 layers cut evenly into ``len(stage_rank)`` stages placed on ``stage_rank[s]`` (the first
-    stage holds the embedding, the last the norm and the head)."""
-    per_stage = 8 // len(stage_rank)
+    ``LAYERS`` layers cut evenly into ``len(stage_rank)`` stages placed on ``stage_rank[s]`` (the
+    first stage holds the embedding, the last the norm and the head)."""
+    per_stage = LAYERS // len(stage_rank)
     out = [0] * (max(stage_rank) + 1)
-    for fqn, p in llama8().named_parameters():
+    for fqn, p in llama(LAYERS).named_parameters():
         if any(n in fqn for n in names):
-            layer = next((i for i in range(8) if f"layers.{i}." in fqn), None)
+            layer = next((i for i in range(LAYERS) if f"layers.{i}." in fqn), None)
             stage = 0 if "embed" in fqn else len(stage_rank) - 1 if layer is None else layer // per_stage
             out[stage_rank[stage]] += p.numel()
     return out
@@ -48,11 +58,11 @@ def _numel(names: tuple[str, ...], stage_rank: tuple[int, ...] = (0, 1)) -> list
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("schedule,stage_rank", [("1F1B", (0, 1)), ("ZBVZeroBubble", (0, 1, 1, 0))])
-def test_generate_on_per_block_fsdp2_stages_equals_hf_before_and_after_a_step(schedule: str,
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("schedule,stage_rank", FSDP)
+def test_generate_on_per_block_fsdp2_stages_equals_hf_before_and_after_a_step(four_ranks, schedule: str,
                                                                               stage_rank: tuple) -> None:
-    results = run_ranks(fsdp_body, 4, KWARGS, schedule, len(stage_rank), timeout=840)
+    results = case_results(four_ranks, f"fsdp-{schedule}")
     _check(results)
     whole = _numel(("",), stage_rank)
     for rank, r in enumerate(results):  # ranks (dp, pp): dp * 2 + pp; FSDP2 shards every parameter
@@ -61,20 +71,21 @@ def test_generate_on_per_block_fsdp2_stages_equals_hf_before_and_after_a_step(sc
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_generate_on_tensor_parallel_stages_equals_hf_before_and_after_a_step() -> None:
-    results = run_ranks(tp_body, 4, KWARGS, timeout=840)
+@pytest.mark.timeout(1200)
+def test_generate_on_tensor_parallel_stages_equals_hf_before_and_after_a_step(four_ranks) -> None:
+    results = case_results(four_ranks, "tp")
     _check(results)
     linears = _numel(("_proj",))
-    for rank, r in enumerate(results):  # ranks (pp, tp): pp * 2 + tp; 7 linears in each of 4 layers
-        assert all((t, n) == (28, linears[rank // 2]) for t, n in r["gathered"]), (rank, r["gathered"], linears)
+    per_stage = 7 * LAYERS // 2  # ranks (pp, tp): pp * 2 + tp; 7 linears in each of a stage's layers
+    for rank, r in enumerate(results):
+        assert all((t, n) == (per_stage, linears[rank // 2]) for t, n in r["gathered"]), (rank, r["gathered"], linears)
 
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_generate_on_fsdp2_over_tensor_parallel_stages_equals_hf_before_and_after_a_step() -> None:
-    results = run_ranks(fsdp_tp_body, 4, KWARGS, timeout=840)
+@pytest.mark.timeout(1200)
+def test_generate_on_fsdp2_over_tensor_parallel_stages_equals_hf_before_and_after_a_step(four_ranks) -> None:
+    results = case_results(four_ranks, "fsdp_tp")
     _check(results)
     whole = sum(_numel(("",)))
     for rank, r in enumerate(results):  # one stage holding the whole model, every parameter sharded
