@@ -270,16 +270,26 @@ def count_p2p() -> Iterator[P2PCounter]:
             setattr(dist, name, fn)
 
 
-def expected_traffic(pipe: ps.Pipe, placement: dict[int, int], n_mb: int, world: int) -> list[dict[str, int]]:
+def expected_traffic(pipe: ps.Pipe, placement: dict[int, int], n_mb: int, world: int,
+                     shared_loss: bool = False) -> list[dict[str, int]]:
     """The analytical minimum per rank and step, from ``pipe.edges``.
 
     Each edge whose ends sit on different ranks moves once per microbatch forward
     (from the rank of its sender stage; stage 0's rank for a model input) and,
     when its spec carries a gradient and it is not a model input, once backward.
     Edges between stages on the same rank move nothing. Complex values count
-    at their real size (same bytes).
+    at their real size (same bytes). With ``shared_loss`` (what ``sched.loss`` on every rank
+    costs), the step's fp32 loss goes once from the last stage's rank to every other rank.
     """
     out = [{"sent_msgs": 0, "sent_bytes": 0, "recv_msgs": 0, "recv_bytes": 0} for _ in range(world)]
+    if shared_loss:
+        last = placement[max(placement)]
+        for r in range(world):
+            if r != last:
+                out[last]["sent_msgs"] += 1
+                out[last]["sent_bytes"] += 4
+                out[r]["recv_msgs"] += 1
+                out[r]["recv_bytes"] += 4
     for e in pipe.edges:
         src, dst = placement[e.sender_stage], placement[e.dst_stage]
         if src == dst:

@@ -5,7 +5,10 @@ rank process every ``torch.distributed`` isend/irecv/send/recv is wrapped and co
 (``common.count_p2p``) over several training steps after a warm-up step (which, for
 the peer, also does its shape inference). The minimum comes from ``pipe.edges``: each
 edge between stages on different ranks moves once per microbatch forward and, if it
-carries a gradient, once backward; stages on the same rank exchange nothing.
+carries a gradient, once backward; stages on the same rank exchange nothing. Ours also
+sends the step's loss (4 bytes) from the last stage's rank to every other rank, which is
+what ``sched.loss`` on every rank costs (the peer keeps it on the last stage); the minimum
+counts it for ours.
 
 Cases:
     fan_out_skip   3 stages on 3 ranks, 1F1B: stage 0's output goes to stages 1 and 2.
@@ -138,7 +141,8 @@ def _body(rank: int, world: int, case: Case, tool: str, reps: int) -> dict:
     out = {"steps": steps, "note": runner.note}
     if tool == "ours":
         pipe = runner.pipe
-        out["expected"] = common.expected_traffic(pipe, runner.sched.placement, case.n_mb, world)[rank]
+        out["expected"] = common.expected_traffic(pipe, runner.sched.placement, case.n_mb, world,
+                                                  shared_loss=True)[rank]
         out["edges"] = [str(e) for e in pipe.edges]
         # Backward bytes that edges without a gradient would cost, if they carried one.
         placement = runner.sched.placement

@@ -25,6 +25,7 @@ _HOMES = {
     "parallelize": ".parallelize",
     **dict.fromkeys(["Candidate", "CommModel", "Plan", "PlanError", "plan"], ".plan"),
     "Cluster": ".plan.cluster",
+    "Runtime": ".plan.cluster_runtime",
     **dict.fromkeys(["ClusterPlan", "plan_cluster"], ".plan.cluster_search"),
     **dict.fromkeys(["Action", "PipelineSchedule", "Schedule1F1B", "ScheduleDualPipeV", "ScheduleError",
                      "ScheduleFromOrder", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from .parallelize import parallelize
     from .plan import Candidate, CommModel, Plan, PlanError, plan
     from .plan.cluster import Cluster
+    from .plan.cluster_runtime import Runtime
     from .plan.cluster_search import ClusterPlan, plan_cluster
     from .schedule import (
         Action,
@@ -142,4 +144,4 @@ __all__ = ["checkpoint", "clip_grad_norm_", "PipelineGradScaler", "MODEL_INPUT",
            "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble",
            "ScheduleFromOrder", "ScheduleError", "build_schedule", "get_schedule_class", "simulate", "stage_to_rank",
            "validate", "BalanceReport", "plan", "Plan", "Candidate", "PlanError", "CommModel", "parallelize",
-           "Generation", "GenerationError", "Cluster", "ClusterPlan", "plan_cluster"]
+           "Generation", "GenerationError", "Cluster", "ClusterPlan", "plan_cluster", "Runtime"]

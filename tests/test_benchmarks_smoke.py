@@ -43,6 +43,13 @@ def _minimum(pipe: ps.Pipe, placement: dict[int, int], n_mb: int, world: int) ->
             out[a]["sent_msgs"] += n_mb
             out[b]["recv_bytes"] += n_mb * nbytes
             out[b]["recv_msgs"] += n_mb
+    last = placement[pipe.num_stages - 1]  # the step's fp32 loss, to every other rank (sched.loss everywhere)
+    for r in range(world):
+        if r != last:
+            out[last]["sent_bytes"] += 4
+            out[last]["sent_msgs"] += 1
+            out[r]["recv_bytes"] += 4
+            out[r]["recv_msgs"] += 1
     return out
 
 

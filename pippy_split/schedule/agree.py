@@ -9,8 +9,12 @@ message of the step. Without it a rank whose checks fail raises while the others
 wait for its messages until their timeout; with it every rank raises at once, the
 failing rank its own exception and the others a :class:`PipelineError` that names
 the failing rank and its cause. The group is untouched and the next step works. The
-cost on the happy path is one all-reduce of one integer per step (on the CPU where
-the group has a CPU backend); the messages travel only after a failure.
+cost on the happy path is one small all-reduce (on the CPU where the group has a CPU
+backend), which also carries what the step must share (dynamic sizes, ``loss_count``'s
+items); the messages travel only after a failure. A schedule runs it while no step has
+run, and afterwards only where something must be shared (or ``agree_every_step``): a
+steady static-shape step runs no collective, and a check failing there is a failure
+*after* the first message (below).
 
 *After it* (:class:`FailureChannel`): a rank that raises in the middle of a step
 (a user's module or ``loss_fn``, a ``KeyboardInterrupt``) cannot be waited for, and
@@ -33,7 +37,7 @@ import threading
 import time
 import weakref
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,18 +48,30 @@ from ..stage.groups import PipelineGroup
 if TYPE_CHECKING:
     from ..stage.transport import P2P
 
-__all__ = ["agree_before_step", "FailureChannel", "StepGuard", "POLL_S"]
+__all__ = ["agree_before_step", "Agreed", "FailureChannel", "StepGuard", "POLL_S"]
 
 POLL_S = 0.5
 """How often a rank reads the store for another rank's failure while a step runs (torch's NCCL watchdog
 reads its store for a dump signal once a second on every rank)."""
 
 _MESSAGE_BYTES = 2048  # of each failing rank's message
+_NONE = -1e300  # a rank without a value, in the agreement's max
+
+
+class Agreed(NamedTuple):
+    """What one step's agreement told every rank."""
+
+    share: float | None
+    """The number one rank shared (``loss_count``'s items), None where no rank gave one."""
+    sizes: tuple[list[list[int]], list[list[int]]] | None
+    """Per microbatch and symbol, the largest and the smallest dynamic size among the ranks
+    that read them (equal where they agree; -1 where no rank read one), or None where no
+    sizes were given (static shapes)."""
 
 
 def agree_before_step(error: BaseException | None, pg: PipelineGroup, what: str = "step()",
-                      share: torch.Tensor | None = None) -> float | None:
-    """Raise on every rank if ``error`` is set on any; collective over ``pg``.
+                      share: torch.Tensor | None = None, sizes: torch.Tensor | None = None) -> Agreed:
+    """Raise on every rank if ``error`` is set on any; one all-reduce (max) over ``pg``.
 
     Args:
         error: this rank's failure of its local checks, or None.
@@ -64,10 +80,12 @@ def agree_before_step(error: BaseException | None, pg: PipelineGroup, what: str 
         what: the call being prepared, for the message.
         share: a number one rank knows and every rank needs (the batch's item count for
             ``loss_count``, where the last stage lives), carried by the same all-reduce.
+        sizes: this rank's dynamic sizes (:class:`~.dynamic_sizes.SizeReader`, -1 where it
+            read none; the same shape on every rank), carried by the same all-reduce.
 
     Returns:
-        ``share`` as every rank now knows it (None where no rank gave one): the step's one
-        host read of a tensor value.
+        :class:`Agreed`: ``share`` and the sizes as every rank now knows them, read with the
+        step's one host read.
 
     Raises:
         ``error`` itself on the rank it happened on; elsewhere a
@@ -75,23 +93,38 @@ def agree_before_step(error: BaseException | None, pg: PipelineGroup, what: str 
 
     Example:
         >>> agree_before_step(None, PipelineGroup.of(None))  # one rank: nothing to agree on
+        Agreed(share=None, sizes=None)
     """
     if pg.world == 1 or not (dist.is_available() and dist.is_initialized()):
         if error is not None:
             raise error
-        return None if share is None else float(share)
-    backend = str(dist.get_backend(pg.group))  # a CPU backend: no device sync for two numbers
+        return Agreed(None if share is None else float(share), None if sizes is None else (sizes.tolist(),) * 2)
+    backend = str(dist.get_backend(pg.group))  # a CPU backend: no device sync for a few numbers
     where = torch.device("cpu") if backend in ("gloo", "mpi") or "cpu:" in backend else pg.device
-    # (failed ranks, ranks that share, the shared value): summed over the group
-    mine_now = torch.zeros(3, dtype=torch.float64, device=where)
-    mine_now[0] = 0 if error is None else 1
+    # max over the group of: (failed, shares, the shared value, sizes, -sizes); a rank without a
+    # value gives one below every real value (float64 holds sizes exactly)
+    n_sizes = 0 if sizes is None else sizes.numel()
+    head = torch.tensor([0.0 if error is None else 1.0, 0.0, _NONE], dtype=torch.float64, device=where)
     if share is not None and error is None:
-        mine_now[1] = 1
-        mine_now[2] = share.to(device=where, dtype=torch.float64)
-    dist.all_reduce(mine_now, group=pg.group)
-    failed, sharing, value = mine_now.tolist()
-    if failed == 0:
-        return value if sharing else None
+        head[1] = 1
+        head[2] = share.to(device=where, dtype=torch.float64)
+    parts = [head]
+    if sizes is not None:
+        read = sizes.reshape(-1).to(device=where, dtype=torch.float64)  # -1 where this rank read none
+        negated = torch.where(read >= 0, -read, torch.full_like(read, _NONE))
+        parts += [read, negated if error is None else torch.full_like(read, _NONE)]
+    agreed = torch.cat(parts)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=pg.group)
+    values = agreed.tolist()
+    if values[0] == 0:
+        got = None
+        if sizes is not None:
+            width = sizes.shape[-1] if sizes.dim() else 1
+            most = [int(v) for v in values[3:3 + n_sizes]]
+            least = [int(-v) if v > _NONE / 2 else -1 for v in values[3 + n_sizes:]]
+            got = ([most[i:i + width] for i in range(0, n_sizes, width)],
+                   [least[i:i + width] for i in range(0, n_sizes, width)])
+        return Agreed(values[2] if values[1] else None, got)
     text = "" if error is None else f"{type(error).__name__}: {error}"
     mine = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
     data = text.encode("utf-8")[:_MESSAGE_BYTES]

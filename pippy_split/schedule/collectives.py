@@ -4,8 +4,8 @@ Part of the schedule layer (… → **schedule** → runtime), used by
 :class:`~pippy_split.schedule.schedules.PipelineSchedule`: at construction, the
 check that every rank built the same lowered order, and
 the links of hand-built stages; every step, the batch's item count
-(``loss_count``), the step's loss and the summed gradient of
-tied parameters. Each is a plain function of what it needs (the
+(``loss_count``) and the summed gradient of tied parameters; and the
+step's loss, which travels point to point. Each is a plain function of what it needs (the
 :class:`~pippy_split.stage.groups.PipelineGroup`, tensors), so none reaches into a schedule or a stage.
 """
 
@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from ..stage.errors import PipelineError
 from ..stage.groups import PipelineGroup
 from ..stage.loss import LossRule
+from ..stage.transport import P2P
 from .actions import Order
 from .errors import ScheduleError
 
@@ -92,18 +93,28 @@ def refuse_no_items(items: float, where: str) -> None:
                             "a mean over microbatches")
 
 
-def share_loss(mb_losses: list, rule: LossRule | None, pg: PipelineGroup, src_rank: int) -> torch.Tensor:
-    """The step's loss (:meth:`LossRule.step_loss`), sent from where the last stage lives
-    to every rank (zero where no loss was computed)."""
+def share_loss(mb_losses: list, rule: LossRule | None, pg: PipelineGroup, src_rank: int,
+               transport: P2P | None) -> torch.Tensor:
+    """The step's loss (:meth:`LossRule.step_loss`), sent from where the last stage lives to
+    every other rank (zero where no loss was computed): one point-to-point message per rank,
+    after every message of the step's order, so it is the last message between each pair
+    of ranks and NCCL's k-th-send-to-k-th-receive pairing holds. No collective: the ranks
+    that exchange nothing with the last stage's rank are not made to wait for one another."""
     known = rule is not None and bool(mb_losses) and all(loss is not None for loss in mb_losses)
     value = rule.step_loss(mb_losses) if known and rule is not None else torch.zeros(())
     value = value.to(torch.float32).clone()
-    if pg.world > 1:
-        # Waited for here: a step leaves no work outstanding, so destroy_process_group()
-        # right after the last step() finds nothing in flight.
-        value = value.to(pg.device)
-        dist.broadcast(value, group=pg.group, group_src=src_rank)
-    return value
+    if pg.world == 1 or transport is None:
+        return value
+    value = value.to(pg.device)
+    if pg.rank == src_rank:
+        sends = [P2P.send_op(value, r, f"rank {src_rank} sending the step's loss to rank {r}")
+                 for r in range(pg.world) if r != src_rank]
+        transport.wait(transport.post(sends))  # waited: a step leaves no work outstanding
+        return value
+    op, _ = P2P.recv_op((), torch.float32, pg.device, src_rank,
+                        f"rank {pg.rank} waiting for the step's loss from rank {src_rank} (the last stage's)")
+    transport.post([op])
+    return transport.wait_recv(op)
 
 
 def sync_shared_grads(pipe: PipeView | None, stages: Sequence[PipelineStage], pg: PipelineGroup) -> None:

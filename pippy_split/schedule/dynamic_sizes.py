@@ -4,10 +4,10 @@ Part of the schedule layer (… → **schedule** → runtime). A pipe traced wit
 dims has symbolic edge shapes; a receive is sized from them and the values of the
 symbols *for its own microbatch*, so microbatches of one step may differ (a sequence
 length per microbatch). Every rank given model inputs reads the values off them and
-checks them against the traced ranges (:class:`SizeReader`, no messages); one small
-all-gather per step then tells every rank every microbatch's values
-(:func:`share_sizes`) and stops every rank alike where two ranks read different
-values. Sizes never travel in a header on the data channels: NCCL pairs the k-th
+checks them against the traced ranges (:class:`SizeReader`, no messages); the step's
+one agreement (an all-reduce, :func:`.agree.agree_before_step`) then tells every rank
+every microbatch's values (:func:`share_sizes`) and stops every rank alike where two
+ranks read different values. Sizes never travel in a header on the data channels: NCCL pairs the k-th
 send with the k-th receive, so a receive must know its size beforehand.
 """
 
@@ -86,19 +86,27 @@ def inputs_given_anyway(model_inputs: ModelInputs, arg_names: Sequence[str] | No
         return None
 
 
-def share_sizes(symbols: Sequence[SymbolSource], mine: torch.Tensor, pg: PipelineGroup) -> list[Bindings]:
-    """Every microbatch's ``{symbol: size}`` on every rank: one all-gather of each rank's
-    :class:`SizeReader` (ranks without inputs send -1). Ranks given inputs must agree;
-    where they do not, every rank raises the same error before any message."""
-    if pg.world > 1:
-        every = [torch.empty_like(mine, device=pg.device) for _ in range(pg.world)]
-        dist.all_gather(every, mine.to(pg.device), group=pg.group)
-        gathered = [t.cpu() for t in every]
-    else:
-        gathered = [mine]
-    given = [r for r, t in enumerate(gathered) if bool((t >= 0).all())]
-    if not given:
+def share_sizes(symbols: Sequence[SymbolSource], agreed: tuple[list[list[int]], list[list[int]]], mine: torch.Tensor,
+                pg: PipelineGroup) -> list[Bindings]:
+    """Every microbatch's ``{symbol: size}`` on every rank, from the step's agreement
+    (:func:`.agree.agree_before_step`: the largest and smallest size each rank given inputs
+    read). Ranks given inputs must agree; where they do not, every rank learns it from the
+    same agreement, gathers each rank's :class:`SizeReader` (``mine``) to name the ranks, and
+    raises the same error before any message."""
+    most, least = agreed
+    if not most or any(v < 0 for row in most for v in row):
         raise PipelineError("no rank was given the model inputs this step, so the dynamic sizes are unknown")
+    if most != least:
+        _refuse_different_inputs(symbols, mine, pg)
+    return [{s.symbol: v for s, v in zip(symbols, row)} for row in most]
+
+
+def _refuse_different_inputs(symbols: Sequence[SymbolSource], mine: torch.Tensor, pg: PipelineGroup) -> None:
+    """Name two ranks given different inputs (one all-gather, only on this error path)."""
+    every = [torch.empty_like(mine, device=pg.device) for _ in range(pg.world)]
+    dist.all_gather(every, mine.to(pg.device), group=pg.group)
+    gathered = [t.cpu() for t in every]
+    given = [r for r, t in enumerate(gathered) if bool((t >= 0).all())]
     ref = gathered[given[0]]
     for r in given[1:]:
         diff = (gathered[r] != ref).nonzero().tolist()
@@ -108,7 +116,8 @@ def share_sizes(symbols: Sequence[SymbolSource], mine: torch.Tensor, pg: Pipelin
                                 f"{symbols[j].symbol}={int(ref[mb, j])} on rank {given[0]} and "
                                 f"{int(gathered[r][mb, j])} on rank {r}; every rank reading model inputs "
                                 "must get the same microbatches")
-    return [{s.symbol: int(v) for s, v in zip(symbols, row)} for row in ref.tolist()]
+    raise PipelineError("the ranks given the model inputs read different dynamic sizes; every rank reading model "
+                        "inputs must get the same microbatches")
 
 
 def message_bytes(edges: Sequence[Any], bindings: Bindings) -> int:

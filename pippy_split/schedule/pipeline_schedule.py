@@ -164,6 +164,10 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         self._reads_inputs = self._first is not None or any(  # a later stage may read a model input itself
             s.pipe is not None and any(sl.kind is InputKind.MODEL for sl in s.in_slots or []) for s in self.stages)
         self._loss: torch.Tensor | None = None
+        self._ran: set[bool] = set()  # the kinds of call (train: True, eval: False) that have run a step
+        self.agree_every_step = False
+        """Start every step with the agreement (one small all-reduce), not only the first ones and those
+        that share something: a rank's failed check then leaves the schedule usable (see :meth:`_agrees`)."""
         self._unchecked: tuple[LossRule | None, list] = (None, [])  # the step's rule and losses, until checked
 
     # ---- set-up checks ----------------------------------------------------------
@@ -211,30 +215,54 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         return [a for a in lower(order, self.links, self.placement)[self.rank] if a is not None]
 
     # ---- running ---------------------------------------------------------------------
-    def _context(self, args: tuple, kwargs: dict, target: Any, train: bool, n: int) -> StepContext:
-        """This step's inputs: first every check this rank can make alone, then (once every
-        rank knows they all passed, :func:`.agree.agree_before_step`) what needs messages."""
+    def _context(self, args: tuple, kwargs: dict, target: Any, train: bool, n: int, guard: StepGuard) -> StepContext:
+        """This step's inputs: first every check this rank can make alone, then, where the step
+        needs one (:meth:`_agrees`), the one all-reduce in which every rank learns that they all
+        passed and what they must share (:func:`.agree.agree_before_step`)."""
         ctx = StepContext(n_microbatches=n, train=train)
         error: Exception | None = None
         counted = train and self.loss_count is not None
         last_where = f"stage {self.num_stages - 1} (rank {self.placement[self.num_stages - 1]})"
         local_items = None
+        agrees = self._agrees(train)
+        if not agrees:  # a failed check now stops every rank through the failure channel
+            guard.communicating("in its own checks before its first message")
+        sizes = None
         try:
             sizes = self._local_context(ctx, args, kwargs, target, train)
             if counted and self._last is not None and ctx.targets is not None:
                 assert self.loss_count is not None
                 local_items = item_count(self.loss_count, ctx.targets, last_where)
         except Exception as e:  # raised on every rank alike below, before any rank waits for a message
+            if not agrees:
+                raise
             error = e
-        items = agree_before_step(error, self.pipeline_group, "step()" if train else "eval()", share=local_items)
+        if not agrees:
+            ctx.loss = LossRule.for_step(self.loss_fn, n_microbatches=self.n_microbatches, scale_grads=self.scale_grads,
+                                         items=None, scale=self.loss_scale, on_nonfinite=self.on_nonfinite) \
+                if self.loss_fn is not None else None
+            return ctx
+        if self._sizes is not None and sizes is None:  # this rank failed before reading them
+            sizes = self._sizes(None, n)
+        agreed = agree_before_step(error, self.pipeline_group, "step()" if train else "eval()", share=local_items,
+                                   sizes=sizes)
         if counted:
-            refuse_no_items(items if items is not None else 0.0, last_where)
+            refuse_no_items(agreed.share if agreed.share is not None else 0.0, last_where)
         if self.loss_fn is not None:
             ctx.loss = LossRule.for_step(self.loss_fn, n_microbatches=self.n_microbatches, scale_grads=self.scale_grads,
-                                         items=items, scale=self.loss_scale, on_nonfinite=self.on_nonfinite)
-        if self._sizes is not None:
-            ctx.bindings = share_sizes(self._sizes.symbols, sizes, self.pipeline_group)
+                                         items=agreed.share, scale=self.loss_scale, on_nonfinite=self.on_nonfinite)
+        if self._sizes is not None and agreed.sizes is not None and sizes is not None:
+            ctx.bindings = share_sizes(self._sizes.symbols, agreed.sizes, sizes, self.pipeline_group)
         return ctx
+
+    def _agrees(self, train: bool) -> bool:
+        """Whether this step starts with the agreement (the same answer on every rank): while no
+        step of this kind has run (a mistake in the first batches leaves the schedule usable),
+        with ``loss_count`` (its items), with dynamic shapes (their sizes), or when
+        ``agree_every_step`` is set. Otherwise a step runs no collective before its messages,
+        and a rank failing its own checks stops every rank through the failure channel."""
+        return (self.agree_every_step or train not in self._ran or self._sizes is not None
+                or (train and self.loss_count is not None))
 
     def _local_context(self, ctx: StepContext, args: tuple, kwargs: dict, target: Any, train: bool) -> Any:
         """Split this rank's inputs and targets into ``ctx``; no communication. Returns the
@@ -287,10 +315,11 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         ``self.loss`` is the step's mean loss on every rank.
         """
         with self._failures.guard("step()") as guard:
-            ctx = self._context(args, kwargs, target, True, self.n_microbatches)
+            ctx = self._context(args, kwargs, target, True, self.n_microbatches, guard)
             for st in self.stages:
                 st.peak_held_microbatches = 0
             self._run(self.actions, ctx, guard)
+            self._ran.add(True)
             sync_shared_grads(self.stages[0].pipe, self.stages, self.pipeline_group)
             for st in self.stages:
                 sync_data_parallel(st.module)
@@ -301,7 +330,8 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
                 st.clear()
             if last is not None and losses is not None:
                 losses[:] = mb_losses  # replaced, not appended: a list reused every step holds this step's
-            self._loss = share_loss(mb_losses, ctx.loss, self.pipeline_group, self.placement[self.num_stages - 1])
+            self._loss = share_loss(mb_losses, ctx.loss, self.pipeline_group, self.placement[self.num_stages - 1],
+                                    self._runtime.p2p)
         # NaN/inf: checked with one host read for the whole step, now where the schedule raises on it,
         # else when the caller first reads ``loss``
         self._unchecked = (ctx.loss, mb_losses if last is not None else [self._loss])
@@ -380,9 +410,10 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         """
         refuse_train_mode_graph(self.stages[0].pipe)
         with self._failures.guard("eval()") as guard:
-            ctx = self._context(args, kwargs, None, False, self.n_microbatches)
+            ctx = self._context(args, kwargs, None, False, self.n_microbatches, guard)
             with torch.no_grad():
                 self._run(self._eval_actions, ctx, guard)
+            self._ran.add(False)
             if self._last is None:
                 return None
             out = self._merge(ctx, self._last)

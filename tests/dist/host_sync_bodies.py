@@ -72,6 +72,27 @@ def steady_state_counts(rank: int, world: int, kit: bool):
     return out
 
 
+def dynamic_shape_counts(rank: int, world: int):
+    """1F1B over a pipe traced with a dynamic sequence dim: the third step's reads and collectives,
+    its microbatches of different lengths."""
+    from torch.export import Dim
+
+    entry = zoo.get("tiny_gpt")
+    x, y = entry.args[0], entry.target
+    pipe = ps.pipeline(entry.model, 2, (x[:2],), dynamic_shapes={"idx": {1: Dim("T", min=2, max=64)}})
+    sched = ps.build_schedule(pipe, "1F1B", 4, loss_fn=entry.loss_fn)
+    counts: collections.Counter = collections.Counter()
+    steps = ([8, 12, 16, 8], [16, 8, 4, 12], [4, 8, 12, 16])
+    batches = [ps.Microbatches(x[2 * i:2 * i + 2, :T] for i, T in enumerate(lengths)) for lengths in steps]
+    targets = [ps.Microbatches(y[2 * i:2 * i + 2, :T] for i, T in enumerate(lengths)) for lengths in steps]
+    for i, (batch, target) in enumerate(zip(batches, targets)):
+        with counting(counts) if i == 2 else contextlib.nullcontext():
+            sched.step(batch, target=target)
+        for p in entry.model.parameters():
+            p.grad = None
+    return dict(counts)
+
+
 def _sum_loss(entry):
     def loss(out, tgt):
         return entry.loss_fn(out, tgt) * tgt.numel()

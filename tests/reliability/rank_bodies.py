@@ -100,3 +100,24 @@ def a_target_that_does_not_fit(rank: int, world: int):
     out.append(_outcome(lambda: sched.step(x, target=y)))
     out.append(float(sched.loss))
     return out
+
+
+def a_bad_target_after_a_good_step(rank: int, world: int, agree_every_step: bool):
+    """2 ranks, 1F1B: a good step, then a target of 12 rows for 16 inputs, then a good batch.
+    After a step has run, a static-shape step starts without the agreement's all-reduce (unless
+    ``agree_every_step``): the last stage's failed check then stops every rank through the
+    failure channel, and the schedule stays stopped. Returns each call's outcome and how long the
+    bad step took on this rank."""
+    import time
+
+    model = _mlp(depth=4)
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    pipe = ps.pipeline(model, ["4"], (x[:4],))
+    sched = ps.build_schedule(pipe, "1F1B", 4, loss_fn=torch.nn.functional.mse_loss, timeout=600)
+    sched.agree_every_step = agree_every_step
+    out = [_outcome(lambda: sched.step(x, target=y))]
+    t0 = time.monotonic()
+    out.append(_outcome(lambda: sched.step(x, target=y[:12])))
+    out.append(time.monotonic() - t0)
+    out.append(_outcome(lambda: sched.step(x, target=y)))
+    return out

@@ -10,7 +10,12 @@ import pytest
 
 from pippy_split.testing import run_ranks
 
-from .rank_bodies import a_target_that_does_not_fit, fails_mid_step_and_lives_on, one_rank_fails_its_checks
+from .rank_bodies import (
+    a_bad_target_after_a_good_step,
+    a_target_that_does_not_fit,
+    fails_mid_step_and_lives_on,
+    one_rank_fails_its_checks,
+)
 
 
 @pytest.mark.dist
@@ -66,3 +71,27 @@ def test_a_target_that_does_not_fit_stops_every_rank_before_any_message():
     assert kind == "PipelineError" and "stopped before any communication because rank 1 failed" in msg, msg
     assert all(r[1] == ("ok", "") for r in results), [r[1] for r in results]
     assert results[0][2] == results[1][2]  # the next step works, on every rank alike
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("agree_every_step", [False, True], ids=["no-collective", "agree-every-step"])
+def test_a_bad_target_after_a_good_step_stops_every_rank_within_seconds(agree_every_step):
+    """Once a step has run, a static-shape step runs no collective before its messages: a check
+    failing on one rank then reaches the others through the failure channel (named, within
+    seconds) instead of the agreement; ``agree_every_step`` keeps the schedule usable instead."""
+    results = run_ranks(a_bad_target_after_a_good_step, 2, agree_every_step, timeout=100)
+    assert all(r[0] == ("ok", "") for r in results), [r[0] for r in results]
+    kind, msg = results[1][1]
+    assert kind == "PipelineError" and "the target does not fit the output" in msg, msg
+    kind, msg = results[0][1]
+    if agree_every_step:
+        assert kind == "PipelineError" and "stopped before any communication because rank 1 failed" in msg, msg
+        assert all(r[3] == ("ok", "") for r in results), [r[3] for r in results]
+        return
+    assert kind == "PipelineAborted", msg
+    assert "rank 1 failed in its own checks before its first message" in msg and "target does not fit" in msg, msg
+    assert results[0][2] < 20, f"rank 0 raised after {results[0][2]:.1f} s"  # a bound for a hang, not a speed test
+    for rank in (0, 1):
+        kind, msg = results[rank][3]
+        assert kind == "PipelineAborted" and "refused" in msg, msg
