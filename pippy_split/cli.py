@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--global-batch-tokens", type=int, default=None, help="with --cluster: tokens per step")
     pl.add_argument("--efficiency", type=float, default=None,
                     help="with --cluster: fraction of peak FLOP/s the blocks reach (default: the preset's)")
+    pl.add_argument("--runtime", default="pippy_split", metavar="NAME",
+                    help="with --cluster: the training code priced, pippy_split (default) or torchtitan-2412 "
+                         "(ps.Runtime.preset)")
     pl.add_argument("--ranks", type=int, default=4)
     pl.add_argument("--memory", default="2GB", help="per-rank memory budget, e.g. 2GB, 512MiB")
     pl.add_argument("--global-batch", type=int, default=None, help="samples per step (default: the example's batch)")
@@ -355,6 +358,7 @@ def _train_line(best: Any, target: str, trains_this_batch: bool, batch: int) -> 
 def plan_cluster_cmd(args: argparse.Namespace) -> int:
     """``pippy-split plan --cluster PRESET --model hf:DIR``: ``ps.plan_cluster``'s table and the best launch line."""
     from .plan.cluster import Cluster
+    from .plan.cluster_runtime import Runtime
     from .plan.cluster_search import plan_cluster
 
     missing = [flag for flag, value in (("--model", args.model), ("--seq-len", args.seq_len),
@@ -365,7 +369,8 @@ def plan_cluster_cmd(args: argparse.Namespace) -> int:
     try:
         extra = {"efficiency": args.efficiency} if args.efficiency is not None else {}
         cluster = Cluster.preset(args.cluster, **extra)
-        plan = plan_cluster(args.model, cluster, global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len)
+        plan = plan_cluster(args.model, cluster, global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,
+                            runtime=Runtime.preset(args.runtime))
     except ValueError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2

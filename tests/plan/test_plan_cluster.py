@@ -163,6 +163,23 @@ def test_cli_plan_cluster_prints_the_table_and_launch(tmp_path, capsys):
     assert rc == 2 and "over by" in capsys.readouterr().err
 
 
+def test_cli_plan_cluster_prices_the_runtime_it_is_given(tmp_path, capsys):
+    """--runtime torchtitan-2412 holds more per GPU (fp32 accumulated gradients, kept outputs)
+    than pippy_split's own runtime on the same layouts; a name it does not know is refused."""
+    from pippy_split.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_405B))
+    base = ["plan", "--cluster", "h100x512", "--model", f"hf:{tmp_path}", "--seq-len", "8192",
+            "--global-batch-tokens", str(256 * 8192), "--top", "1"]
+    tables = {}
+    for name in ("pippy_split", "torchtitan-2412"):
+        assert main(base + ["--runtime", name]) == 0
+        tables[name] = capsys.readouterr().out
+    assert tables["pippy_split"] != tables["torchtitan-2412"]
+    assert main(base + ["--runtime", "megatron"]) == 2
+    assert "unknown runtime preset 'megatron'" in capsys.readouterr().err
+
+
 def test_readme_figures(fitted):
     """The figures README's "Planning a cluster job on paper" table prints (predicted, under the
     factor fitted on Table 5's 1F1B row): a change to the cost model must update both."""
