@@ -1,12 +1,13 @@
-"""`pippy-split train --dp N`: the job's own split falls between blocks (FSDP2 and TP shard whole blocks),
-and a head tied to its embedding trains exactly under pipeline x FSDP2."""
+"""`pippy-split train --dp N`: the job's own split falls between blocks (FSDP2 and TP shard whole blocks).
+That a head tied to its embedding trains exactly under pipeline x FSDP2 is tested in test_train_nd.py
+(test_a_tied_head_under_dp2_trains_what_one_pipeline_trains_on_all_rows), beside --tp 2 of the same model:
+both compare with one plain run."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
 
 from pippy_split.training.config import TrainConfig
 from pippy_split.training.nd import block_split
@@ -34,21 +35,3 @@ def test_dp_and_tp_runs_cut_between_blocks_or_refuse_by_name(tmp_path):
                                          r"between blocks; blocks\.1\.mlp is inside one"):
         block_split(TrainConfig(dp=2, tp=2), gpt, 2, ["blocks.1.mlp"])
     assert block_split(TrainConfig(dp=2), gpt, 2, ["blocks.1"]) == ["blocks.1"]
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(900)
-def test_a_tied_head_under_dp2_trains_what_one_pipeline_trains_on_all_rows(tmp_path):
-    """The head tied to the embedding lives on both pipeline ranks (1F1B: stage 0 and stage 1), each
-    holding an FSDP2 shard of it: the tied gradient is summed shard by shard across the pipeline."""
-    from .test_train_nd import _assert_same_training, _run
-
-    (tmp_path / "tiny.json").write_text(json.dumps(CONFIG))
-    (tmp_path / "text.txt").write_text("".join(f"the {i}th line says {i * 7 % 13} apples.\n" for i in range(60)))
-    common = ("--model", "hf:tiny.json", "--data", "text.txt", "--seq-len", "16")
-    plain = _run(tmp_path, "plain", *common, "--ranks", "2", "--batch-size", "8", "--split", "model.layers.2")
-    dp = _run(tmp_path, "dp", *common, "--ranks", "4", "--dp", "2", "--batch-size", "4")
-    assert "mesh (dp=2, pp=2, tp=1)" in dp[1]["_out"]
-    for weights in (plain[1], dp[1]):
-        torch.testing.assert_close(weights["lm_head.weight"], weights["model.embed_tokens.weight"], atol=0, rtol=0)
-    _assert_same_training(plain, dp)

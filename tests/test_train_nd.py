@@ -1,6 +1,7 @@
 """`pippy-split train --dp N --tp M`: pipeline x FSDP2 x TP on a (dp, pp, tp) mesh trains exactly what the
 plain pipeline trains on the same rows (losses, gradient norms and final weights), and wrong layouts are
-refused before any rank starts."""
+refused before any rank starts. The --tp 2 and --dp 2 runs of a tiny Qwen2 (head tied to its embedding)
+compare with one plain run of it (``qwen_plain``)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _assert_same_training(a: tuple[list[dict], dict], b: tuple[list[dict], dict]
     for x, y in zip(steps_a, steps_b, strict=True):
         assert x["loss"] == pytest.approx(y["loss"], abs=1e-5) and x["grad_norm"] == pytest.approx(y["grad_norm"],
                                                                                                    abs=1e-5)
-    weights_a.pop("_out"), weights_b.pop("_out")
+    weights_a, weights_b = ({k: v for k, v in w.items() if k != "_out"} for w in (weights_a, weights_b))
     assert weights_a.keys() == weights_b.keys()
     for k in weights_a:
         torch.testing.assert_close(weights_a[k], weights_b[k], atol=1e-4, rtol=0, msg=k)
@@ -43,28 +44,54 @@ def test_dp2_over_half_rows_trains_what_one_pipeline_trains_on_all_rows(tmp_path
     _assert_same_training(plain, dp)
 
 
-@pytest.mark.timeout(900)
-def test_tp2_of_a_qwen2_from_a_config_trains_what_the_plain_pipeline_trains(tmp_path):
+_QWEN = ("--model", "hf:tiny.json", "--data", "text.txt", "--seq-len", "16")
+
+
+@pytest.fixture(scope="module")
+def qwen_plain(tmp_path_factory):
+    """A tiny Qwen2 from a config (head tied to its embedding) and the plain pipeline's run of it on 2 ranks,
+    8 rows a step, cut between blocks as --dp and --tp cut it."""
     pytest.importorskip("transformers")
     from .test_train_hf import CONFIG
 
-    (tmp_path / "tiny.json").write_text(json.dumps(CONFIG))
-    (tmp_path / "text.txt").write_text("".join(f"the {i}th line says {i * 7 % 13} apples.\n" for i in range(60)))
-    common = ("--model", "hf:tiny.json", "--data", "text.txt", "--seq-len", "16", "--batch-size", "8")
-    plain = _run(tmp_path, "plain", *common, "--ranks", "2")
-    tp = _run(tmp_path, "tp", *common, "--ranks", "4", "--tp", "2")
+    where = tmp_path_factory.mktemp("qwen")
+    (where / "tiny.json").write_text(json.dumps(CONFIG))
+    (where / "text.txt").write_text("".join(f"the {i}th line says {i * 7 % 13} apples.\n" for i in range(60)))
+    return where, _run(where, "plain", *_QWEN, "--ranks", "2", "--batch-size", "8", "--split", "model.layers.2")
+
+
+@pytest.mark.timeout(900)
+def test_tp2_of_a_qwen2_from_a_config_trains_what_the_plain_pipeline_trains(qwen_plain):
+    where, plain = qwen_plain
+    tp = _run(where, "tp", *_QWEN, "--batch-size", "8", "--ranks", "4", "--tp", "2")
     assert "each stage split over 2 tensor-parallel ranks" in tp[1]["_out"]
     _assert_same_training(plain, tp)
 
 
-def test_layouts_that_cannot_work_are_refused_before_any_rank_starts(tmp_path):
-    r = _cli("train", "--ranks", "3", "--dp", "2", cwd=tmp_path)
-    assert r.returncode == 2 and "--ranks 3 must be a multiple of --dp 2 x --tp 1" in r.stderr
-    r = _cli("train", "--ranks", "4", "--dp", "2", "--model", "zoo:mlp_stack", cwd=tmp_path)
-    assert r.returncode == 2 and "not with --pack or a factory's own batch" in r.stderr
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+def test_a_tied_head_under_dp2_trains_what_one_pipeline_trains_on_all_rows(qwen_plain):
+    """The head tied to the embedding lives on both pipeline ranks (1F1B: stage 0 and stage 1), each
+    holding an FSDP2 shard of it: the tied gradient is summed shard by shard across the pipeline."""
+    where, plain = qwen_plain
+    dp = _run(where, "dp", *_QWEN, "--ranks", "4", "--dp", "2", "--batch-size", "4")
+    assert "mesh (dp=2, pp=2, tp=1)" in dp[1]["_out"]
+    for weights in (plain[1], dp[1]):
+        torch.testing.assert_close(weights["lm_head.weight"], weights["model.embed_tokens.weight"], atol=0, rtol=0)
+    _assert_same_training(plain, dp)
+
+
+def test_layouts_that_cannot_work_are_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    """In this process (pippy_split.train.main): a refusal comes before any rank is launched."""
+    from .test_train_errors import _one_line
+
+    monkeypatch.chdir(tmp_path)
+    assert "--ranks 3 must be a multiple of --dp 2 x --tp 1" in _one_line(capsys, "--ranks", "3", "--dp", "2")
+    assert "not with --pack or a factory's own batch" in _one_line(capsys, "--ranks", "4", "--dp", "2", "--model",
+                                                                   "zoo:mlp_stack")
     for flag in (["--bf16"], ["--activation-checkpoint"], ["--compile"], ["--grad-accum", "2"], ["--plan", "1GB"]):
-        r = _cli("train", "--ranks", "4", "--tp", "2", *flag, cwd=tmp_path)
-        assert r.returncode == 2 and f"--dp/--tp with {flag[0]} is not checked exact" in r.stderr
+        assert f"--dp/--tp with {flag[0]} is not checked exact" in _one_line(capsys, "--ranks", "4", "--tp", "2",
+                                                                             *flag)
 
 
 def test_tp_plans_are_known_layouts_only():
