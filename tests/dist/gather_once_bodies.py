@@ -67,9 +67,10 @@ def _all_sharded(stages, prefix: str = "") -> bool:
     return all(isinstance(p, DTensor) for st in stages for n, p in st.module.named_parameters() if n.startswith(prefix))
 
 
-def two_steps(rank: int, world: int, schedule: str, how: str, budget) -> dict:
+def two_steps(rank: int, world: int, schedule: str, how: str, budget, options: dict | None = None) -> dict:
     """Two steps (SGD between) with ``ps.parallelize(fsdp=["layers.*"], fsdp_gather=how,
-    gather_budget=budget)``; the second counted."""
+    gather_budget=budget)``; the second counted. ``options``: more ``build_schedule`` keywords
+    (``activation_checkpoint=``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from pippy_split.stage.gather_once import kept_modules
@@ -80,7 +81,7 @@ def two_steps(rank: int, world: int, schedule: str, how: str, budget) -> dict:
     half = slice(4 * mesh.get_local_rank("dp"), 4 * mesh.get_local_rank("dp") + 4)
     tokens, positions, target = tokens[half], positions[half], e.target[half]
     pipe = ps.pipeline(e.model, e.split_spec, (tokens[:1], positions[:1]))
-    sched = ps.build_schedule(pipe, schedule, N_MB, loss_fn=e.loss_fn, group=mesh["pp"])
+    sched = ps.build_schedule(pipe, schedule, N_MB, loss_fn=e.loss_fn, group=mesh["pp"], **(options or {}))
     kw = {} if how == "per_microbatch" else {"fsdp_gather": how, "gather_budget": budget}
     ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["layers.*"], **kw)
     opt = torch.optim.SGD([p for st in sched.stages for p in st.module.parameters()], lr=LR)

@@ -128,3 +128,20 @@ def test_hand_built_interleaved_stages_gathered_once_are_exact(budget):
         assert res["sharded"], f"rank {rank}: a parameter left gathered after step()"
         if budget is None:  # 2 stages x (1 block + root), each once; a middle stage's root holds nothing
             assert res["gathers"] == 3, f"rank {rank}: {res['gathers']} all-gathers"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("budget", [None, "100B"], ids=["all-kept", "none-kept"])
+def test_gathered_once_with_activation_checkpointing_is_exact(budget):
+    """Checkpointed blocks recompute their forward inside the backward: with the block kept
+    gathered (no budget) or handed between actions (a budget no module fits), both steps
+    stay exact and every parameter is back to its shard after step()."""
+    from tests.dist.gather_once_bodies import reference, two_steps
+
+    results = run_ranks(two_steps, 4, "1F1B", "once", budget, {"activation_checkpoint": ["layers.*"]}, timeout=280)
+    _assert_exact(results, reference(), f"activation checkpointing, budget {budget}")
+    if budget is None:
+        for rank, res in enumerate(results):
+            blocks, roots = _modules(res)
+            assert res["gathers"] == blocks + roots, f"rank {rank}: {res['gathers']} all-gathers, kept {res['kept']}"
