@@ -47,6 +47,15 @@ def test_a_budget_without_once_or_once_without_a_mesh_is_refused():
         ps.parallelize(_stage(), fsdp_gather="once")
 
 
+def test_once_with_a_tp_plan_is_refused_naming_what_works():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    with pytest.raises(ValueError, match=r"fsdp_gather='once' with tp_plan .* not tested exact yet; use "
+                                         r"fsdp_gather='per_microbatch' \(the default\) with TP, or 'once' without"):
+        ps.parallelize(_stage(), dp_mesh=object(), fsdp=["0"], fsdp_gather="once", tp_mesh=object(),
+                       tp_plan={"0": ColwiseParallel()})
+
+
 def test_an_int_reshard_after_forward_is_refused_with_once():
     with pytest.raises(ValueError, match="takes a bool there, not reshard_after_forward=2"):
         ps.parallelize(_stage(), dp_mesh=object(), fsdp=["0"], fsdp_gather="once", reshard_after_forward=2)
