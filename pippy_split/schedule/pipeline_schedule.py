@@ -237,22 +237,20 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
             if not agrees:
                 raise
             error = e
-        if not agrees:
-            ctx.loss = LossRule.for_step(self.loss_fn, n_microbatches=self.n_microbatches, scale_grads=self.scale_grads,
-                                         items=None, scale=self.loss_scale, on_nonfinite=self.on_nonfinite) \
-                if self.loss_fn is not None else None
-            return ctx
-        if self._sizes is not None and sizes is None:  # this rank failed before reading them
-            sizes = self._sizes(None, n)
-        agreed = agree_before_step(error, self.pipeline_group, "step()" if train else "eval()", share=local_items,
-                                   sizes=sizes)
-        if counted:
-            refuse_no_items(agreed.share if agreed.share is not None else 0.0, last_where)
+        share = None
+        if agrees:  # else nothing to share: no loss_count, static shapes (see _agrees)
+            if self._sizes is not None and sizes is None:  # this rank failed before reading them
+                sizes = self._sizes(None, n)
+            agreed = agree_before_step(error, self.pipeline_group, "step()" if train else "eval()",
+                                       share=local_items, sizes=sizes)
+            share = agreed.share
+            if counted:
+                refuse_no_items(share if share is not None else 0.0, last_where)
+            if self._sizes is not None and agreed.sizes is not None and sizes is not None:
+                ctx.bindings = share_sizes(self._sizes.symbols, agreed.sizes, sizes, self.pipeline_group)
         if self.loss_fn is not None:
             ctx.loss = LossRule.for_step(self.loss_fn, n_microbatches=self.n_microbatches, scale_grads=self.scale_grads,
-                                         items=agreed.share, scale=self.loss_scale, on_nonfinite=self.on_nonfinite)
-        if self._sizes is not None and agreed.sizes is not None and sizes is not None:
-            ctx.bindings = share_sizes(self._sizes.symbols, agreed.sizes, sizes, self.pipeline_group)
+                                         items=share, scale=self.loss_scale, on_nonfinite=self.on_nonfinite)
         return ctx
 
     def _agrees(self, train: bool) -> bool:
