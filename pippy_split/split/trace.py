@@ -9,10 +9,11 @@ the user's own (``blocks.2.attn.qkv.weight``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence, cast
+from typing import Any, Iterator, Sequence, cast
 
 import torch
 from torch.export import ExportedProgram
@@ -197,8 +198,11 @@ def _export_keeping_calls(model: torch.nn.Module, root: torch.nn.Module, args: t
     longer applies to the modules."""
 
     def export(preserve: tuple[str, ...]) -> ExportedProgram:
-        return torch.export.export(root, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict,
-                                   preserve_module_call_signature=preserve)
+        # No source line per node: recording them is about a third of export's time, and
+        # nothing downstream reads them (the stages' code just loses its "# File:" comments).
+        with _no_stack_traces():
+            return torch.export.export(root, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict,
+                                       preserve_module_call_signature=preserve)
 
     names = list(keep_calls) if keep_calls is not None else [name for name, _ in model.named_modules() if name]
     try:
@@ -223,6 +227,17 @@ def _export_keeping_calls(model: torch.nn.Module, root: torch.nn.Module, args: t
             return _plain_export(model, lambda _: plain, "keeping them changes the graph around a higher-order "
                                  "region (torch.no_grad() or autocast inside forward)")
     return ep
+
+
+@contextlib.contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """``torch.fx.config.do_not_emit_stack_traces`` on, then back as it was (a plain module, no ``patch``)."""
+    before = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = before
 
 
 def _plain_export(model: torch.nn.Module, export: Any, reason: str) -> ExportedProgram:

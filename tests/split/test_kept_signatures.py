@@ -52,3 +52,18 @@ def test_children_of_a_container_its_parent_iterates_over_are_called_in_the_stag
     model.seq[3].register_forward_hook(lambda m, a, out: fired.append(out.shape))
     torch.testing.assert_close(pipe(x), model(x), atol=0, rtol=0)
     assert len(fired) == 2  # once by the pipe, once by the model
+
+
+def test_the_trace_records_no_source_line_per_node_and_leaves_fx_config_as_it_was():
+    """Recording a stack trace per node was about a third of export's time and nothing reads
+    it; the switch is put back afterwards so the user's own fx tracing is unchanged."""
+    import torch.fx.config as fx_config
+
+    from pippy_split.split.trace import trace_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    before = fx_config.do_not_emit_stack_traces
+    traced = trace_model(model, (torch.randn(2, 4),))
+    assert fx_config.do_not_emit_stack_traces == before
+    ops = [n for n in traced.graph.nodes if n.op == "call_function"]
+    assert ops and not any(n.meta.get("stack_trace") for n in ops)
