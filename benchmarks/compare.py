@@ -132,7 +132,8 @@ def _split_rows(out: list, res: dict) -> None:
         n = row["blocks"]
         ratio = row["ours_over_peer"]
         out.append(("1", f"split time, {n} blocks d=256 ({row.get('runs', '?')} runs, medians)",
-                    f"{row['ours_s']:.2f} s", f"{row['peer_s']:.2f} s", f"{ratio:.2f}x (after export: {row['after_export_pct']:.1f}% of export)",
+                    f"{row['ours_s']:.2f} s", f"{row['peer_s']:.2f} s", f"{ratio:.2f}x (of ours: export {row.get('export_share_of_ours_pct', float('nan')):.0f}%, "
+                    f"own work after it {row.get('own_work_share_of_ours_pct', float('nan')):.0f}%)",
                     "≤ 0.6x", _met(ratio <= 0.6)))
 
 
