@@ -57,7 +57,7 @@ class ActionKind(str, enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+        return self in _COMPUTE_KINDS  # a set: the simulator and lowering ask this millions of times
 
     @property
     def is_comm(self) -> bool:
@@ -65,6 +65,9 @@ class ActionKind(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+_COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
 
 
 @dataclass(frozen=True, slots=True)

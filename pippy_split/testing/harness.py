@@ -168,6 +168,8 @@ def _context(start_method: str | None) -> mp.context.BaseContext:
         # Only read when the server starts. Test modules import pytest, so a rank
         # that unpickles a test function would otherwise import it every time.
         extra = ["pytest"] if "pytest" in sys.modules else []
+        if "transformers" in sys.modules:  # the caller works with HF models: each rank building one would
+            extra.append("transformers.modeling_utils")  # import this again, which takes seconds
         ctx.set_forkserver_preload(_FORKSERVER_PRELOAD + extra)
     return ctx
 

@@ -207,9 +207,9 @@ def test_bad_sizes() -> None:
         validate(parse_order(GOOD), 0, 2)
 
 
-@pytest.mark.timeout(120)  # a guard against a blow-up, not a timing claim (~2.5 s each on a quiet core)
+@pytest.mark.timeout(120)  # a guard against a blow-up, not a timing claim (a few seconds on a quiet core)
 def test_p64_lower_and_validate_scale() -> None:
-    p, v, m = 64, 2, 256
+    p, v, m = 64, 2, 128
     order = bfs_order(p, v, m)
     validate(lower(order), p * v, m)
     validate(lower(split_backward(order)), p * v, m)
