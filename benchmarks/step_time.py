@@ -26,7 +26,10 @@ machine, so it separates "our runtime costs more" from "the machine was busy".
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
 
 from pippy_split.testing import run_ranks
 
@@ -67,15 +70,58 @@ def _body(rank: int, world: int, cfg: Config, warmup: int, reps: int) -> dict:
         fns["serial"] = serial.step if rank == 0 else None
     times = common.alternate(fns, warmup, reps)
     out = {"times": times, "peer_note": peer.note}
-    if cfg.serial:  # one more step of ours, each compute action timed: the simulated ideal's costs
-        with ours.sched.timed_actions() as timed:  # type: ignore[attr-defined]
-            ours.step()
+    if cfg.serial:  # more steps of ours, each compute action timed: the simulated ideal's costs
         least: dict[str, float] = {}
-        for t in timed:
-            key = f"{t.action.stage},{t.action.kind.name}"
-            least[key] = min(least.get(key, float("inf")), t.seconds)
+        out["timed_steps"] = []
+        for _ in range(3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            with ours.sched.timed_actions() as timed:  # type: ignore[attr-defined]
+                ours.step()
+            dist.barrier()
+            out["timed_steps"].append({"wall": time.perf_counter() - t0, "actions": [
+                (t.action.stage, t.action.kind.name, t.action.mb, t.start - t0, t.end - t0) for t in timed]})
+            for t in timed:
+                key = f"{t.action.stage},{t.action.kind.name}"
+                least[key] = min(least.get(key, float("inf")), t.seconds)
         out["least_action_s"] = least
     return out
+
+
+def replayed_makespan(per_rank: list[list[tuple[int, str, int, float]]], num_stages: int) -> float:
+    """The step's makespan had every compute action taken exactly the time it took in that
+    step, each starting as soon as its rank was free and its input had been computed: no
+    message, runtime or Python cost between actions. ``per_rank``: each rank's actions
+    ``(stage, kind, mb, seconds)`` in the order it ran them, on a chain of stages.
+
+    Example:
+        >>> replayed_makespan([[(0, "F", 0, 1.0), (0, "B", 0, 2.0)], [(1, "F", 0, 1.0), (1, "B", 0, 2.0)]], 2)
+        6.0
+    """
+    done: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * len(per_rank)
+    pos = [0] * len(per_rank)
+    while any(p < len(acts) for p, acts in zip(pos, per_rank)):
+        moved = False
+        for r, acts in enumerate(per_rank):
+            while pos[r] < len(acts):
+                stage, kind, mb, seconds = acts[pos[r]]
+                if kind == "F":
+                    deps = [(stage - 1, "F", mb)] if stage > 0 else []
+                elif kind in ("B", "I"):
+                    deps = [(stage + 1, k, mb) for k in ("B", "I")] if stage < num_stages - 1 else []
+                else:
+                    deps = []
+                have = [done[d] for d in deps if d in done]
+                if deps and not have:
+                    break
+                start = max([free[r], *have])
+                free[r] = done[(stage, kind, mb)] = start + seconds
+                pos[r] += 1
+                moved = True
+        if not moved:
+            raise ValueError("the recorded actions cannot be replayed (an input never computed)")
+    return max(free)
 
 
 def simulated_ideal(cfg: Config, least_action_s: dict[str, float]) -> dict[str, float]:
@@ -116,6 +162,17 @@ def measure(cfg: Config, warmup: int = 1, reps: int = 5, timeout: float = 900.0)
         row["simulated"] = simulated_ideal(cfg, least)
         row["ideal_speedup"] = row["simulated"]["ideal_speedup"]
         row["of_ideal"] = row["speedup_ours"]["median"] / row["ideal_speedup"]
+        # The same steps replayed with their own action times: what is left is the runtime's
+        # cost between actions (messages, Python); the rest of the gap to the ideal is the
+        # actions themselves running slower than their least time (both ranks computing at once).
+        replays, busy = [], []
+        for i in range(len(ranks[0]["timed_steps"])):
+            steps = [r["timed_steps"][i] for r in ranks]
+            per_rank = [[(a[0], a[1], a[2], a[4] - a[3]) for a in st["actions"]] for st in steps]
+            replays.append(steps[0]["wall"] / replayed_makespan(per_rank, cfg.num_stages))
+            busy.append(sum(a[3] for acts in per_rank for a in acts))
+        row["wall_over_replay"] = common.summarize(replays)
+        row["busy_over_serial"] = common.summarize([b / row["serial_s"]["median"] for b in busy])
     return row
 
 

@@ -140,6 +140,7 @@ class Interpreter:
                     continue
                 if last_backward.get(step.stage) is step:
                     set_grad_sync(self.stages[step.stage].module, True)  # data-parallel sync once, on the last backward
+                self._arrive(step)  # waiting for its inputs is not the action's own time
                 if self.observer is not None:
                     self.observer.before(step)
                 if profiled:
@@ -233,12 +234,25 @@ class Interpreter:
             else:
                 record.to_send[out.index] = value
 
+    def _arrive(self, a: Action) -> None:
+        """Wait for the messages compute action ``a`` reads (a forward's inputs, a backward's
+        output gradients) and file them in its in-flight record."""
+        record = self._flight.get((a.stage, a.mb))
+        if record is None:
+            return
+        if a.kind is ActionKind.F and record.arriving_inputs:
+            for key, carries_grad, op in record.arriving_inputs:
+                assert self.p2p is not None  # it was posted through it
+                record.inputs[key] = _received(self.p2p.wait_recv(op), carries_grad)
+            record.arriving_inputs = []
+        elif (a.kind is ActionKind.B or a.kind is ActionKind.I) and record.arriving_grads:
+            for output, _, op in record.arriving_grads:
+                assert self.p2p is not None  # it was posted through it
+                record.output_grads.setdefault(output, []).append(self.p2p.wait_recv(op))
+            record.arriving_grads = []
+
     def _gather(self, stage: PipelineStage, wiring: Wiring, record: InFlight, mb: int, ctx: StepContext) -> list[Any]:
-        """The forward's arguments: its received values waited for, then every input in order."""
-        for key, carries_grad, op in record.arriving_inputs:
-            assert self.p2p is not None  # it was posted through it
-            record.inputs[key] = _received(self.p2p.wait_recv(op), carries_grad)
-        record.arriving_inputs = []
+        """The forward's arguments: its received values (waited for by :meth:`_arrive`), then every input in order."""
         inbox, record.inputs = record.inputs, {}
 
         def missing(slot: Any) -> None:
@@ -253,10 +267,6 @@ class Interpreter:
     def _backward(self, a: Action, ctx: StepContext) -> None:
         """B, or its input half I: the output gradients in, the input gradients on their way."""
         stage, wiring, record = self.stages[a.stage], self.wiring[a.stage], self._flight[(a.stage, a.mb)]
-        for output, _, op in record.arriving_grads:
-            assert self.p2p is not None  # it was posted through it
-            record.output_grads.setdefault(output, []).append(self.p2p.wait_recv(op))
-        record.arriving_grads = []
         grads = {i: (gs[0] if len(gs) == 1 else torch.stack(gs).sum(0)) for i, gs in record.output_grads.items()}
         record.output_grads = {}
         run = stage.backward if a.kind is ActionKind.B else stage.backward_input

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
+import torch
+
 import pippy_split as ps
 from pippy_split import zoo
 
@@ -52,3 +56,20 @@ def checkpointed_zbv_memory(rank: int, world: int) -> dict:
     with counter.hooks():
         sched.step(*entry.args, target=entry.target)
     return {"predicted": predicted, "counted": counter.peak}
+
+
+
+def timed_forward_behind_a_slow_stage(rank: int, world: int) -> dict:
+    """Stage 0 (rank 0) sleeps 0.5 s before each forward; what rank 1's timed forwards record."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    pipe = ps.pipeline(model, ["1"], (x[:2],))
+    sched = ps.build_schedule(pipe, "GPipe", 2, loss_fn=torch.nn.functional.mse_loss)
+    for st in sched.stages:
+        if st.stage_index == 0:
+            st.module.register_forward_pre_hook(lambda *_: time.sleep(0.5))
+    sched.step(x, target=y)
+    with sched.timed_actions() as times:
+        sched.step(x, target=y)
+    return {str(t.action): t.seconds for t in times}

@@ -19,7 +19,7 @@ from pippy_split.schedule.orders import get_order_spec
 from pippy_split.split.trace import trace_model
 from pippy_split.testing import run_ranks
 
-from .bodies import checkpointed_zbv_memory
+from .bodies import checkpointed_zbv_memory, timed_forward_behind_a_slow_stage
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +91,18 @@ def test_timed_actions_records_each_compute_action_with_probe() -> None:
     assert times[0].before == 0 and times[0].after == 1
     sched.step(*entry.args, target=entry.target)  # outside the block: not recorded
     assert len(times) == 16
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_timed_action_does_not_count_waiting_for_its_input() -> None:
+    """An action's recorded time is its own work: waiting for another rank's message comes
+    before its clock starts (it used to be inside, so the planner priced a stage behind a slow
+    one as slow as that one). Rank 0 sleeps 0.5 s before each forward; rank 1's forwards are a
+    few small matmuls, which only a wait could stretch to half that."""
+    rank0, rank1 = run_ranks(timed_forward_behind_a_slow_stage, 2, timeout=100)
+    assert rank0["0F0"] >= 0.5 and rank0["0F1"] >= 0.5
+    assert rank1["1F0"] < 0.25 and rank1["1F1"] < 0.25, rank1
 
 
 @pytest.mark.dist
