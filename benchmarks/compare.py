@@ -155,6 +155,11 @@ def _step_rows(out: list, res: dict) -> None:
                              f" / pipelined step (simulated ideal {row['ideal_speedup']:.2f}x)",
                         median_range(row["speedup_ours"]) + "x", median_range(row["speedup_peer"]) + "x",
                         f"{of_ideal:.1%} of the ideal", "≥ 97% of ideal", _met(of_ideal >= 0.97)))
+            if "wall_over_replay" in row:  # where the gap is: between actions, or in them
+                out.append(("4", f"  {c['schedule']}: step / its own action times replayed (runtime's cost between "
+                                 "actions); summed action times / serial step (actions slower than alone)",
+                            median_range(row["wall_over_replay"]) + "x", "",
+                            median_range(row["busy_over_serial"]) + "x", "", "—"))
 
 
 def _bytes(ranks: list[dict]) -> str:
