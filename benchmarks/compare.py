@@ -5,7 +5,7 @@
     python -m benchmarks.compare --only traffic  # one item: split, step, traffic, memory
     python -m benchmarks.compare --smoke --only traffic   # one small case (the smoke test)
     python -m benchmarks.compare --render benchmarks/results/compare.json   # table of a saved run
-    python -m benchmarks.compare --readme        # full run, and its table (commit, date) into README.md
+    python -m benchmarks.compare --readme        # full run, and its table (commit, date) into docs/performance.md
 
 Items (numbers as in the issue):
     split    1  split time, ``ps.pipeline`` vs the peer's ``pipeline`` (benchmarks.split_time)
@@ -68,7 +68,7 @@ def run(only: list[str] | None = None, mode: str = "full", reps: int = 5) -> dic
     unknown = [n for n in names if n not in ITEMS]
     if unknown:
         raise SystemExit(f"unknown item(s) {unknown}; choose from {list(ITEMS)}")
-    commit, dirty = git_state(README.parent)  # before the run writes its own results files
+    commit, dirty = git_state(REPO)  # before the run writes its own results files
     out: dict[str, Any] = {"meta": {
         "commit": commit, "dirty": dirty,
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
@@ -119,7 +119,7 @@ def rich_table(table_rows: list[Row | None]) -> Table:
 
 
 def markdown(table_rows: list[Row | None]) -> str:
-    """The same table in GitHub markdown (for the README's performance section)."""
+    """The same table in GitHub markdown (for docs/performance.md)."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
     for row in table_rows:
         if row is not None:
@@ -206,12 +206,14 @@ def _memory_rows(out: list, res: dict) -> None:
                         f"{o['held']['median']:.0f}", f"{p['held']['median']:.0f}", "", "", "—"))
 
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+REPO = Path(__file__).resolve().parent.parent
+PERFORMANCE_DOC = REPO / "docs" / "performance.md"
 BEGIN, END = "<!-- benchmarks.compare table: begin -->", "<!-- benchmarks.compare table: end -->"
 
 
 def write_readme_table(readme: Path, table: str, meta: dict) -> None:
-    """Replace the table between the README's markers with ``table``, stamped with the commit
+    """Replace the table between the markers of ``readme`` (docs/performance.md by default) with
+    ``table``, stamped with the commit
     the run measured (taken when it started) and the date."""
     import datetime
 
@@ -237,8 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--reps", type=int, default=5, help="repetitions after warm-up (>= 5 for the record)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--render", type=Path, default=None, help="print the table of a saved JSON; run nothing")
-    parser.add_argument("--readme", type=Path, nargs="?", const=README, default=None,
-                        help="also write the table, the commit and the date into README.md's performance section")
+    parser.add_argument("--readme", type=Path, nargs="?", const=PERFORMANCE_DOC, default=None,
+                        help="also write the table, the commit and the date into docs/performance.md")
     args = parser.parse_args(argv)
     if args.render is not None:
         res = json.loads(args.render.read_text())

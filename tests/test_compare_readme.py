@@ -1,14 +1,14 @@
-"""`python -m benchmarks.compare --readme` writes its table, commit and date between README's markers."""
+"""`python -m benchmarks.compare --readme` writes its table, commit and date between docs/performance.md's markers."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.compare import BEGIN, END, README, write_readme_table
+from benchmarks.compare import BEGIN, END, PERFORMANCE_DOC, REPO, write_readme_table
 
 
 def test_readme_has_the_markers():
-    text = README.read_text()
+    text = PERFORMANCE_DOC.read_text()
     assert text.count(BEGIN) == 1 and text.count(END) == 1 and text.index(BEGIN) < text.index(END)
 
 
@@ -35,5 +35,5 @@ def test_the_stamp_names_the_tree_the_run_measured_not_the_results_it_wrote(tmp_
             "load_avg_after": (0.7,), "command": "python -m benchmarks.compare"}
     write_readme_table(readme, "| a |\n|---|\n", meta)  # the run's own results files are dirty by now
     assert "Measured at commit `abc1234` on" in readme.read_text()
-    commit, dirty = git_state(README.parent)
+    commit, dirty = git_state(REPO)
     assert commit != "unknown" and isinstance(dirty, bool)

@@ -181,7 +181,7 @@ def test_cli_plan_cluster_prices_the_runtime_it_is_given(tmp_path, capsys):
 
 
 def test_readme_figures(fitted):
-    """The figures README's "Planning a cluster job on paper" table prints (predicted, under the
+    """The figures docs/cluster_planning.md's "Against published results" table prints (predicted, under the
     factor fitted on Table 5's 1F1B row): a change to the cost model must update both."""
     one, inter = _405b(fitted, "1F1B", 1), _405b(fitted, "Interleaved1F1B", 2)
     long = _405b(fitted, "1F1B", 1, seq_len=32768, local_batch=8)
