@@ -4,7 +4,8 @@ Part of the drop-in (:mod:`pippy_split.compat`). Each class is our schedule of
 the same name (``isinstance(s, pippy_split.ScheduleGPipe)`` holds) with the
 peer's constructor, and ``step``/``eval`` as the peer has them:
 
-- ``PipelineScheduleSingle`` (``ScheduleGPipe``, ``Schedule1F1B``) take one stage,
+- ``PipelineScheduleSingle`` (``ScheduleGPipe``, ``Schedule1F1B``) take one stage (or a list of
+  one, as ``ps.build_schedule`` hands it),
   ``PipelineScheduleMulti`` (the rest) a list of this rank's stages;
 - ``step(*args, target=, losses=, return_outputs=True, loss_kwargs=None, arg_mbs=, kwarg_mbs=,
   target_mbs=, finalize_gradients=True, **kwargs)``: ``losses`` is replaced by the step's
@@ -212,6 +213,8 @@ class PipelineScheduleSingle(_core.PipelineSchedule):
         name = type(self).__name__
         if not self.order_name:
             raise TypeError(f"{name} is a base class; use ScheduleGPipe or Schedule1F1B")
+        if isinstance(stage, (list, tuple)) and len(stage) == 1:
+            stage = stage[0]  # ps.build_schedule hands every class this rank's stages as a list
         if not isinstance(stage, PipelineStage):
             raise TypeError(f"{name} takes this rank's one PipelineStage, got {type(stage).__name__}; for several "
                             "stages per rank use ScheduleInterleaved1F1B, ScheduleLoopedBFS, ...")

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from ..stage import PipelineStage as _CoreStage
@@ -58,7 +59,11 @@ class PipelineStage(_CoreStage):
         dw_builder: ``() -> runner``; with it, the weight-gradient half of a split
             backward (``W``) calls ``runner()`` instead of autograd, and a full
             backward calls it right after the input gradients (as in the peer).
-        get_mesh: DTensor metadata inference; not supported (``NotImplementedError``).
+        get_mesh: ``(mesh_dim_names, mesh_layout) -> DeviceMesh | None``, the peer's way to rebuild a
+            DTensor received from another stage (torchtitan passes it always). Accepted and kept
+            (``stage.get_mesh``); values cross stages here as plain tensors, so a stage whose
+            forward returns a DTensor is refused by name on its first forward (call
+            ``.full_tensor()`` or ``.to_local()`` at the cut, or move the cut).
         **options: pippy_split's own stage options (``inputs_from``, ``outputs_to``,
             ``activation_checkpoint``, ...), passed through.
 
@@ -77,10 +82,8 @@ class PipelineStage(_CoreStage):
                  group: dist.ProcessGroup | None = None,
                  dw_builder: Callable[[], Callable[..., None]] | None = None,
                  get_mesh: Any = None, **options: Any) -> None:
-        if get_mesh is not None:
-            raise NotImplementedError("PipelineStage(get_mesh=...): DTensor metadata inference is not supported by "
-                                      "pippy_split; pass plain tensors across stages")
         super().__init__(submodule, stage_index, num_stages, device, group, **options)
+        self.get_mesh = get_mesh
         self.dw_builder = dw_builder
         self._dw_runners: dict[int, Callable[..., None]] = {}
         self._forward_contexts: OrderedDict[int, ForwardContext] = OrderedDict()  # a RemovableHandle needs a weakref
@@ -112,15 +115,31 @@ class PipelineStage(_CoreStage):
 
     def forward(self, mb: int, args: list[Any], kwargs: Mapping[str, Any] | None = None, **options: Any) -> tuple:
         if not self._forward_contexts:
-            return super().forward(mb, args, kwargs, **options)
-        factory = next(iter(self._forward_contexts.values()))
-        with factory(PipelineStageInfo(stage_index=self.stage_index, microbatch_index=mb)):
-            return super().forward(mb, args, kwargs, **options)
+            outs = super().forward(mb, args, kwargs, **options)
+        else:
+            factory = next(iter(self._forward_contexts.values()))
+            with factory(PipelineStageInfo(stage_index=self.stage_index, microbatch_index=mb)):
+                outs = super().forward(mb, args, kwargs, **options)
+        if self.get_mesh is not None and not self.is_last:
+            _refuse_dtensor_outputs(self.stage_index, outs)
+        return outs
 
     @property
     def submod(self) -> torch.nn.Module:
-        """The stage's module (``self.module``)."""
+        """The stage's module (``self.module``); assignable before the first step, as torchtitan does
+        after its ``parallelize_fn`` (``stage.submod = model_part``)."""
         return self.module
+
+    @submod.setter
+    def submod(self, module: torch.nn.Module) -> None:
+        if module is self.module:
+            return
+        if self.held_microbatches:
+            raise RuntimeError(f"stage {self.stage_index}: stage.submod assigned while microbatches are in flight; "
+                               "assign it between steps")
+        self.module = module
+        self._call = self.options.compiled(module)  # what forward calls: the new module
+        self._region_call = None  # rebuilt from the new module on first use
 
     @property
     def group_rank(self) -> int:
@@ -156,11 +175,22 @@ class PipelineStage(_CoreStage):
         self._dw_runners.clear()
 
 
+def _refuse_dtensor_outputs(stage_index: int, outs: Any) -> None:
+    for i, out in enumerate(outs if isinstance(outs, (tuple, list)) else (outs,)):
+        if isinstance(out, DTensor):
+            raise NotImplementedError(
+                f"stage {stage_index}: output {i} is a DTensor ({out.placements} on mesh {out.device_mesh.mesh_dim_names}); "
+                "PipelineStage(get_mesh=...) is accepted, but values cross stages here as plain tensors, so a DTensor "
+                "cannot be rebuilt on the next stage. Make the stage's output a plain tensor (.full_tensor() or "
+                ".to_local() at the cut), or cut where no DTensor crosses")
+
+
 def adopt(stage: _CoreStage) -> PipelineStage:
     """The same stage (all its state, shared) as a compat :class:`PipelineStage`."""
     out = PipelineStage.__new__(PipelineStage)
     out.__dict__.update(stage.__dict__)
     out.dw_builder = None
+    out.get_mesh = None
     out._dw_runners = {}
     out._forward_contexts = OrderedDict()
     return out

@@ -17,7 +17,7 @@ import torch
 
 from .errors import SplitError
 
-__all__ = ["materialize_stage", "check_state_dict", "load_stage_state", "fill_stage"]
+__all__ = ["materialize_stage", "check_state_dict", "load_stage_state", "fill_stage", "init_from_owners"]
 
 _SHOW = 10  # keys named per kind in an error message
 
@@ -208,6 +208,21 @@ def _with_matches(keys: list[str], candidates: Iterable[str], first: Iterable[st
     return ", ".join(shown) + more
 
 
+def init_from_owners(tensors: Mapping[str, torch.Tensor], model: torch.nn.Module, device: torch.device | str,
+                     seed: int = 0) -> None:
+    """Fill ``tensors`` (``{original FQN: tensor}``, already allocated) in place, each from its owning
+    module of ``model``: a copy of the owner on ``device`` runs its ``reset_parameters()``, else its
+    ``init_states(buffer_device=)`` (torchtitan), else the model's ``_init_weights`` (Hugging Face),
+    seeded by the owner's FQN. A tensor no initialiser writes is a :class:`SplitError` naming it.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2)); w = torch.full((2, 2), float("nan"))
+        >>> init_from_owners({"0.weight": w}, model, "cpu"); bool(w.isnan().any())
+        False
+    """
+    _reset_from_owners(dict(tensors), dict(tensors), model, device, seed, {})
+
+
 def _reset_from_owners(fresh: dict, meta: dict, model: torch.nn.Module, device, seed: int,
                        canonical: Mapping[str, str]) -> None:
     by_owner: dict[str, list[tuple[str, str]]] = {}
@@ -218,10 +233,13 @@ def _reset_from_owners(fresh: dict, meta: dict, model: torch.nn.Module, device, 
     for owner_path, pairs in sorted(by_owner.items()):
         owner = model.get_submodule(owner_path)
         names, leaves = [n for n, _ in pairs], [leaf for _, leaf in pairs]
-        # The owner's reset_parameters(), else a Hugging Face model's _init_weights(module)
-        # (which also recomputes rotary inv_freq buffers).
+        # The owner's reset_parameters(), else its init_states(buffer_device=) (torchtitan's module
+        # protocol: parameters and computed buffers such as a rope cache), else a Hugging Face
+        # model's _init_weights(module) (which also recomputes rotary inv_freq buffers).
         if hasattr(owner, "reset_parameters"):
             init: Callable[[Any], Any] = lambda m: m.reset_parameters()  # noqa: E731
+        elif callable(getattr(owner, "init_states", None)):
+            init = lambda m: m.init_states(buffer_device=torch.device(device))  # noqa: E731
         elif callable(getattr(model, "_init_weights", None)):
             init = cast(Callable[[Any], Any], model._init_weights)
         else:
@@ -243,8 +261,9 @@ def _reset_from_owners(fresh: dict, meta: dict, model: torch.nn.Module, device, 
                 fresh[name].copy_(getattr(clone, leaf))
     if cannot:
         raise SplitError(
-            f"cannot initialise {cannot[:10]} on {device}: the owning modules have no reset_parameters() (or they "
-            "are buffers computed in __init__). Pass state_dict= to build_stage, or build those buffers off meta"
+            f"cannot initialise {cannot[:10]} on {device}: the owning modules have no reset_parameters() or "
+            "init_states() (or they are buffers computed in __init__). Pass state_dict= holding them to build_stage "
+            "(non-persistent buffers included), or build those buffers off meta"
         )
 
 

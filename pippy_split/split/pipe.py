@@ -268,6 +268,10 @@ class Pipe:
         if state_dict is not None:
             known = {k for st in self.stages for k in st.module.state_dict()}
             known.update(self._model.state_dict() if self._model is not None else ())
+            # non-persistent buffers (a rope cache) are in no state_dict() but may be passed
+            known.update(n for st in self.stages for n, _ in st.module.named_buffers(remove_duplicate=False))
+            if self._model is not None:
+                known.update(n for n, _ in self._model.named_buffers(remove_duplicate=False))
         canonical = {name: names[0] for name, names in self._traced.aliases.items()}
         module = self.stages[stage_index].module
         fill_stage(module, stage_index, self._model, known, device, state_dict=state_dict, seed=seed,

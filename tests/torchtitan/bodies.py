@@ -1,0 +1,177 @@
+"""Rank bodies: torchtitan's Trainer sequence replayed on gloo ranks, and its unsplit reference.
+
+The sequence is the one ``torchtitan.trainer.Trainer`` (0.3.0) runs with pipeline parallelism:
+the model built on ``meta``; ``model_spec.pipelining_fn(model, parallel_dims=, training=, ...)``
+(pippy_split's ``pipeline_llm`` or torchtitan's own through the compat route); ``to_empty``,
+``init_weights(buffer_device=None)`` and ``train()`` on every part; an optimizer over the parts;
+per step ``zero_grad``, ``pp_schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, losses=,
+loss_kwargs={"global_valid_tokens": ...}, return_outputs=False)``, ``dist_utils.clip_grad_norm_``
+with the ``pp`` mesh, ``optimizers.step()``. The Trainer itself has no CPU path, so its calls
+are made here one by one. Weights are then set to the reference's (a seed checkpoint would do
+the same) so the run can be compared with the unsplit model.
+"""
+
+from __future__ import annotations
+
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torchtitan.distributed.parallel_dims as tt_parallel_dims
+import torchtitan.distributed.utils as tt_dist_utils
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
+from torchtitan.distributed.pipeline_parallel import pipeline_llm as tt_pipeline_llm
+from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
+from torchtitan.models.llama3 import parallelize_llama
+from torchtitan.models.qwen3 import parallelize_qwen3
+
+from pippy_split.integrations.torchtitan import pipeline_llm
+from pippy_split.integrations.torchtitan_compat import compat_pipeline_llm
+
+from .models import VOCAB, config
+
+PARALLELIZE = {"llama3": parallelize_llama, "qwen3": parallelize_qwen3, "deepseek_v3": parallelize_deepseekv3}
+ROUTES = {"pipeline_llm": pipeline_llm, "compat": compat_pipeline_llm}
+BATCH, SEQ, STEPS, LR, MAX_NORM = 4, 8, 2, 0.05, 1.0
+CASE_TIMEOUT_S = 300
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (tokens, labels) of each optimizer step, (BATCH, SEQ) each."""
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+            for _ in range(STEPS)]
+
+
+def reference_model(name: str, n_layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = config(name, n_layers).build()
+    model.init_weights()
+    return model
+
+
+def counters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The MoE load counters (``tokens_per_expert``) a module holds, by FQN."""
+    return {n.replace("._checkpoint_wrapped_module", ""): b.detach().clone() for n, b in module.named_buffers()
+            if "tokens_per_expert" in n}
+
+
+def reference(name: str, n_layers: int) -> dict[str, Any]:
+    """The unsplit model trained the same way: losses, counters after each step's forward, final parameters."""
+    model = reference_model(name, n_layers)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
+    out: dict[str, Any] = {"losses": [], "counters": []}
+    for tokens, labels in batches():
+        opt.zero_grad()
+        loss, _ = loss_fn(model(tokens), labels, torch.tensor(labels.numel()))
+        loss.backward()
+        out["counters"].append(counters(model))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        out["losses"].append(loss.detach())
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def _set_weights(part: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, p in part.named_parameters():
+            value = full[_fqn(n)]
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(value, p.device_mesh, p.placements).to_local())
+            else:
+                p.copy_(value)
+
+
+def _fqn(name: str) -> str:
+    return name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def trainer_replay(rank: int, world: int, name: str, route: str, schedule: str, fsdp: int = 1, n_layers: int = 4,
+                   ac: bool = False, group: Any = None) -> dict[str, Any]:
+    """torchtitan's Trainer sequence on this rank; returns what this rank saw (losses on the last
+    stage's rank, the rope caches init_weights computed, counters, the parts' final parameters)."""
+    tt_parallel_dims.device_type = "cpu"  # torchtitan assumes CUDA when it finds no accelerator
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = config(name, n_layers).build()
+    pp = world // fsdp
+    parallel_dims = ParallelDims(dp_replicate=1, dp_shard=fsdp, cp=1, tp=1, pp=pp, ep=1, world_size=world,
+                                 spmd_backend="partial_dtensor")
+    parallel_dims.build_mesh()
+    training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, mixed_precision_param="float32")
+    parallelism = ParallelismConfig(pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule,
+                                    pipeline_parallel_microbatch_size=1, data_parallel_shard_degree=fsdp,
+                                    spmd_backend="partial_dtensor")
+    ac_config = ActivationCheckpointingConfig(mode="full") if ac else None
+    sched, parts, has_first, has_last = ROUTES[route](
+        model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+        compile_config=CompileConfig(), ac_config=ac_config, dump_folder="/tmp", device=torch.device("cpu"),
+        model_config=config(name, n_layers), parallelize_fn=PARALLELIZE[name],
+        loss_fn=CrossEntropyLoss(CrossEntropyLoss.Config()))
+    del model
+    for m in parts:
+        m.to_empty(device="cpu")
+        with torch.no_grad():
+            m.init_weights(buffer_device=None)
+        m.train()
+    out: dict[str, Any] = {"has_first": has_first, "has_last": has_last, "schedule": type(sched).__name__,
+                           "ropes": {n: _full(b) for m in parts for n, b in m.named_buffers() if n.endswith("rope.cache")},
+                           "finite": all(bool(torch.isfinite(_full(p)).all()) for m in parts for p in m.parameters())}
+    ref = reference_model(name, n_layers)
+    full = {n: p.detach() for n, p in ref.named_parameters()}
+    for m in parts:
+        _set_weights(m, full)
+    params = [p for m in parts for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=LR)
+    pp_mesh = parallel_dims.get_mesh("pp")
+    out["losses"], out["counters"] = [], []
+    n_mb = BATCH // parallelism.pipeline_parallel_microbatch_size
+    for tokens, labels in batches():
+        opt.zero_grad()
+        gvt = torch.tensor(labels.numel())
+        losses: list | None = [] if has_last else None
+        sched.step(arg_mbs=[(t,) for t in tokens.chunk(n_mb)] if has_first else None, kwarg_mbs=[{}] * n_mb,
+                   target_mbs=list(labels.chunk(n_mb)) if has_last else None, losses=losses,
+                   loss_kwargs={"global_valid_tokens": gvt}, return_outputs=False)
+        out["counters"].append({k: v for m in parts for k, v in counters(m).items()})
+        tt_dist_utils.clip_grad_norm_(params, MAX_NORM, foreach=True, pp_mesh=pp_mesh)
+        opt.step()
+        if has_last:
+            out["losses"].append(torch.sum(torch.stack(losses)).detach())
+    out["params"] = {_fqn(n): _full(p) for m in parts for n, p in m.named_parameters()}
+    return out
+
+
+def cases_body(rank: int, world: int, cases: dict[str, tuple]) -> dict[str, Any]:
+    """Every case ``{key: (body, args)}`` in one spawn of the ranks; a case that raises gives
+    ``{"error": its traceback}`` and the next case still runs."""
+    out: dict[str, Any] = {}
+    for key, (body, args) in cases.items():
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=CASE_TIMEOUT_S))
+        try:
+            out[key] = body(rank, world, *args, group=group)
+        except Exception:
+            out[key] = {"error": f"rank {rank}, case {key}:\n{traceback.format_exc()[-4000:]}"}
+    return out
+
+
+def case_results(results: list[dict[str, Any]], key: str) -> list[Any]:
+    errors = [r[key]["error"] for r in results if isinstance(r[key], dict) and "error" in r[key]]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [r[key] for r in results]
+
+
+_ = tt_pipeline_llm  # torchtitan's own, for the compat route's identity checks in the tests
