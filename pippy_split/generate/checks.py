@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .decode_model import cache_argument
+from .decode_model import decode_signature
 from .errors import GenerationError
 from .options import GenerateOptions, prompt_mask
 
@@ -77,7 +77,11 @@ def checked_call(pipe: Any, input_ids: torch.Tensor, *, max_new_tokens: int, att
         raise GenerationError(f"lanes must be None or an int >= 1, got {lanes!r}")
     if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
         raise GenerationError(f"slots must be None or an int >= 1 (rows in flight per lane), got {slots!r}")
-    cache_argument(model)  # a model that cannot take a cache is refused here, by name
+    signature = decode_signature(model)  # a model that cannot decode step by step is refused here, by name
+    if not signature.positions and slots is not None and slots < int(input_ids.shape[0]):
+        raise GenerationError(f"slots={slots} refills a finished row's slot with a waiting prompt, which needs "
+                              f"position_ids= to place the new row's tokens; {type(model).__name__}.forward takes "
+                              "none. What works: slots=None (every row of a lane in flight at once)")
     limit = position_limit(model)
     total = int(input_ids.shape[1]) + max_new_tokens
     if limit is not None and total > limit[0]:

@@ -9,22 +9,26 @@ step. Inside, the cache is the model's own kind (a Hugging Face ``DynamicCache``
 model's attention runs its own ``cache.update`` code: nothing of the model is rewritten.
 
 The cache protocol (what a model must accept to generate): ``forward(input_ids,
-attention_mask=, position_ids=, <cache>=)`` where ``<cache>`` is ``cache`` or
-``past_key_values`` (Hugging Face's names) and each attention layer calls
+attention_mask=, <cache>=)`` where ``<cache>`` is ``cache`` or ``past_key_values`` (Hugging
+Face's names), with ``position_ids=`` passed where the forward takes it (as Hugging Face
+generate does) and a MoE's router logits switched off (``output_router_logits=False``) and each attention layer calls
 ``<cache>.update(keys, values, layer_idx)`` and attends over what it returns; the
 output is the logits ``(B, T, V)`` or an object with ``.logits``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .errors import GenerationError
 
-__all__ = ["DecodeRoot", "KVCache", "cache_argument", "kv_layout"]
+__all__ = ["DecodeRoot", "DecodeSignature", "KVCache", "decode_signature", "kv_layout"]
 
 
 class KVCache:
@@ -63,27 +67,75 @@ def _is_hf(model: torch.nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def cache_argument(model: torch.nn.Module) -> str:
-    """The name of ``model.forward``'s cache argument (``cache`` or ``past_key_values``);
-    a :class:`GenerationError` saying what works when it has none."""
+@dataclass(frozen=True)
+class DecodeSignature:
+    """How the decode step calls ``model.forward``: what it passes besides ``input_ids``."""
+
+    cache_arg: str
+    """``cache`` or ``past_key_values`` (Hugging Face's names)."""
+    positions: bool
+    """It takes ``position_ids=`` (a model without, such as ALiBi's MPT, places tokens itself)."""
+    keep_last: bool
+    """It takes ``logits_to_keep=``: the last position's logits only, as Hugging Face generate asks."""
+    use_cache: bool
+    """It takes ``use_cache=`` (passed True)."""
+    router_logits: bool
+    """It takes ``output_router_logits=`` (a MoE's load-balancing loss, passed False: decoding never
+    needs it, and its loss reads the whole mask beside the new tokens' router logits)."""
+
+
+def _recurrent_layers(model: torch.nn.Module) -> list[int]:
+    """The layers of a Hugging Face model whose cache is a recurrent state (Mamba, linear
+    attention), read from the cache its config builds; empty for other models."""
+    config = getattr(model, "config", None)
+    if not _is_hf(model) or config is None:
+        return []
+    from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+
+    try:
+        cache = DynamicCache(config=config)
+    except Exception:  # a config the cache cannot read: its layers are plain KV layers
+        return []
+    return [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def decode_signature(model: torch.nn.Module) -> DecodeSignature:
+    """How the decode step calls ``model.forward``; a :class:`GenerationError` naming what is
+    missing and what works where the model cannot decode step by step with a KV cache
+    (no cache argument, or a recurrent state: Mamba, RWKV, linear-attention layers).
+
+    Example:
+        >>> from pippy_split import zoo
+        >>> decode_signature(zoo.get("tiny_gpt").model).cache_arg
+        'past_key_values'
+    """
+    name = type(model).__name__
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         params = {}  # type: ignore[assignment]
-    for name in ("cache", "past_key_values"):
-        if name in params:
-            missing = [n for n in ("attention_mask", "position_ids") if n not in params]
-            if missing:
-                raise GenerationError(f"{type(model).__name__}.forward takes {name}= but not {', '.join(missing)}=; "
-                                      "generation calls forward(input_ids, attention_mask=, position_ids=, "
-                                      f"{name}=) (as Hugging Face causal LMs take them)")
-            return name
-    raise GenerationError(
-        f"{type(model).__name__}.forward cannot take a KV cache (it has no cache= or past_key_values= argument), "
-        "so it cannot generate without recomputing every token, which pippy_split refuses. What works: a Hugging "
-        "Face causal LM (LlamaForCausalLM, GPT2LMHeadModel, ...), the zoo's tiny_gpt / tiny_llama, or a forward("
-        "input_ids, attention_mask=, position_ids=, past_key_values=) whose attention layers call "
-        "past_key_values.update(keys, values, layer_idx) and attend over what it returns")
+    works = ("What works: a causal LM whose layers keep keys and values (Hugging Face's LlamaForCausalLM, "
+             "GPT2LMHeadModel, MixtralForCausalLM, MptForCausalLM, ...; the zoo's tiny_gpt / tiny_llama), or a "
+             "forward(input_ids, attention_mask=, past_key_values=) whose attention layers call "
+             "past_key_values.update(keys, values, layer_idx) and attend over what it returns")
+    if "state" in params and not any(n in params for n in ("cache", "past_key_values")):
+        raise GenerationError(f"{name} keeps a recurrent state (forward(state=)) instead of a KV cache; pippy_split "
+                              f"decodes with a KV cache per stage and cannot carry that state yet. {works}")
+    cache_arg = next((n for n in ("cache", "past_key_values") if n in params), None)
+    if cache_arg is None:
+        raise GenerationError(f"{name}.forward cannot take a KV cache (it has no cache= or past_key_values= "
+                              "argument), so it cannot generate without recomputing every token, which pippy_split "
+                              f"refuses. {works}")
+    if "attention_mask" not in params:
+        raise GenerationError(f"{name}.forward takes {cache_arg}= but not attention_mask=; generation passes the "
+                              f"mask of the left-padded prompts and the cache. {works}")
+    recurrent = _recurrent_layers(model)
+    if recurrent:
+        raise GenerationError(f"{name}'s layers {recurrent} keep a recurrent state (Mamba / linear-attention "
+                              "conv and SSM states) instead of keys and values; pippy_split decodes with a KV cache "
+                              f"per stage and cannot carry that state yet (its unsplit generate can). {works}")
+    return DecodeSignature(cache_arg, "position_ids" in params, "logits_to_keep" in params,
+                           "use_cache" in params, "output_router_logits" in params)
 
 
 def _filled_cache(model: torch.nn.Module, past: list[torch.Tensor]) -> Any:
@@ -111,6 +163,21 @@ def _cache_tensors(cache: Any) -> list[torch.Tensor]:
     return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
+@contextlib.contextmanager
+def _router_loss_off(model: torch.nn.Module) -> Iterator[None]:
+    """``config.output_router_logits`` False for the call (a MoE whose forward reads it from its
+    config only), put back after."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False):
+        yield
+        return
+    config.output_router_logits = False  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        config.output_router_logits = True  # type: ignore[union-attr]
+
+
 def _logits(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
@@ -129,21 +196,23 @@ class DecodeRoot(torch.nn.Module):
         object.__setattr__(self, "_non_persistent_buffers_set", model._non_persistent_buffers_set)
         self._user_model: torch.nn.Module
         object.__setattr__(self, "_user_model", model)
-        self.cache_arg = cache_argument(model)
-        params = inspect.signature(model.forward).parameters
-        self.keep_last = "logits_to_keep" in params  # as HF generate: logits of the last position only
-        self.use_cache = "use_cache" in params
+        self.signature = decode_signature(model)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 past: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         cache = _filled_cache(self._user_model, past)
-        kwargs: dict[str, Any] = {"attention_mask": attention_mask, "position_ids": position_ids,
-                                  self.cache_arg: cache}
-        if self.keep_last:
-            kwargs["logits_to_keep"] = 1
-        if self.use_cache:
+        sig = self.signature
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask, sig.cache_arg: cache}
+        if sig.positions:
+            kwargs["position_ids"] = position_ids
+        if sig.keep_last:
+            kwargs["logits_to_keep"] = 1  # as HF generate: logits of the last position only
+        if sig.use_cache:
             kwargs["use_cache"] = True
-        logits = _logits(self._user_model.forward(input_ids, **kwargs))  # (B, T or 1, V)
+        if sig.router_logits:
+            kwargs["output_router_logits"] = False
+        with _router_loss_off(self._user_model):
+            logits = _logits(self._user_model.forward(input_ids, **kwargs))  # (B, T or 1, V)
         return logits[:, -1], _cache_tensors(cache)
 
 

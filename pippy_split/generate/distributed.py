@@ -33,7 +33,7 @@ from ..schedule.decode_order import (
 )
 from ..split.module_calls import parent_of
 from ..stage.transport import P2P, P2POp
-from .checks import checked_call
+from .agreement import agreed_call
 from .errors import GenerationError
 from .gathered import unsharded_stages
 from .lanes import Lane, Progress, make_lanes
@@ -217,7 +217,7 @@ def generate_on_schedule(sched: Any, input_ids: torch.Tensor, *, record: list | 
     ``(what, stage, lane, round, start, end)`` (``time.perf_counter()``) for each compute (what
     ``"D"``) and for the whole run (what ``"run"``): the benchmark's busy fractions."""
     pipe = _pipe_of(sched)
-    call = checked_call(pipe, input_ids, **kwargs)  # on every rank, before any message
+    call = agreed_call(pipe, sched.pipeline_group, input_ids, kwargs)  # every rank, before any message
     # FSDP2 / TP stages: their DTensors whole for this call, freed after it (gathered.py)
     with unsharded_stages(sched.stages, pipe):
         return _generate(sched, pipe, call, input_ids, record)

@@ -1,0 +1,86 @@
+"""Every causal LM the project trains, as generation sees it: how to build each (tiny, from a
+config, nothing downloaded), where to cut it between blocks, and whether it decodes with a KV
+cache (greedy compared with Hugging Face ``generate``) or keeps a recurrent state (refused by
+name at generate's first line).
+
+The real-architecture matrix's causal LMs (``tests/models/hf_archs.py``, built with the config
+they train with: Qwen2-MoE's router aux loss on), the balance matrix's (``tests/models/hf.py``:
+Mixtral, Gemma2, Llama, GPT-2) and four families kept back as a check: OLMoE with its router
+aux loss on (as a MoE is trained), MPT (ALiBi: no ``position_ids``), RWKV (``state=``) and
+Zamba (Mamba layers and a shared attention block)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+MATRIX = ["qwen3", "qwen2_moe", "phi3", "mistral_tied", "gpt_neox", "opt", "bloom", "falcon", "granite",
+          "deepseek_v3", "mamba", "mamba6", "jamba", "recurrent_gemma"]
+BALANCE = ["mixtral", "gemma2"]
+RECURRENT = {"mamba", "mamba6", "jamba", "recurrent_gemma", "rwkv", "zamba"}
+"""Refused by name: their cache is a recurrent state (conv / SSM states), not keys and values."""
+VOCAB = 128
+
+
+def olmoe() -> torch.nn.Module:
+    import transformers as t
+
+    cfg = t.OlmoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=64, output_router_logits=True)
+    return t.OlmoeForCausalLM(cfg)
+
+
+def mpt() -> torch.nn.Module:
+    import transformers as t
+
+    return t.MptForCausalLM(t.MptConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=4, max_seq_len=64))
+
+
+def rwkv() -> torch.nn.Module:
+    import transformers as t
+
+    return t.RwkvForCausalLM(t.RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
+                                          attention_hidden_size=32, intermediate_size=64, context_length=64))
+
+
+def zamba() -> torch.nn.Module:
+    import transformers as t
+
+    cfg = t.ZambaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=4, attention_head_dim=16, mamba_d_state=4,
+                        mamba_d_conv=4, mamba_expand=2, n_mamba_heads=1, max_position_embeddings=64,
+                        tie_word_embeddings=False)
+    return t.ZambaForCausalLM(cfg)
+
+
+KEPT_BACK: dict[str, Callable[[], torch.nn.Module]] = {"olmoe": olmoe, "mpt": mpt, "rwkv": rwkv, "zamba": zamba}
+NAMES = [*MATRIX, *BALANCE, *KEPT_BACK]
+
+
+def build(name: str) -> torch.nn.Module:
+    """The named causal LM, seeded, in eval mode."""
+    torch.manual_seed(0)
+    if name in KEPT_BACK:
+        model = KEPT_BACK[name]()
+    elif name in BALANCE:
+        from tests.models import hf
+
+        model = hf.build(name)[0]
+    else:
+        from tests.models import hf_archs
+
+        model = hf_archs.build(name).model
+    return model.eval()
+
+
+def blocks(model: torch.nn.Module) -> str:
+    """The FQN of the model's repeated blocks (its first ModuleList of two or more)."""
+    return next(n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) >= 2)
+
+
+def mid_cut(model: torch.nn.Module) -> list[str]:
+    """One cut between blocks, half-way."""
+    fqn = blocks(model)
+    return [f"{fqn}.{len(model.get_submodule(fqn)) // 2}"]
