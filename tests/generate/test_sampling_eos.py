@@ -98,5 +98,5 @@ def test_right_padding_is_refused(gpt_pipe: ps.Pipe) -> None:
 def test_a_model_without_a_cache_is_refused() -> None:
     entry = zoo.get("mlp_stack")
     pipe = ps.pipeline(entry.model, entry.split_spec, entry.args)
-    with pytest.raises(GenerationError, match="cannot take a KV cache.*What works: a Hugging Face causal LM"):
+    with pytest.raises(GenerationError, match="cannot take a KV cache.*What works: a causal LM whose layers keep keys and values"):
         pipe.generate(torch.zeros(2, 3, dtype=torch.long), max_new_tokens=2)
