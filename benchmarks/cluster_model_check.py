@@ -19,7 +19,7 @@ starts them, so the constants see the same sharing of the CPU as the step):
 3. **Predicted step**: a :class:`~pippy_split.plan.cluster.Cluster` of ``world`` "GPUs"
    with the constants measured just before that step (``flops`` = the measured rate at
    the model's shapes, so ``efficiency=1``), priced by the planner itself,
-   ``cluster_search.evaluate``: per-stage costs from :mod:`pippy_split.plan.cluster_costs`
+   ``pippy_split.plan.cluster.price_layout``: per-stage costs from :mod:`pippy_split.plan.cluster.costs`
    (fp32: 4 bytes an element) and the schedule's real order simulated.
 
 Each step gets its own prediction and ratio (the machine is shared, and its load moves
@@ -44,10 +44,9 @@ import torch
 import torch.distributed as dist
 
 from pippy_split import zoo
-from pippy_split.plan.cluster import Cluster
-from pippy_split.plan.cluster_costs import Layout, block_forward_s, stage_costs
-from pippy_split.plan.cluster_model import ModelShape
-from pippy_split.plan.cluster_search import evaluate
+from pippy_split.plan.cluster import Cluster, ClusterLayout, ModelShape, Runtime, price_layout
+from pippy_split.plan.cluster.block import block_times
+from pippy_split.plan.cluster.costs import layout_costs
 from pippy_split.testing import run_ranks
 
 from . import common
@@ -239,10 +238,10 @@ def cluster_of(ranks: list[dict], world: int, rep: int) -> tuple[Cluster, dict[s
 
 def predict(case: Case, cluster: Cluster) -> dict[str, Any]:
     """The planner's step time for ``case`` on ``cluster``, with the terms it is made of."""
-    lay = Layout(pp=case.world, dp=1, tp=1, v=case.stages_per_rank, m=case.m, mb=case.batch // case.m, ac=False)
-    cand = evaluate(case.shape(), cluster, lay, case.schedule, case.seq, optimizer="sgd", dtype_bytes=FP32)
-    costs = stage_costs(case.shape(), cluster, lay, case.seq, FP32)
-    block = block_forward_s(case.shape(), cluster, lay.mb * case.seq, case.seq, dtype_bytes=FP32)
+    lay = ClusterLayout(pp=case.world, dp=1, tp=1, v=case.stages_per_rank, m=case.m, mb=case.batch // case.m, ac=False)
+    cand = price_layout(case.shape(), cluster, lay, case.schedule, case.seq, optimizer="sgd", dtype_bytes=FP32)
+    costs = layout_costs(case.shape(), cluster, lay, case.seq, FP32)
+    block = block_times(case.shape(), cluster, lay, case.seq, Runtime(), dtype_bytes=FP32).forward
     return {"step_s": cand.step_s, "bubble": cand.bubble, "forward_s": costs.forward, "backward_s": costs.backward,
             "p2p_s": costs.p2p_s, "action_overhead_s": cluster.action_overhead, "block_fwd_s": block,
             "block_bwd_s": 2 * block}
@@ -347,7 +346,8 @@ def block_alone(rounds: int = 4, seconds: float = 0.4) -> list[dict[str, Any]]:
             fwd.append(f)
             bwd.append(b)
         cluster = Cluster(gpus=1, flops=statistics.median(rates), efficiency=1.0, hbm_bw=1e12)
-        pred = 3 * block_forward_s(case.shape(), cluster, tokens, case.seq, dtype_bytes=FP32)
+        lay = ClusterLayout(pp=1, dp=1, tp=1, v=1, m=1, mb=tokens // case.seq, ac=False)
+        pred = 3 * block_times(case.shape(), cluster, lay, case.seq, Runtime(), dtype_bytes=FP32).forward
         measured = statistics.median(fwd) + statistics.median(bwd)
         out.append({"model": name, "matmul_flops": cluster.flops, "predicted_fwd_bwd_s": pred,
                     "measured_fwd_bwd_s": measured, "measured_over_predicted": measured / pred})

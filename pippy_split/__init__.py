@@ -24,9 +24,8 @@ _HOMES = {
                     ".microbatch"),
     "parallelize": ".parallelize",
     **dict.fromkeys(["Candidate", "CommModel", "Plan", "PlanError", "plan"], ".plan"),
-    "Cluster": ".plan.cluster",
-    "Runtime": ".plan.cluster_runtime",
-    **dict.fromkeys(["ClusterPlan", "plan_cluster"], ".plan.cluster_search"),
+    **dict.fromkeys(["Cluster", "ClusterLayout", "ClusterPlan", "ModelShape", "Runtime", "plan_cluster"],
+                    ".plan.cluster"),
     **dict.fromkeys(["Action", "PipelineSchedule", "Schedule1F1B", "ScheduleDualPipeV", "ScheduleError",
                      "ScheduleFromOrder", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
                      "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "build_schedule", "get_schedule_class",
@@ -47,9 +46,7 @@ if TYPE_CHECKING:
     from .microbatch import Microbatches, Replicate, TensorChunkSpec, merge_chunks, split_args_kwargs
     from .parallelize import parallelize
     from .plan import Candidate, CommModel, Plan, PlanError, plan
-    from .plan.cluster import Cluster
-    from .plan.cluster_runtime import Runtime
-    from .plan.cluster_search import ClusterPlan, plan_cluster
+    from .plan.cluster import Cluster, ClusterLayout, ClusterPlan, ModelShape, Runtime, plan_cluster
     from .schedule import (
         Action,
         PipelineSchedule,
@@ -144,4 +141,5 @@ __all__ = ["checkpoint", "clip_grad_norm_", "PipelineGradScaler", "MODEL_INPUT",
            "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble",
            "ScheduleFromOrder", "ScheduleError", "build_schedule", "get_schedule_class", "simulate", "stage_to_rank",
            "validate", "BalanceReport", "plan", "Plan", "Candidate", "PlanError", "CommModel", "parallelize",
-           "Generation", "GenerationError", "Cluster", "ClusterPlan", "plan_cluster", "Runtime"]
+           "Generation", "GenerationError", "Cluster", "ClusterPlan", "plan_cluster", "Runtime",
+           "ClusterLayout", "ModelShape"]

@@ -357,9 +357,7 @@ def _train_line(best: Any, target: str, trains_this_batch: bool, batch: int) -> 
 
 def plan_cluster_cmd(args: argparse.Namespace) -> int:
     """``pippy-split plan --cluster PRESET --model hf:DIR``: ``ps.plan_cluster``'s table and the best launch line."""
-    from .plan.cluster import Cluster
-    from .plan.cluster_runtime import Runtime
-    from .plan.cluster_search import plan_cluster
+    from .plan.cluster import Cluster, Runtime, plan_cluster
 
     missing = [flag for flag, value in (("--model", args.model), ("--seq-len", args.seq_len),
                                         ("--global-batch-tokens", args.global_batch_tokens)) if value is None]

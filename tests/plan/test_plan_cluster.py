@@ -1,13 +1,10 @@
 """ps.plan_cluster: a 405B config planned on 512 GPUs in seconds, refusals that name what
 overflows, and the predictions set beside torchtitan's published Llama 3.1 figures
 (docs/performance.md, Tables 4-6, torchtitan 9dec370 on torch 1963fc8, Dec 2024; copied with
-their sources in benchmarks/llama3_h100_202412_torchtitan.md), with the efficiency factor
-fitted once, on Table 5's 1F1B throughput, and held fixed for every other figure. How each
-run is priced (torchtitan's microbatch count, split and runtime then) is
-benchmarks/torchtitan_llama3.py's docstring; its helpers price the rows here.
-
-Checks that hold are plain tests; those that do not are strict xfails whose reason gives the
-figures, so a change that closes one turns it into a failure to promote."""
+their sources in benchmarks/llama3_h100_202412_torchtitan.md) under the planner's one set of
+constants, no factor fitted per row. How each run is priced (torchtitan's microbatch count,
+split and runtime then) is benchmarks/torchtitan_llama3.py's docstring; every other published
+row is checked in test_plan_cluster_published.py."""
 
 from __future__ import annotations
 
@@ -23,26 +20,18 @@ from benchmarks.torchtitan_llama3 import (
     PUBLISHED_70B,
     PUBLISHED_405B,
     PUBLISHED_405B_32K,
-    TITAN,
-    fit_efficiency,
+    TITAN_FP8,
     price_70b,
     price_405b,
     titan_split,
 )
-from pippy_split.plan.cluster_costs import Layout, static_bytes
-from pippy_split.plan.cluster_runtime import Runtime
+from pippy_split.plan.cluster import ClusterLayout, Runtime
+from pippy_split.plan.cluster.memory import static_bytes
+from pippy_split.plan.cluster.search import _overflow
 
 GiB = 2**30
 LLAMA_405B = {"num_hidden_layers": 126, "hidden_size": 16384, "intermediate_size": 53248,
               "num_attention_heads": 128, "num_key_value_heads": 8, "vocab_size": 128256}
-_405b = price_405b
-_70b = price_70b
-
-
-@pytest.fixture(scope="module")
-def fitted() -> ps.Cluster:
-    """The efficiency fitted once, on Table 5's 1F1B row (100 tokens/s/GPU), by bisection."""
-    return fit_efficiency()
 
 
 def test_titan_split_matches_generate_split_points():
@@ -53,9 +42,9 @@ def test_titan_split_matches_generate_split_points():
 def test_torchtitan_runtime_holds_fp32_gradients_and_kept_logits():
     """FSDP2 with reduce_dtype fp32 accumulates a PP stage's unsharded gradients in fp32, and
     the pipelining runtime of Dec 2024 kept every microbatch's fp32 logits on the last stage."""
-    lay = Layout(pp=8, dp=8, tp=8, v=1, m=8, mb=4, ac=True)
+    lay = ClusterLayout(pp=8, dp=8, tp=8, v=1, m=8, mb=4, ac=True)
     plain = static_bytes(LLAMA_405B_SHAPE, lay, 15, False, True, "adamw", Runtime(), 1, 8192)
-    titan = static_bytes(LLAMA_405B_SHAPE, lay, 15, False, True, "adamw", TITAN, 1, 8192)
+    titan = static_bytes(LLAMA_405B_SHAPE, lay, 15, False, True, "adamw", TITAN_FP8, 1, 8192)
     unsharded = (15 * LLAMA_405B_SHAPE.layer_params + LLAMA_405B_SHAPE.vocab * LLAMA_405B_SHAPE.hidden) / 8
     assert titan["unsharded gradients (fp32)"] == pytest.approx(4 * unsharded)
     assert plain["unsharded gradients (bf16)"] == pytest.approx(2 * unsharded)
@@ -90,61 +79,64 @@ def test_refusal_names_the_overflow_and_a_knob():
         ps.plan_cluster(LLAMA_405B, ps.Cluster.preset("h100x8"), global_batch_tokens=8 * 8192, seq_len=8192)
 
 
-def test_fitted_factor_and_schedule_order(fitted):
-    """One factor reproduces the fitted row, and Interleaved1F1B beats 1F1B (a smaller
-    bubble: 8 microbatches on 8 ranks, 7/15 of the step against 7/23)."""
-    one = _405b(fitted, "1F1B", 1)
-    inter = _405b(fitted, "Interleaved1F1B", 2)
-    assert one.tokens_per_s_per_gpu == pytest.approx(100.0, rel=1e-3)
-    assert 0.2 < fitted.efficiency < 0.8
+def test_schedule_order_under_one_set_of_constants():
+    """Interleaved1F1B beats 1F1B (a smaller bubble: 8 microbatches on 8 ranks, 7/15 of the
+    step against 7/23), with nothing fitted to either row."""
+    one, inter = price_405b("1F1B"), price_405b("Interleaved1F1B")
     assert inter.tokens_per_s_per_gpu > one.tokens_per_s_per_gpu and inter.bubble < one.bubble
 
 
-def test_405b_throughput_ratio_within_10_percent(fitted):
-    ratio = _405b(fitted, "Interleaved1F1B", 2).tokens_per_s_per_gpu / _405b(fitted, "1F1B", 1).tokens_per_s_per_gpu
+@pytest.mark.parametrize("schedule", list(PUBLISHED_405B))
+def test_405b_table5_within_15_percent(schedule):
+    got = price_405b(schedule)
+    assert got.tokens_per_s_per_gpu == pytest.approx(PUBLISHED_405B[schedule][0], rel=0.15)
+
+
+def test_405b_throughput_ratio_within_10_percent():
+    ratio = price_405b("Interleaved1F1B").tokens_per_s_per_gpu / price_405b("1F1B").tokens_per_s_per_gpu
     assert ratio == pytest.approx(PUBLISHED_405B["Interleaved1F1B"][0] / PUBLISHED_405B["1F1B"][0], rel=0.10)
 
 
-def test_405b_interleaved_memory_within_10_percent(fitted):
-    assert _405b(fitted, "Interleaved1F1B", 2).memory_bytes / GiB == pytest.approx(PUBLISHED_405B["Interleaved1F1B"][1], rel=0.10)
+def test_405b_interleaved_memory_within_15_percent():
+    assert price_405b("Interleaved1F1B").memory_bytes / GiB == pytest.approx(PUBLISHED_405B["Interleaved1F1B"][1],
+                                                                            rel=0.15)
 
 
-@pytest.mark.xfail(strict=True, reason="predicted 71.0 GiB vs published 82.5 (-14%): the model counts live tensors "
-                   "(fullest GPU: the last rank, 15.7 GiB of it the 8 microbatches' fp32 logits the runtime kept); the "
-                   "published figure is max_memory_reserved (allocator fragmentation not priced), and it falls from "
-                   "1F1B to Interleaved1F1B (82.5 -> 72.7) where the model's rises (71.0 -> 79.0)")
-def test_405b_1f1b_memory_within_10_percent(fitted):
-    assert _405b(fitted, "1F1B", 1).memory_bytes / GiB == pytest.approx(PUBLISHED_405B["1F1B"][1], rel=0.10)
+def test_405b_1f1b_memory_within_15_percent():
+    """Was a strict xfail (live tensors 71.0 GiB against 82.5 reserved, -14% at the 10% the
+    issue-33 check used): the reserve the caching allocator keeps beyond the live peak is priced
+    now; the issue-43 bar is 15%."""
+    assert price_405b("1F1B").memory_bytes / GiB == pytest.approx(PUBLISHED_405B["1F1B"][1], rel=0.15)
 
 
-def test_405b_32k_table6_under_the_same_factor(fitted):
+def test_405b_32k_table6_under_the_same_constants():
     """Table 6, FSDP 8 CP 1: seq 32768, local batch 8 (8 microbatches of 1), 1F1B; attention is
-    4x the share of the fitted row's FLOPs."""
-    got = _405b(fitted, "1F1B", 1, seq_len=32768, local_batch=8)
-    assert got.tokens_per_s_per_gpu == pytest.approx(PUBLISHED_405B_32K[0], rel=0.10)
-    assert got.memory_bytes / GiB == pytest.approx(PUBLISHED_405B_32K[1], rel=0.10)
+    4x the share of Table 5's FLOPs."""
+    got = price_405b("1F1B", seq_len=32768)
+    assert got.tokens_per_s_per_gpu == pytest.approx(PUBLISHED_405B_32K[0], rel=0.15)
+    assert got.memory_bytes / GiB == pytest.approx(PUBLISHED_405B_32K[1], rel=0.15)
 
 
 @pytest.mark.parametrize("row", list(PUBLISHED_70B))
-def test_70b_throughput_under_the_same_factor(fitted, row):
-    """Both Table 4 rows: the model prices TP's collectives as not overlapped, so it predicts
-    the same for both (async TP is not modelled; published gain 5.7%)."""
-    assert _70b(fitted).tokens_per_s_per_gpu == pytest.approx(PUBLISHED_70B[row][0], rel=0.10)
+def test_70b_throughput_under_the_same_constants(row):
+    assert price_70b(row.endswith("AsyncTP")).tokens_per_s_per_gpu == pytest.approx(PUBLISHED_70B[row][0], rel=0.15)
 
 
-@pytest.mark.xfail(strict=True, reason="predicted 59.4 GiB live tensors vs published 71.9 (-17%) and 67.6 (-12%) "
-                   "reserved: 20 GiB of block inputs, 31 GiB at the loss's peak (fp32 logits and loss parallel's "
-                   "three fp32 copies of 2.1e9 logits), 6 GiB of state; the allocator's reserve is not priced")
 @pytest.mark.parametrize("row", list(PUBLISHED_70B))
-def test_70b_memory_under_the_same_factor(fitted, row):
-    assert _70b(fitted).memory_bytes / GiB == pytest.approx(PUBLISHED_70B[row][1], rel=0.10)
+def test_70b_memory_under_the_same_constants(row):
+    """Was a strict xfail (59.4 GiB live against 71.9 and 67.6 reserved): now the reserve is priced."""
+    assert price_70b(row.endswith("AsyncTP")).memory_bytes / GiB == pytest.approx(PUBLISHED_70B[row][1], rel=0.15)
+
+
+def test_async_tp_gain_within_10_percent_of_table4():
+    """Async TP overlaps TP's transfers with the matmuls it feeds: published +5.7% on Table 4."""
+    gain = price_70b(True).tokens_per_s_per_gpu / price_70b(False).tokens_per_s_per_gpu
+    assert gain > 1.0 and gain == pytest.approx(PUBLISHED_70B["2D + AsyncTP"][0] / PUBLISHED_70B["2D"][0], rel=0.10)
 
 
 def test_overflow_knob_follows_the_largest_part():
     """Unsharded blocks ask for more pp or tp, not a finer shard (both names hold "sharded")."""
-    from pippy_split.plan.cluster_search import _overflow
-
-    lay = Layout(pp=2, dp=4, tp=1, v=1, m=4, mb=1, ac=True)
+    lay = ClusterLayout(pp=2, dp=4, tp=1, v=1, m=4, mb=1, ac=True)
     assert "more pp or tp" in _overflow({"unsharded parameters (bf16)": 9e9, "x (sharded)": 1e9}, 8e9, lay)
     assert "finer shard" in _overflow({"parameters + grads + optimizer (sharded)": 9e9}, 8e9, lay)
     assert "microbatches" in _overflow({"stage outputs kept until the step ends": 9e9}, 8e9, lay)
@@ -178,16 +170,3 @@ def test_cli_plan_cluster_prices_the_runtime_it_is_given(tmp_path, capsys):
     assert tables["pippy_split"] != tables["torchtitan-2412"]
     assert main(base + ["--runtime", "megatron"]) == 2
     assert "unknown runtime preset 'megatron'" in capsys.readouterr().err
-
-
-def test_readme_figures(fitted):
-    """The figures docs/cluster_planning.md's "Against published results" table prints (predicted, under the
-    factor fitted on Table 5's 1F1B row): a change to the cost model must update both."""
-    one, inter = _405b(fitted, "1F1B", 1), _405b(fitted, "Interleaved1F1B", 2)
-    long = _405b(fitted, "1F1B", 1, seq_len=32768, local_batch=8)
-    got70 = _70b(fitted)
-    assert round(fitted.efficiency, 2) == 0.42
-    assert round(inter.tokens_per_s_per_gpu) == 131 and round(long.tokens_per_s_per_gpu) == 83
-    assert round(one.memory_bytes / GiB, 1) == 71.0 and round(inter.memory_bytes / GiB, 1) == 79.0
-    assert round(long.memory_bytes / GiB, 1) == 71.0
-    assert round(got70.tokens_per_s_per_gpu) == 891 and round(got70.memory_bytes / GiB, 1) == 59.4

@@ -1,14 +1,14 @@
 """``ps.plan_cluster``: which (pp, dp, tp), schedule, virtual stages, microbatches and
 activation checkpointing for a model on a cluster, on paper.
 
-Sits on :mod:`.cluster_costs` (the cost model, stated there) and the schedule layer:
-every candidate's order is the one its schedule would run
-(``get_order_spec(name).compute_order``), simulated once with its per-stage costs; the
-simulator's per-rank peak of held bytes gives the activation memory.
+Sits on :mod:`.costs` (the cost model, stated there and in :mod:`.kernels`,
+:mod:`.block` and :mod:`.memory`) and the schedule layer: every candidate's order is the one
+its schedule would run (``get_order_spec(name).compute_order``), simulated once with its
+per-stage costs; the simulator's per-rank peak of held bytes gives the activation memory,
+and :func:`.memory.reserved_bytes` what the caching allocator reserves around it.
 
 Example:
-    >>> from pippy_split.plan.cluster import Cluster
-    >>> from pippy_split.plan.cluster_model import ModelShape
+    >>> from pippy_split.plan.cluster import Cluster, ModelShape
     >>> tiny = ModelShape(layers=8, hidden=1024, intermediate=4096, heads=8, kv_heads=8, vocab=32000)
     >>> plan = plan_cluster(tiny, Cluster.preset("h100x16"), global_batch_tokens=2**20, seq_len=4096)
     >>> plan.best.layout.pp * plan.best.layout.dp * plan.best.layout.tp
@@ -21,31 +21,34 @@ import html
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from ..schedule import simulate
-from ..schedule.orders import get_order_spec
-from .cluster import Cluster
-from .cluster_costs import BF16, Layout, fsdp_exposed_s, stage_costs, static_bytes
-from .cluster_model import ModelShape, model_shape
-from .cluster_runtime import Runtime
+from ...schedule import simulate
+from ...schedule.orders import get_order_spec
+from .costs import data_parallel_exposed_s, layout_costs, optimizer_s
+from .hardware import Cluster, GiB
+from .layout import ClusterLayout
+from .memory import BF16, reserved_bytes, static_bytes
+from .runtime import Runtime
+from .shape import ModelShape, model_shape
 
-__all__ = ["plan_cluster", "ClusterCandidate", "ClusterPlan", "SCHEDULES"]
+__all__ = ["plan_cluster", "price_layout", "ClusterCandidate", "ClusterPlan", "SCHEDULES"]
 
 SCHEDULES: dict[str, tuple[int, ...]] = {"GPipe": (1,), "1F1B": (1,), "Interleaved1F1B": (2, 4),
                                          "ZBVZeroBubble": (2,), "DualPipeV": (2,)}
 """Schedules searched and their stages per rank."""
-GiB = 2**30
+RESERVE = "allocator reserve (cached, not live)"
 
 
 @dataclass
 class ClusterCandidate:
     """One priced layout: its step, throughput and memory per GPU."""
 
-    layout: Layout
+    layout: ClusterLayout
     schedule: str
     step_s: float
     tokens_per_s_per_gpu: float
     memory: dict[str, float]
-    """Bytes of the fullest GPU, by what they are."""
+    """Bytes the fullest GPU reserves, by what they are: live tensors, and the caching
+    allocator's reserve beyond them (``torch.cuda.max_memory_reserved``'s view)."""
     bubble: float
     fits: bool
     why: str
@@ -55,7 +58,13 @@ class ClusterCandidate:
 
     @property
     def memory_bytes(self) -> float:
+        """Bytes reserved on the fullest GPU (``max_memory_reserved``)."""
         return sum(self.memory.values())
+
+    @property
+    def live_bytes(self) -> float:
+        """Bytes of live tensors at the fullest GPU's peak (``max_memory_allocated``)."""
+        return self.memory_bytes - self.memory.get(RESERVE, 0.0)
 
     def launch(self, model: str | None = None) -> str:
         """The ``torchrun`` + ``pippy_split.train`` command line for this layout (run on every node).
@@ -69,14 +78,15 @@ class ClusterCandidate:
                  f"-m pippy_split.train --model {model or self.model_ref}",
                  f"--dp {lay.dp} --tp {lay.tp} --schedule {self.schedule} --microbatches {lay.m}",
                  f"--batch-size {rows} --seq-len {self.seq_len}"]
-        if lay.ac:
+        if lay.ac == "full":
             parts.append("--activation-checkpoint full")
         return " ".join(parts)
 
     def row(self) -> list[str]:
         lay = self.layout
-        return [f"pp{lay.pp} dp{lay.dp} tp{lay.tp}", self.schedule, str(lay.v), f"{lay.m}x{lay.mb}",
-                "full" if lay.ac else "off", f"{self.tokens_per_s_per_gpu:,.0f}",
+        mesh = f"pp{lay.pp} dp{lay.dp}" + (f" cp{lay.cp}" if lay.cp > 1 else "") + f" tp{lay.tp}"
+        return [mesh, self.schedule, str(lay.v), f"{lay.m}x{lay.mb}",
+                "off" if lay.ac == "none" else str(lay.ac), f"{self.tokens_per_s_per_gpu:,.0f}",
                 f"{self.memory_bytes / GiB:.1f} GiB", f"{self.bubble:.0%}", self.why]
 
 
@@ -113,14 +123,26 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def evaluate(model: ModelShape, cluster: Cluster, lay: Layout, schedule: str, seq_len: int,
-             optimizer: str = "adamw", dtype_bytes: int = BF16, runtime: Runtime | None = None) -> ClusterCandidate:
+def price_layout(model: ModelShape, cluster: Cluster, lay: ClusterLayout, schedule: str, seq_len: int,
+                 optimizer: str = "adamw", dtype_bytes: int = BF16, runtime: Runtime | None = None) -> ClusterCandidate:
     """Price one layout: its schedule's real order simulated once with per-stage costs
-    (``dtype_bytes``: the training dtype's element size, as :func:`.cluster_costs.stage_costs`;
-    ``runtime``: how the training code runs, :class:`.cluster_runtime.Runtime`, default pippy_split's)."""
+    (``dtype_bytes``: the training dtype's element size, as :func:`.costs.layout_costs`;
+    ``runtime``: how the training code runs, :class:`.runtime.Runtime`, default pippy_split's).
+
+    Example:
+        >>> shape = ModelShape(layers=4, hidden=512, intermediate=2048, heads=8, kv_heads=8, vocab=1000)
+        >>> lay = ClusterLayout(pp=2, dp=4, tp=1, v=1, m=4, mb=1, ac="full")
+        >>> price_layout(shape, Cluster.preset("h100x8"), lay, "1F1B", 2048).fits
+        True
+    """
+    if lay.gpus != cluster.gpus:
+        raise ValueError(f"layout pp{lay.pp} x dp{lay.dp} x cp{lay.cp} x tp{lay.tp} = {lay.gpus} GPUs, "
+                         f"but the cluster has {cluster.gpus}")
+    if seq_len % lay.cp:
+        raise ValueError(f"seq_len {seq_len} does not split into cp={lay.cp} equal shards")
     spec = get_order_spec(schedule)
     order = spec.compute_order(lay.pp, lay.m, lay.v)
-    c = stage_costs(model, cluster, lay, seq_len, dtype_bytes, runtime)
+    c = layout_costs(model, cluster, lay, seq_len, dtype_bytes, runtime)
     S = lay.stages
     costs: dict[Any, float] = {}
     o = cluster.action_overhead  # each action's host work, besides its ops
@@ -130,16 +152,20 @@ def evaluate(model: ModelShape, cluster: Cluster, lay: Layout, schedule: str, se
     sim = simulate(order, costs, comm_latency=c.p2p_s, activation_bytes=c.held, workspace_bytes=c.workspace)
     where = spec.stage_placement(S, lay.pp)
     worst: dict[str, float] = {}
-    compute = {r: 0.0 for r in range(lay.pp)}
-    for s in range(S):
-        compute[where[s]] += lay.m * (c.forward[s] + c.backward[s] + c.recompute[s])
     exposed = 0.0
     for rank in range(lay.pp):
         mine = [s for s in range(S) if where[s] == rank]
         layers = sum(c.layers[s] for s in mine)
+        compute = lay.m * sum(c.forward[s] + c.backward[s] + c.recompute[s] for s in mine)
+        one_bwd = sum(c.backward[s] for s in mine)
         mem = static_bytes(model, lay, layers, 0 in mine, S - 1 in mine, optimizer, runtime, len(mine), seq_len)
+        params = layers * model.layer_params + model.vocab * model.hidden * ((0 in mine) + (S - 1 in mine))
+        exposed = max(exposed, data_parallel_exposed_s(model, cluster, lay, layers, compute, one_bwd, runtime)
+                      + optimizer_s(model, cluster, lay, params))
         mem["activations (in flight, from the simulator)"] = (sim.peak_bytes or {}).get(rank, 0.0)
-        exposed = max(exposed, fsdp_exposed_s(model, cluster, lay, layers, compute[rank]))
+        live = sum(mem.values())
+        transient = max([c.workspace[s] for s in mine] or [0.0])
+        mem[RESERVE] = reserved_bytes(live, transient) - live
         if sum(mem.values()) > sum(worst.values()):
             worst = mem
     step = sim.makespan + exposed
@@ -151,12 +177,12 @@ def evaluate(model: ModelShape, cluster: Cluster, lay: Layout, schedule: str, se
                             why, cluster, seq_len)
 
 
-def _overflow(mem: dict[str, float], budget: float, lay: Layout) -> str:
+def _overflow(mem: dict[str, float], budget: float, lay: ClusterLayout) -> str:
     """What overflows by how much, and which knob would fix it."""
     over = sum(mem.values()) - budget
     part, size = max(mem.items(), key=lambda kv: kv[1])
-    if "activations" in part:
-        knob = "a smaller microbatch" if lay.mb > 1 else ("activation checkpointing" if not lay.ac else "more pp")
+    if "activations" in part or part == RESERVE:
+        knob = "a smaller microbatch" if lay.mb > 1 else ("activation checkpointing" if lay.ac != "full" else "more pp")
     elif "kept" in part:
         knob = "fewer or smaller microbatches, or a runtime that frees each output after its backward"
     elif part.startswith("unsharded"):
@@ -167,7 +193,7 @@ def _overflow(mem: dict[str, float], budget: float, lay: Layout) -> str:
 
 
 def candidates(model: ModelShape, cluster: Cluster, global_seqs: int, *, schedules: Iterable[str] | None = None,
-               microbatch_sizes: Sequence[int] = (1, 2), max_tp: int | None = None) -> list[tuple[Layout, str]]:
+               microbatch_sizes: Sequence[int] = (1, 2), max_tp: int | None = None) -> list[tuple[ClusterLayout, str]]:
     """Every (layout, schedule) the search prices: meshes whose sizes divide the GPUs, TP
     inside a node dividing the heads, the batch split evenly over dp and microbatches."""
     out = []
@@ -192,29 +218,30 @@ def candidates(model: ModelShape, cluster: Cluster, global_seqs: int, *, schedul
                         if pp * v > model.layers or m < pp:
                             continue
                         for ac in (True, False):
-                            out.append((Layout(pp, dp, tp, v, m, mb, ac), name))
+                            out.append((ClusterLayout(pp, dp, tp, v, m, mb, ac), name))
     return out
 
 
 def plan_cluster(model: Any, cluster: Cluster, *, global_batch_tokens: int, seq_len: int, dtype: Any = None,
                  optimizer: str = "adamw", schedules: Iterable[str] | None = None,
-                 microbatch_sizes: Sequence[int] = (1, 2), only: Iterable[tuple[Layout, str]] | None = None,
+                 microbatch_sizes: Sequence[int] = (1, 2), only: Iterable[tuple[ClusterLayout, str]] | None = None,
                  runtime: Runtime | None = None) -> ClusterPlan:
     """Rank every layout of ``model`` on ``cluster`` by predicted tokens/s/GPU (see
-    :mod:`.cluster_costs` for the cost model).
+    :mod:`.costs` for the cost model).
 
     ``model``: ``"hf:DIR"`` (a ``config.json``), a transformers config, a model (meta device
     is enough: only ``.config`` is read) or a :class:`ModelShape`. ``dtype`` is the training
     dtype (bf16 assumed by the cost model). ``only`` prices just the given (layout, schedule)
-    pairs (to check a published configuration). ``runtime`` says how the training code runs
-    (:class:`.cluster_runtime.Runtime`; default pippy_split's own).
+    pairs (to check a published configuration); each must form the global batch exactly
+    (``dp x m x mb`` sequences) on exactly the cluster's GPUs. ``runtime`` says how the
+    training code runs (:class:`.runtime.Runtime`; default pippy_split's own).
 
     Raises:
         ValueError: nothing fits: names the closest layout, what overflows by how much and
-            which knob would fix it.
+            which knob would fix it; or an ``only`` layout that cannot form the batch.
 
     Example:
-        >>> from pippy_split.plan.cluster_model import ModelShape
+        >>> from pippy_split.plan.cluster import ModelShape
         >>> shape = ModelShape(layers=4, hidden=512, intermediate=2048, heads=8, kv_heads=8, vocab=1000)
         >>> plan_cluster(shape, Cluster.preset("h100x8"), global_batch_tokens=8 * 2048, seq_len=2048).best.fits
         True
@@ -227,6 +254,10 @@ def plan_cluster(model: Any, cluster: Cluster, *, global_batch_tokens: int, seq_
     if global_batch_tokens % seq_len:
         raise ValueError(f"global_batch_tokens {global_batch_tokens} is not a whole number of {seq_len}-token "
                          "sequences")
+    if only is not None:
+        only = list(only)
+        for lay, _ in only:
+            _check_forms_batch(lay, cluster, global_batch_tokens // seq_len)
     pairs = list(only) if only is not None else candidates(shape, cluster, global_batch_tokens // seq_len,
                                                            schedules=schedules, microbatch_sizes=microbatch_sizes)
     if not pairs:
@@ -236,7 +267,7 @@ def plan_cluster(model: Any, cluster: Cluster, *, global_batch_tokens: int, seq_
     priced = []
     for lay, name in pairs:
         try:
-            priced.append(evaluate(shape, cluster, lay, name, seq_len, optimizer, runtime=runtime))
+            priced.append(price_layout(shape, cluster, lay, name, seq_len, optimizer, runtime=runtime))
         except ValueError:  # the schedule cannot run these sizes (e.g. DualPipeV needs m >= 2 pp - 1)
             if only is not None:
                 raise
@@ -249,3 +280,15 @@ def plan_cluster(model: Any, cluster: Cluster, *, global_batch_tokens: int, seq_
         raise ValueError(f"no layout fits in {cluster.hbm_bytes / GiB:.1f} GiB per GPU; closest: "
                          f"{' '.join(c.row()[:5])} needs {c.memory_bytes / GiB:.1f} GiB: {c.why}")
     return ClusterPlan(priced, cluster)
+
+
+def _check_forms_batch(lay: ClusterLayout, cluster: Cluster, global_seqs: int) -> None:
+    """Refuse, by name, a layout that does not form the global batch on the cluster's GPUs."""
+    if lay.gpus != cluster.gpus:
+        raise ValueError(f"only= layout pp{lay.pp} x dp{lay.dp} x cp{lay.cp} x tp{lay.tp} uses {lay.gpus} GPUs, but "
+                         f"the cluster has {cluster.gpus}: choose sizes whose product is {cluster.gpus}")
+    formed = lay.dp * lay.m * lay.mb
+    if formed != global_seqs:
+        raise ValueError(f"only= layout dp{lay.dp} x m{lay.m} x mb{lay.mb} forms a batch of {formed} sequences, not the "
+                         f"global batch of {global_seqs}: choose m x mb = {global_seqs / lay.dp:g} per data-parallel "
+                         f"rank" + ("" if global_seqs % lay.dp == 0 else f" (or a dp dividing {global_seqs})"))
