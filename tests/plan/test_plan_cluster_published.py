@@ -1,0 +1,143 @@
+"""The cluster planner against every published run of ``benchmarks.published_runs`` (sources
+in ``benchmarks/published_runs.md``), under one set of constants: each row within 15% in
+tokens/s/GPU and, where published, reserved memory; each row's ratio to its table's first row
+within 10%. Rows the model does not meet are strict xfails whose reason gives the measured
+error, so a change that closes one turns it into a failure to promote.
+
+Also the issue-43 fixes one by one (each failed before): presets in PyTorch's units, ``only=``
+refusing a batch its layout cannot form, loss-parallel bytes only under TP, matmul efficiency
+rising with width, Float8 pricing its casts."""
+
+from __future__ import annotations
+
+import pytest
+
+import pippy_split as ps
+from benchmarks.published_runs import LLAMA3_8B, RUNS, TITAN, errors, price, table_ratios
+from pippy_split.plan.cluster import ClusterLayout, Runtime
+from pippy_split.plan.cluster.block import block_times
+from pippy_split.plan.cluster.kernels import gemm_s
+from pippy_split.plan.cluster.memory import head_bytes, loss_peak_bytes
+
+GiB = 2**30
+MISSES = {
+    ("torchtitan H100 T2", "8B FSDP 1 CP 8 seq 262144"): "tokens/s/GPU predicted 646 vs 548 published (+18%): ring "
+    "attention over 8 CP ranks runs slower per FLOP than the model's flash-attention efficiency says",
+    ("torchtitan A100 Llama 2", "13B no AC"): "predicted 1,638 vs 2,162 (-24%): FSDP's traffic over 64 A100s at the "
+    "a100-80gb preset's 25 GB/s per GPU exceeds the step's compute; the source does not state its network",
+    ("torchtitan A100 Llama 2", "70B selective op"): "predicted 152 vs 355 (-57%): FSDP traffic of 70B parameters over "
+    "64 A100s at 25 GB/s per GPU (4,096-token microbatch: too little compute to hide it); network not stated",
+}
+RATIO_MISSES = {
+    ("torchtitan H100 T2", "8B FSDP 2 CP 4 seq 131072"): "predicted 0.353 of the CP 1 row vs 0.275 published (+28%)",
+    ("torchtitan H100 T2", "8B FSDP 1 CP 8 seq 262144"): "predicted 0.190 of the CP 1 row vs 0.141 published (+35%)",
+    ("torchtitan A100 Llama 2", "13B selective layer"): "predicted 1.000 of the no-AC row vs 0.885 (both rows priced "
+    "as FSDP-bound)",
+    ("torchtitan A100 Llama 2", "13B selective op"): "predicted 1.000 of the no-AC row vs 0.881 (FSDP-bound)",
+    ("torchtitan A100 Llama 2", "70B selective op"): "predicted 0.093 of the 13B row vs 0.164 (FSDP-bound)",
+    ("torchtitan A100 Llama 2", "70B full"): "predicted 0.185 of the 13B row vs 0.163 (+14%: the 13B row FSDP-bound)",
+}
+
+
+def _marks(key: tuple[str, str], misses: dict[tuple[str, str], str]) -> list[pytest.MarkDecorator]:
+    return [pytest.mark.xfail(strict=True, reason=misses[key])] if key in misses else []
+
+
+@pytest.mark.parametrize("run", [pytest.param(r, id=f"{r.table}: {r.name}", marks=_marks((r.table, r.name), MISSES))
+                                 for r in RUNS])
+def test_row_throughput_within_15_percent(run):
+    tps, _ = errors(run)
+    assert tps == pytest.approx(1.0, rel=0.15), f"predicted/published {tps:.2f}"
+
+
+@pytest.mark.parametrize("run", [pytest.param(r, id=f"{r.table}: {r.name}") for r in RUNS if r.memory_gib])
+def test_row_reserved_memory_within_15_percent(run):
+    _, mem = errors(run)
+    assert mem == pytest.approx(1.0, rel=0.15), f"predicted/published {mem:.2f}"
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, id=f"{r[0]}: {r[1]}", marks=_marks((r[0], r[1]), RATIO_MISSES))
+                                 for r in table_ratios()])
+def test_ratio_within_a_table_within_10_percent(row):
+    _, _, predicted, published = row
+    assert predicted / published == pytest.approx(1.0, rel=0.10)
+
+
+def test_at_least_six_rows_from_two_other_sources_pass():
+    """The issue's bar: six or more published runs beyond torchtitan's Tables 4-6, from two or
+    more sources, within 15% (memory too, where published)."""
+    other = [r for r in RUNS if r.table not in ("torchtitan H100 T4", "torchtitan H100 T5", "torchtitan H100 T6")
+             and (r.table, r.name) not in MISSES]
+    sources = {r.table.split(" ")[0] + (" A100" if "A100" in r.table else "") for r in other}
+    assert len(other) >= 6 and len(sources) >= 2
+
+
+def test_presets_are_in_the_units_pytorch_reports():
+    """An 80 GB H100 exposes 79.11 GiB to PyTorch (before: 80e9 bytes, 74.5 GiB, 7% short)."""
+    assert ps.Cluster.preset("h100-sxm").hbm_bytes == pytest.approx(79.11 * GiB)
+    assert ps.Cluster.preset("a100-80gb").hbm_bytes == pytest.approx(79.25 * GiB)
+
+
+def test_only_refuses_a_layout_that_cannot_form_the_batch():
+    """Before, ``only=`` priced a layout whatever batch it formed, silently."""
+    shape = ps.ModelShape(layers=4, hidden=512, intermediate=2048, heads=8, kv_heads=8, vocab=1000)
+    lay = ClusterLayout(pp=2, dp=4, tp=1, v=1, m=4, mb=1, ac="full")  # 4 x 4 x 1 = 16 sequences
+    cluster = ps.Cluster.preset("h100x8")
+    assert ps.plan_cluster(shape, cluster, global_batch_tokens=16 * 2048, seq_len=2048, only=[(lay, "1F1B")]).best.fits
+    with pytest.raises(ValueError, match=r"forms a batch of 16 sequences, not the global batch of 32: choose m x mb = 8"):
+        ps.plan_cluster(shape, cluster, global_batch_tokens=32 * 2048, seq_len=2048, only=[(lay, "1F1B")])
+    with pytest.raises(ValueError, match=r"uses 8 GPUs, but the cluster has 16"):
+        ps.plan_cluster(shape, ps.Cluster.preset("h100x16"), global_batch_tokens=16 * 2048, seq_len=2048,
+                        only=[(lay, "1F1B")])
+
+
+def test_loss_parallel_bytes_only_under_tp():
+    """torchtitan enables loss parallel only with TP; at TP 1 its loss holds the log-softmax and
+    its gradient (8 bytes a logit besides the fp32 logits), not loss parallel's 12."""
+    tokens = 2 * 8192
+    for tp, own in ((1, TITAN.loss_bytes), (8, TITAN.loss_parallel_bytes)):
+        lay = ClusterLayout(pp=1, dp=8, tp=tp, v=1, m=1, mb=2, ac="full")
+        logits, _ = head_bytes(LLAMA3_8B, tokens, tp)
+        assert loss_peak_bytes(LLAMA3_8B, tokens, lay, TITAN) == pytest.approx(logits * (TITAN.logits_bytes + own))
+    assert TITAN.loss_bytes < TITAN.loss_parallel_bytes
+
+
+def test_matmul_efficiency_rises_with_width():
+    """Per-GPU matmul widths of a 39B and a 1T model under TP 8 (hidden 8192 and 25600): the
+    wider one runs faster per FLOP, as published runs do (a flat efficiency said equal)."""
+    c = ps.Cluster.preset("a100-80gb")
+    narrow = gemm_s(8192, 8192 / 8, 8192, c) / (8192 / 8)
+    wide = gemm_s(8192, 25600 / 8, 8192, c) / (25600 / 8)
+    assert wide < narrow * 0.97
+
+
+def test_float8_prices_its_casts_and_leaves_attention_in_bf16():
+    """Float8 speeds the projections' matmuls only: its casts cost HBM traffic, attention does
+    not change, so fp8 over bf16 stays well under the 2x of the peaks (published 1.28 on 8B)."""
+    c = ps.Cluster.preset("h100-96gb", gpus=8)
+    lay = ClusterLayout(pp=1, dp=8, tp=1, v=1, m=1, mb=2, ac="selective-op")
+    bf16 = block_times(LLAMA3_8B, c, lay, 8192, TITAN.with_(fused_elementwise=True))
+    fp8 = block_times(LLAMA3_8B, c, lay, 8192, TITAN.with_(fused_elementwise=True, float8_linears=True))
+    no_cast = block_times(LLAMA3_8B, c, lay, 8192, TITAN.with_(fused_elementwise=True, float8_linears=True,
+                                                               float8_cast_bytes=0.0))
+    assert no_cast.forward < fp8.forward < bf16.forward
+    assert 1.2 < (bf16.forward + bf16.backward) / (fp8.forward + fp8.backward) < 1.6
+
+
+def test_context_parallel_selective_ac_and_plain_dp_are_layout_terms():
+    """CP shards each sequence (a rank's tokens fall by cp), selective AC keeps more than full AC
+    and less than none, plain DP replicates the parameters FSDP shards."""
+    c = ps.Cluster.preset("h100-96gb", gpus=8)
+    full = price(next(r for r in RUNS if r.name == "8B FSDP 8 CP 1 seq 32768"))
+    cp2 = price(next(r for r in RUNS if r.name == "8B FSDP 4 CP 2 seq 65536"))
+    assert cp2.layout.cp == 2 and cp2.tokens_per_s_per_gpu < full.tokens_per_s_per_gpu
+    held = {}
+    for ac in ("full", "selective-op", "none"):
+        lay = ClusterLayout(pp=1, dp=8, tp=1, v=1, m=1, mb=1, ac=ac)
+        held[ac] = ps.plan_cluster(LLAMA3_8B, c, global_batch_tokens=8 * 4096, seq_len=4096,
+                                   only=[(lay, "1F1B")]).best.live_bytes
+    assert held["full"] < held["selective-op"] < held["none"]
+    lay = ClusterLayout(pp=1, dp=8, tp=1, v=1, m=1, mb=1, ac="full", fsdp=False)
+    ddp = ps.plan_cluster(LLAMA3_8B, c, global_batch_tokens=8 * 4096, seq_len=4096, only=[(lay, "1F1B")],
+                          runtime=Runtime()).best
+    assert "parameters (bf16, replicated)" in ddp.memory and ddp.live_bytes > held["full"]
