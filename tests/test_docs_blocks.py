@@ -239,3 +239,20 @@ def test_tutorials_readme_lists_exactly_the_tutorials():
     listed = set(re.findall(r"\]\((\d\d_[^)]+\.py)\)", (tutorials / "README.md").read_text()))
     assert listed == present, f"tutorials/README.md lists {sorted(listed - present)} (missing) " \
                               f"and not {sorted(present - listed)}"
+
+
+def test_readme_is_a_way_in():
+    """README stays short (the manual is docs/) and links every docs page and the tutorials."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250, "README.md grew past 250 lines: move the detail to a docs/ page"
+    linked = set(re.findall(r"\]\((docs/[^)#]+\.md)", text))
+    pages = {f"docs/{p.name}" for p in DOCS} | set(BEING_WRITTEN)
+    assert pages <= linked, f"README.md does not link {sorted(pages - linked)}"
+    assert "](tutorials/README.md)" in text and "](ARCHITECTURE.md)" in text
+
+
+def test_readme_maps_every_package():
+    text = (ROOT / "README.md").read_text()
+    packages = sorted(p.parent.name for p in (ROOT / "pippy_split").glob("*/__init__.py"))
+    missing = [name for name in packages if f"`pippy_split/{name}/`" not in text]
+    assert not missing, f"README.md's map of the packages lacks {missing}"
