@@ -84,3 +84,27 @@ def mid_cut(model: torch.nn.Module) -> list[str]:
     """One cut between blocks, half-way."""
     fqn = blocks(model)
     return [f"{fqn}.{len(model.get_submodule(fqn)) // 2}"]
+
+
+def cuts(model: torch.nn.Module, stages: int) -> list[str]:
+    """``stages - 1`` cuts between blocks, spread evenly."""
+    fqn = blocks(model)
+    n = len(model.get_submodule(fqn))
+    return [f"{fqn}.{(i * n) // stages}" for i in range(1, stages)]
+
+
+def arch_generate_body(rank: int, world: int, name: str, schedule: str, stages: int, kwargs: dict,
+                       group: object = None) -> dict:
+    """``name`` cut into ``stages`` stages between blocks, ``schedule`` on these ranks, greedy
+    generate on every rank."""
+    import pippy_split as ps
+
+    from .gen_bodies import lm_loss
+    from .models import prompts
+
+    model = build(name)
+    ids, mask = prompts(True)
+    pipe = ps.pipeline(model, cuts(model, stages), (ids[:2],))
+    sched = ps.build_schedule(pipe, schedule, 2, loss_fn=lm_loss, group=group)
+    out = sched.generate(ids, attention_mask=mask, return_logprobs=True, **kwargs)
+    return {"sequences": out.sequences, "logprobs": out.logprobs}

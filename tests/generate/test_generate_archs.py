@@ -47,3 +47,38 @@ def test_pipe_generate_equals_hf_generate_or_refuses_by_name(name: str) -> None:
     n = ref.shape[1] - ids.shape[1]
     live = _live(ref[:, ids.shape[1]:], model.generation_config.eos_token_id)  # HF pads a row after its EOS
     torch.testing.assert_close(out.logprobs[:, :n][live], ref_logprobs[live], atol=1e-5, rtol=0)
+
+
+RANKED = [(name, schedule, stages) for name in ("olmoe", "mpt", "qwen2_moe")
+          for schedule, stages in (("1F1B", 2), ("ZBVZeroBubble", 4))]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    from pippy_split.testing import run_ranks
+
+    from .archs import arch_generate_body
+    from .gen_bodies import cases_body
+
+    cases = {f"{n}-{s}": (arch_generate_body, (n, s, stages, {"max_new_tokens": N_NEW})) for n, s, stages in RANKED}
+    return run_ranks(cases_body, 2, cases, timeout=840)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name,schedule,stages", RANKED, ids=[f"{n}-{s}" for n, s, _ in RANKED])
+def test_sched_generate_on_two_ranks_equals_hf_generate(two_ranks, name: str, schedule: str, stages: int) -> None:
+    from .gen_bodies import case_results
+
+    results = case_results(two_ranks, f"{name}-{schedule}")
+    model = build(name)
+    ids, mask = prompts(True)
+    ref, ref_logprobs = hf_reference(model, ids, mask, N_NEW, **_hf_kwargs(model))
+    for r in results:
+        assert torch.equal(r["sequences"], results[0]["sequences"])
+    out = results[0]
+    assert torch.equal(out["sequences"][:, : ref.shape[1]], ref), (name, schedule)
+    n = ref.shape[1] - ids.shape[1]
+    live = _live(ref[:, ids.shape[1]:], model.generation_config.eos_token_id)
+    torch.testing.assert_close(out["logprobs"][:, :n][live], ref_logprobs[live], atol=1e-5, rtol=0)
