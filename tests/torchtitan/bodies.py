@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torchtitan.distributed.parallel_dims as tt_parallel_dims
 import torchtitan.distributed.utils as tt_dist_utils
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -42,10 +43,12 @@ BATCH, SEQ, STEPS, LR, MAX_NORM = 4, 8, 2, 0.05, 1.0
 CASE_TIMEOUT_S = 300
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The (tokens, labels) of each optimizer step, (BATCH, SEQ) each."""
+def batches(dp: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global (tokens, labels) of each optimizer step, (dp * BATCH, SEQ) each; data-parallel
+    rank d reads rows d * BATCH to (d + 1) * BATCH, as the Trainer's dataloader shards the batch."""
     g = torch.Generator().manual_seed(7)
-    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+    shape = (dp * BATCH, SEQ)
+    return [(torch.randint(0, VOCAB, shape, generator=g), torch.randint(0, VOCAB, shape, generator=g))
             for _ in range(STEPS)]
 
 
@@ -62,17 +65,20 @@ def counters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             if "tokens_per_expert" in n}
 
 
-def reference(name: str, n_layers: int) -> dict[str, Any]:
-    """The unsplit model trained the same way: losses, counters after each step's forward, final parameters."""
+def reference(name: str, n_layers: int, dp: int = 1) -> dict[str, Any]:
+    """The unsplit model trained the same way on the global batch: losses (of data-parallel rank
+    0's rows), counters after each step's forward (rank 0's rows), final parameters."""
     model = reference_model(name, n_layers)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
     out: dict[str, Any] = {"losses": [], "counters": []}
-    for tokens, labels in batches():
+    for tokens, labels in batches(dp):
         opt.zero_grad()
-        loss, _ = loss_fn(model(tokens), labels, torch.tensor(labels.numel()))
-        loss.backward()
+        gvt = torch.tensor(labels.numel())
+        losses = [loss_fn(model(t), y, gvt)[0] for t, y in zip(tokens.chunk(dp), labels.chunk(dp))]
+        sum(losses).backward()
         out["counters"].append(counters(model))
+        loss = losses[0]
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         out["losses"].append(loss.detach())
@@ -128,19 +134,25 @@ def trainer_replay(rank: int, world: int, name: str, route: str, schedule: str, 
         m.train()
     out: dict[str, Any] = {"has_first": has_first, "has_last": has_last, "schedule": type(sched).__name__,
                            "ropes": {n: _full(b) for m in parts for n, b in m.named_buffers() if n.endswith("rope.cache")},
-                           "finite": all(bool(torch.isfinite(_full(p)).all()) for m in parts for p in m.parameters())}
+                           "finite": all(bool(torch.isfinite(_full(p)).all()) for m in parts for p in m.parameters()),
+                           "dp_rank": parallel_dims.get_mesh("fsdp").get_local_rank() if fsdp > 1 else 0}
     ref = reference_model(name, n_layers)
     full = {n: p.detach() for n, p in ref.named_parameters()}
     for m in parts:
         _set_weights(m, full)
+        for module in m.modules():  # gloo has no PREMUL_SUM: FSDP2's factor-1 reduce as a plain SUM, the same sum
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
     params = [p for m in parts for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=LR)
     pp_mesh = parallel_dims.get_mesh("pp")
+    dp_rank = parallel_dims.get_mesh("fsdp").get_local_rank() if fsdp > 1 else 0
     out["losses"], out["counters"] = [], []
     n_mb = BATCH // parallelism.pipeline_parallel_microbatch_size
-    for tokens, labels in batches():
+    for all_tokens, all_labels in batches(fsdp):
         opt.zero_grad()
-        gvt = torch.tensor(labels.numel())
+        gvt = torch.tensor(all_labels.numel())  # the Trainer's global_valid_tokens: summed over data-parallel ranks
+        tokens, labels = all_tokens.chunk(fsdp)[dp_rank], all_labels.chunk(fsdp)[dp_rank]
         losses: list | None = [] if has_last else None
         sched.step(arg_mbs=[(t,) for t in tokens.chunk(n_mb)] if has_first else None, kwarg_mbs=[{}] * n_mb,
                    target_mbs=list(labels.chunk(n_mb)) if has_last else None, losses=losses,

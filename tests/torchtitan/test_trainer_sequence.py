@@ -1,0 +1,100 @@
+"""torchtitan's Llama 3, Qwen3 and DeepSeek-V3 (tiny, on CPU) under torchtitan's Trainer sequence
+on gloo ranks, through pippy_split's ``pipeline_llm`` and through the compat route inside
+torchtitan's own ``pipeline_llm``: losses, every parameter after two optimizer steps (SGD, the
+Trainer's ``clip_grad_norm_`` with the pp mesh) and the MoE load counters equal the unsplit model's
+(fp32, atol 1e-5). The 2-rank cases share one spawn of the ranks, the 4-rank (PP x FSDP2) cases
+another."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'pippy-split[torchtitan]' "
+                                         "and, on CPU, pip install --no-deps triton==3.8.0)")
+
+import pippy_split as ps  # noqa: E402
+from pippy_split.split.errors import TraceError  # noqa: E402
+from pippy_split.testing import run_ranks  # noqa: E402
+
+from .bodies import case_results, cases_body, reference, reference_model, trainer_replay  # noqa: E402
+from .models import config  # noqa: E402
+
+ATOL = 1e-5
+TWO = [  # (model, route, schedule)
+    ("llama3", "pipeline_llm", "1F1B"),
+    ("llama3", "pipeline_llm", "ZBVZeroBubble"),
+    ("qwen3", "pipeline_llm", "DualPipeV"),
+    ("qwen3", "pipeline_llm", "Interleaved1F1B"),
+    ("llama3", "compat", "1F1B"),
+    ("qwen3", "compat", "ZBVZeroBubble"),
+    ("deepseek_v3", "compat", "1F1B"),
+    ("deepseek_v3", "compat", "ZBVZeroBubble"),
+]
+FOUR = [("llama3", "pipeline_llm", "1F1B", 2), ("deepseek_v3", "compat", "Interleaved1F1B", 2)]  # (.., fsdp)
+
+
+def _key(case: tuple) -> str:
+    return "-".join(str(c) for c in case)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(cases_body, 2, {_key(c): (trainer_replay, c) for c in TWO}, timeout=840)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return run_ranks(cases_body, 4, {_key(c): (trainer_replay, c) for c in FOUR}, timeout=840)
+
+
+def _check(results: list[dict], name: str, dp: int = 1) -> None:
+    ref = reference(name, 4, dp)
+    last = [r for r in results if r["has_last"] and r["dp_rank"] == 0]  # losses: data-parallel rank 0's rows
+    assert sum(r["has_first"] for r in results) >= 1 and last
+    for r in last:
+        for got, want in zip(r["losses"], ref["losses"]):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    params: dict = {}
+    for r in results:
+        assert r["finite"], "init_weights left a non-finite value"
+        params.update(r["params"])
+    assert set(params) == set(ref["params"])
+    for k, want in ref["params"].items():
+        torch.testing.assert_close(params[k], want, atol=ATOL, rtol=0, msg=k)
+    for step, want in enumerate(ref["counters"]):  # MoE tokens_per_expert after each step's forward,
+        got: dict = {}                               # summed over data-parallel ranks (the reference saw every row)
+        for r in results:
+            for k, v in r["counters"][step].items():
+                got[k] = got[k] + v if k in got else v
+        assert set(got) == set(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"step {step}, {k}: {got[k].tolist()} vs {want[k].tolist()}"
+    ropes = {k: v for r in results for k, v in r["ropes"].items()}  # computed by init_weights after to_empty
+    want_ropes = dict(reference_model(name, 4).named_buffers())
+    assert ropes and all(torch.equal(v, want_ropes[k]) for k, v in ropes.items())
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", TWO, ids=[_key(c) for c in TWO])
+def test_trainer_sequence_on_two_ranks_equals_unsplit(two_ranks, case) -> None:
+    _check(case_results(two_ranks, _key(case)), case[0])
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", FOUR, ids=[_key(c) for c in FOUR])
+def test_pp_x_fsdp2_on_four_ranks_equals_unsplit(four_ranks, case) -> None:
+    _check(case_results(four_ranks, _key(case)), case[0], dp=case[3])
+
+
+@pytest.mark.xfail(strict=False, raises=TraceError,
+                   reason="DeepSeek-V3's MoE router enters torch.autocast(device_type=x.device.type): on the meta "
+                          "model the Trainer builds that is autocast('meta'), which torch refuses, so "
+                          "pippy_split's pipeline_llm cannot trace it; the compat route (torchtitan's FQN split) works")
+def test_deepseek_v3_meta_model_traces_for_pipeline_llm() -> None:
+    with torch.device("meta"):
+        model = config("deepseek_v3").build()
+    pipe = ps.pipeline(model, 2, (torch.zeros(1, 8, dtype=torch.long),))
+    assert pipe.num_stages == 2
