@@ -213,7 +213,7 @@ def test_the_test_command_is_the_one_ci_runs():
     """README's second command is exactly what .ci/run runs; no shown pytest adds -q (pyproject sets it)."""
     assert TEST_COMMAND in (ROOT / "README.md").read_text()
     assert TEST_COMMAND.split(" && ")[-1] in (ROOT / ".ci" / "run").read_text()
-    for page in PAGES:
+    for page in [*PAGES, ROOT / "tutorials" / "README.md"]:
         for where, command in _shell_commands(page):
             words = shlex.split(_strip_comment(command)) if "pytest" in command else []
             assert "-q" not in words, f"{where}: `{command}` adds -q to pyproject's -q (no pass count is printed)"
