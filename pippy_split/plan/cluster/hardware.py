@@ -118,7 +118,7 @@ with every other constant over all published rows at once (``benchmarks.publishe
 PRESETS: dict[str, Cluster] = {
     "h100-sxm": Cluster(gpus=8, flops=989e12, fp8_flops=1979e12, hbm_bytes=79.11 * GiB, hbm_bw=3.35e12,
                         intra_node_bw=450e9, inter_node_bw=50e9),
-    "h100-96gb": Cluster(gpus=8, flops=989e12, fp8_flops=1979e12, hbm_bytes=94.9 * GiB, hbm_bw=2.4e12,
+    "h100-96gb": Cluster(gpus=8, flops=989e12, fp8_flops=1979e12, hbm_bytes=95.03 * GiB, hbm_bw=2.4e12,
                          intra_node_bw=450e9, inter_node_bw=50e9, clock_fraction=H100_500W_CLOCK),
     "a100-80gb": Cluster(gpus=8, flops=312e12, hbm_bytes=79.25 * GiB, hbm_bw=2.0e12, intra_node_bw=300e9,
                          inter_node_bw=25e9),
@@ -126,6 +126,7 @@ PRESETS: dict[str, Cluster] = {
 """Datasheet numbers (bf16 and fp8 dense peaks, HBM as PyTorch reports it, NVLink per
 direction, one NIC per GPU). Memory: an H100 80 GB HBM3 reports 79.11 GiB and an A100 80 GB
 79.25 GiB (``total capacity`` in CUDA out-of-memory messages, e.g. vllm-project/vllm#27508);
-the 96 GB HBM2e part is taken at the same 98.9% of 96 GiB (94.9 GiB)."""
+torchtitan's 96 GB HBM2e H100 95.03 GiB (its log line ``memory: 68.09GiB(71.65%)`` on 8 of
+them, pytorch/torchtitan PR 382)."""
 
 _SHORT = {"h100": "h100-sxm", "h100-96gb": "h100-96gb", "a100": "a100-80gb"}
