@@ -36,9 +36,10 @@ from rich.table import Table
 from torch import nn
 
 import pippy_split as ps
+from pippy_split.split.kept_calls import no_stack_traces
 from pippy_split.split.partition import plan_stages
 from pippy_split.split.stage_graph import build_stages
-from pippy_split.split.trace import _no_stack_traces, trace_model
+from pippy_split.split.trace import trace_model
 
 D = 256
 NUM_STAGES = 4
@@ -101,7 +102,7 @@ def measure(n_blocks: int) -> dict:
         return torch.export.export(model, (x,), strict=False)
 
     def export_as_ours(model):
-        with _no_stack_traces():
+        with no_stack_traces():
             return torch.export.export(model, (x,), strict=False)
 
     def ours(model):

@@ -16,12 +16,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .trace import user_module_path
+__all__ = ["Call", "CallTree", "ROOT_PREFIX", "user_module_path", "module_paths", "all_module_paths", "region_nodes",
+           "call_stack", "call_tree"]
 
-__all__ = ["Call", "CallTree", "module_paths", "all_module_paths", "region_nodes", "call_stack", "call_tree"]
+ROOT_PREFIX = "mod."
+"""The tracing wrapper's name for the user's model (``split/trace.py``): export's module
+paths read ``mod.blocks.0`` for the user's ``blocks.0``."""
 
 # Export's placeholder stack for nodes it made outside any module (e.g. sym_size).
 _NO_STACK = "_empty_nn_module_stack"
+
+
+def user_module_path(path: str) -> str | None:
+    """The user's FQN for a module path of export's ``nn_module_stack`` (``"mod.blocks.0"``
+    -> ``"blocks.0"``), or ``None`` for the model itself and the tracing wrapper.
+
+    Example:
+        >>> user_module_path("mod.blocks.0"), user_module_path("mod")
+        ('blocks.0', None)
+    """
+    if path.startswith(ROOT_PREFIX):
+        return path[len(ROOT_PREFIX):]
+    return None if path in ("", ROOT_PREFIX.rstrip(".")) else path
 
 
 def _stack_entries(node: torch.fx.Node) -> list[tuple[str, str, str]]:

@@ -9,11 +9,9 @@ the user's own (``blocks.2.attn.qkv.weight``).
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence, cast
+from typing import Any, Sequence
 
 import torch
 from torch.export import ExportedProgram
@@ -21,12 +19,13 @@ from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw as hint_int
 from torch.utils import _pytree as pytree
 
+from .calls import ROOT_PREFIX, user_module_path
 from .errors import TraceError
+from .kept_calls import export_keeping_calls, fake_forward
 from .python_effects import ForwardEffects, StateWrite, modules_kept_traced, watch_forward
 
 __all__ = ["Traced", "trace_model", "ROOT_PREFIX", "user_module_path"]
 
-ROOT_PREFIX = "mod."
 _PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, complex, type(None), torch.SymInt, torch.SymFloat)
 
 
@@ -63,20 +62,6 @@ def _root_for(model: torch.nn.Module) -> torch.nn.Module:
 
 def _strip(fqn: str) -> str:
     return fqn[len(ROOT_PREFIX):] if fqn.startswith(ROOT_PREFIX) else fqn
-
-
-def user_module_path(path: str) -> str | None:
-    """The user's FQN for a module path of export's ``nn_module_stack`` (``"mod.blocks.0"``
-    -> ``"blocks.0"``), or ``None`` for the model itself and the tracing wrapper. Only this
-    module knows the wrapper's name.
-
-    Example:
-        >>> user_module_path("mod.blocks.0"), user_module_path("mod")
-        ('blocks.0', None)
-    """
-    if path.startswith(ROOT_PREFIX):
-        return path[len(ROOT_PREFIX):]
-    return None if path in ("", ROOT_PREFIX.rstrip(".")) else path
 
 
 @dataclass
@@ -187,191 +172,39 @@ def _aliases(model: torch.nn.Module) -> dict[str, list[str]]:
     return {fqn: names for names in by_id.values() for fqn in names}
 
 
-def _export_keeping_calls(model: torch.nn.Module, root: torch.nn.Module, args: tuple, kwargs: dict,
-                          dynamic_shapes: Any, strict: bool, effects: ForwardEffects,
-                          keep_calls: Sequence[str] | None = None) -> ExportedProgram:
-    """Export with every module's call signature kept (so stages can call the user's
-    modules), except modules whose arguments or results export cannot flatten (an HF
-    ``DynamicCache``): those stay traced ops. Where a signature cannot be kept safely, the
-    signatures outside the modules that apply a custom autograd Function (``effects``,
-    filled by the first export), or the plain export, with a warning that names what no
-    longer applies to the modules."""
-
-    def export(preserve: tuple[str, ...]) -> ExportedProgram:
-        # No source line per node: recording them is about a third of export's time, and
-        # nothing downstream reads them (the stages' code just loses its "# File:" comments).
-        with _no_stack_traces():
-            return torch.export.export(root, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict,
-                                       preserve_module_call_signature=preserve)
-
-    names = list(keep_calls) if keep_calls is not None else [name for name, _ in model.named_modules() if name]
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, strict: bool,
+            cuts: Sequence[str] | None) -> tuple[ExportedProgram, ForwardEffects]:
+    """The model exported through its tracing root, with what its forward did in Python."""
+    root = _root_for(model)
     try:
-        ep = export(tuple(ROOT_PREFIX + n for n in names))
-    except Exception:  # a module taking or giving an object export cannot flatten
-        opaque = _modules_with_opaque_values(model, args, kwargs)
-        try:
-            ep = export(tuple(ROOT_PREFIX + n for n in names if n not in opaque))
-        except Exception as e:
-            return _plain_export(model, export, f"{type(e).__name__}: {str(e).strip()[:300]}")
-    if any(n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator) for n in ep.graph.nodes):
-        # Kept signatures next to a torch.no_grad()/autocast region can change which values
-        # cross it; keep them only where the graph is the plain one.
-        plain = export(())
-        if not _same_graph(ep.graph_module, plain.graph_module):
-            # A Function's forward runs in no-grad mode: keep no signature inside it.
-            inside = [n for n in names if any(n.startswith(f + ".") for f in effects.functions)]
-            if inside:
-                kept = export(tuple(ROOT_PREFIX + n for n in names if n not in inside))
-                if _same_graph(kept.graph_module, plain.graph_module):
-                    return kept
-            return _plain_export(model, lambda _: plain, "keeping them changes the graph around a higher-order "
-                                 "region (torch.no_grad() or autocast inside forward)")
-    return ep
+        if strict:  # TorchDynamo traces the bytecode: Python's effects are seen in an eager run only
+            with watch_forward(model) as effects:
+                fake_forward(model, args, kwargs)
+            ep = export_keeping_calls(model, root, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict,
+                                      effects=effects, cuts=cuts)
+        else:
+            with watch_forward(model) as effects:
+                ep = export_keeping_calls(model, root, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict,
+                                          effects=effects, cuts=cuts)
+    except Exception as e:  # export raises many types; all mean "cannot trace"
+        raise _trace_error(model, e, strict) from e
+    return ep, effects
 
 
-@contextlib.contextmanager
-def _no_stack_traces() -> Iterator[None]:
-    """``torch.fx.config.do_not_emit_stack_traces`` on, then back as it was (a plain module, no ``patch``)."""
-    before = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = True
-    try:
-        yield
-    finally:
-        torch.fx.config.do_not_emit_stack_traces = before
-
-
-def _plain_export(model: torch.nn.Module, export: Any, reason: str) -> ExportedProgram:
-    warnings.warn(f"{type(model).__name__}: torch.export could not keep its modules' call signatures ({reason}); "
-                  "its stages run the traced ops only, so hooks, fully_shard per block, parallelize_module and other "
-                  "module wrappers applied to a stage's submodules do not take effect", stacklevel=4)
-    return export(())
-
-
-def _modules_with_opaque_values(model: torch.nn.Module, args: tuple, kwargs: dict) -> set[str]:
-    """Modules that take or return a value export cannot flatten into tensors and scalars,
-    found by one forward on fake tensors (no compute, no memory)."""
-    plain = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
-    opaque: set[str] = set()
-    handles = []
-    for name, mod in model.named_modules():
-        if not name:
-            continue
-
-        def pre(m: Any, a: Any, kw: Any, _n: str = name) -> None:
-            if not all(isinstance(leaf, plain) for leaf in pytree.tree_leaves((a, kw))):
-                opaque.add(_n)
-
-        def post(m: Any, a: Any, kw: Any, out: Any, _n: str = name) -> None:
-            if not all(isinstance(leaf, plain) for leaf in pytree.tree_leaves(out)):
-                opaque.add(_n)
-
-        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(mod.register_forward_hook(post, with_kwargs=True))
-    try:
-        _fake_forward(model, args, kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    return opaque
-
-
-def calls_to_keep(model: torch.nn.Module, split_fqns: Sequence[str], called: set[str] | None = None) -> list[str]:
-    """The modules whose call signatures a trace must keep so that, with cuts at the modules
-    ``split_fqns``, every stage can call each user's module that lies whole in it: going down
-    from the root through every module a cut enters (the split points' ancestors) or that is
-    not called as a whole, the first module called whole, and nothing inside it (that runs in
-    its own ``forward``). ``called``: the FQNs a forward called (None: every module whose
-    class has a ``forward``, so a ``ModuleList`` is passed through). Keeping fewer signatures
-    makes ``torch.export`` cheaper.
-
-    Example:
-        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 2)))
-        >>> calls_to_keep(model, ["1.1"]), calls_to_keep(model, ["1"]), calls_to_keep(model, ["1"], called={"0", "1.1"})
-        (['0', '1.0', '1.1'], ['0', '1'], ['0', '1.1'])
-    """
-    entered = {""}
-    for fqn in split_fqns:
-        parts = fqn.split(".")
-        entered.update(".".join(parts[:k]) for k in range(1, len(parts)))
-    keep: list[str] = []
-
-    def descend(prefix: str, module: torch.nn.Module) -> None:
-        for name, child in module.named_children():
-            fqn = f"{prefix}{name}"
-            runs = fqn in called if called is not None else type(child).forward is not torch.nn.Module.forward
-            if runs and fqn not in entered:
-                keep.append(fqn)
-            else:
-                descend(fqn + ".", child)
-
-    descend("", model)
-    return keep
-
-
-def _ran_modules(ep: ExportedProgram) -> set[str]:
-    """The user's modules whose calls left ops in the exported graph."""
-    ran: set[str] = set()
-    for node in ep.graph.nodes:
-        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-            fqn = user_module_path(path)
-            if fqn:
-                ran.add(fqn)
-    return ran
-
-
-def _export_for_cuts(model: torch.nn.Module, root: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any,
-                     strict: bool, effects: ForwardEffects, cuts: Sequence[str] | None) -> ExportedProgram:
-    """Export keeping every module's call signature (``cuts`` None), or only those that cuts
-    at ``cuts`` need (:func:`calls_to_keep`); where the forward did not call a module the
-    class-based guess took as called (a container its parent iterates over), the children it
-    calls are kept too and the model exported again."""
-    if cuts is None:
-        return _export_keeping_calls(model, root, args, kwargs, dynamic_shapes, strict, effects)
-    keep = calls_to_keep(model, cuts)
-    ep = _export_keeping_calls(model, root, args, kwargs, dynamic_shapes, strict, effects, keep)
-    more = set(calls_to_keep(model, cuts, _ran_modules(ep))) - set(keep)
-    if more:
-        ep = _export_keeping_calls(model, root, args, kwargs, dynamic_shapes, strict, effects, keep + sorted(more))
-    return ep
-
-
-def _fake_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """One forward of ``model`` on fake tensors (no compute, no memory), for the probes that
-    watch it; an exception ends it quietly (a probe only narrows what is kept)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
-            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
-            model(*fake[0], **fake[1])
-    except Exception:
-        pass
-
-
-def _same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> bool:
-    """Whether two graphs run the same ops on the same values (names aside), subgraphs of
-    higher-order ops included."""
-    na, nb = list(a.graph.nodes), list(b.graph.nodes)
-    if len(na) != len(nb):
-        return False
-    index_a = {n: i for i, n in enumerate(na)}
-    index_b = {n: i for i, n in enumerate(nb)}
-    for x, y in zip(na, nb):
-        if x.op != y.op:
-            return False
-        if x.op == "get_attr":
-            sx, sy = getattr(a, str(x.target), None), getattr(b, str(y.target), None)
-            if isinstance(sx, torch.fx.GraphModule) != isinstance(sy, torch.fx.GraphModule):
-                return False
-            if isinstance(sx, torch.fx.GraphModule) and not _same_graph(sx, cast(torch.fx.GraphModule, sy)):
-                return False
-        elif x.op != "placeholder" and x.target != y.target:
-            return False
-        ax = pytree.tree_map_only(torch.fx.Node, lambda n: ("node", index_a[n]), (x.args, x.kwargs))
-        ay = pytree.tree_map_only(torch.fx.Node, lambda n: ("node", index_b[n]), (y.args, y.kwargs))
-        if str(ax) != str(ay):
-            return False
-    return True
+def _trace_error(model: torch.nn.Module, e: Exception, strict: bool) -> TraceError:
+    """Export's reason, and what can help: the model's code made traceable (export failed with no
+    module call signature kept, so the cause is in the model's forward), the other tracer, or
+    stages built by hand (no trace at all). A cut, ``pipe_split()`` included, does not help: the
+    whole model is traced before it is cut."""
+    reason = f"{type(e).__name__}: {e}".strip()
+    help_ = ["make the failing code traceable (the reason above names it)"]
+    if "data-dependent" in reason or "DataDependent" in reason:
+        help_[0] += ("; it branches on a tensor's values: torch._check(...) on that value, torch.cond, or "
+                     "a Python number in place of the tensor")
+    help_.append(f"strict={not strict} ({'TorchDynamo, which traces some Python the default cannot' if not strict else 'the default tracer, which runs the Python as written'})")
+    help_.append("build the stages by hand with pippy_split.PipelineStage (no trace)")
+    return TraceError(f"torch.export could not trace {type(model).__name__}:\n  {reason[:2000]}\n"
+                      f"What can help: {'; or '.join(help_)}.")
 
 
 def trace_model(
@@ -386,46 +219,30 @@ def trace_model(
     """Export ``model`` on the example inputs; raise :class:`TraceError` with export's reason.
 
     ``cuts``: the module FQNs the split will cut at, where known before tracing; the trace
-    then keeps only the call signatures the stages need (:func:`calls_to_keep`: export's
-    cost grows with them). None keeps every module's."""
+    then keeps only the call signatures the stages need (``kept_calls.calls_to_keep``:
+    export's cost grows with them). None keeps every module's.
+
+    Example:
+        >>> traced = trace_model(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), (torch.randn(2, 4),))
+        >>> sorted(traced.module_signatures), sorted(traced.params.values())
+        (['0', '1'], ['0.bias', '0.weight'])
+    """
     from ..stage.model_io import input_check  # what a call must match; checked where steps run it
 
-    kwargs = dict(kwargs or {})
-    root = _root_for(model)
-    try:
-        if strict:  # TorchDynamo traces the bytecode: Python's effects are seen in an eager run only
-            with watch_forward(model) as effects:
-                _fake_forward(model, tuple(args), kwargs)
-            ep = _export_for_cuts(model, root, tuple(args), kwargs, dynamic_shapes, strict, effects, cuts)
-        else:
-            with watch_forward(model) as effects:
-                ep = _export_for_cuts(model, root, tuple(args), kwargs, dynamic_shapes, strict, effects, cuts)
-    except Exception as e:  # export raises many types; all mean "cannot trace"
-        reason = f"{type(e).__name__}: {e}"
-        raise TraceError(
-            f"torch.export could not trace {type(model).__name__}:\n  {reason.strip()[:2000]}\n"
-            "What to do: make the failing code traceable (see the reason above), try "
-            "strict=False/True, mark the stage boundaries with pippy_split.pipe_split() and trace "
-            "the parts that work, or build the stages by hand with pippy_split.PipelineStage."
-        ) from e
-
+    args, kwargs = tuple(args), dict(kwargs or {})
+    ep, effects = _export(model, args, kwargs, dynamic_shapes, strict, cuts)
     params, buffers, constants, non_persistent, user_inputs = _graph_inputs(ep)
-    aliases = _aliases(model)
     try:
         sig = inspect.signature(model.forward)
     except (TypeError, ValueError):
         sig = None
-    arg_names, kwarg_names = _example_names(sig, tuple(args), kwargs)
-    n_varargs = len(args) - len(arg_names)
-    flat_examples = pytree.tree_leaves((tuple(args), kwargs))
-    rg = {name: isinstance(x, torch.Tensor) and x.requires_grad for name, x in zip(user_inputs, flat_examples)}
+    arg_names, kwarg_names = _example_names(sig, args, kwargs)
+    flat_examples = pytree.tree_leaves((args, kwargs))
     placeholder_vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
-    checks = [input_check(placeholder_vals.get(name), x) for name, x in zip(user_inputs, flat_examples)]
-    signatures = {_strip(entry.fqn): entry.signature for entry in ep.module_call_graph
-                  if entry.signature is not None and entry.fqn.startswith(ROOT_PREFIX)}
     return Traced(
         ep=ep,
-        module_signatures=signatures,
+        module_signatures={_strip(entry.fqn): entry.signature for entry in ep.module_call_graph
+                           if entry.signature is not None and entry.fqn.startswith(ROOT_PREFIX)},
         kept_traced=modules_kept_traced(effects.writes),
         functions=dict(effects.functions),
         user_inputs=user_inputs,
@@ -433,11 +250,12 @@ def trace_model(
         buffers=buffers,
         constants=constants,
         non_persistent=non_persistent,
-        aliases=aliases,
+        aliases=_aliases(model),
         signature=sig,
         example_arg_names=arg_names,
         example_kwarg_names=kwarg_names,
-        example_n_varargs=n_varargs,
-        requires_grad_inputs=rg,
-        input_checks=checks,
+        example_n_varargs=len(args) - len(arg_names),
+        requires_grad_inputs={name: isinstance(x, torch.Tensor) and x.requires_grad
+                              for name, x in zip(user_inputs, flat_examples)},
+        input_checks=[input_check(placeholder_vals.get(name), x) for name, x in zip(user_inputs, flat_examples)],
     )

@@ -5,6 +5,8 @@ Pure tier (no process group).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -98,12 +100,15 @@ class DataDependent(nn.Module):
 
 
 def test_untraceable_model_raises_trace_error_with_reason_and_advice():
-    with pytest.raises(ps.TraceError) as info:
+    with pytest.raises(ps.TraceError) as info, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         ps.pipeline(DataDependent(), ["b"], (torch.randn(2, 4),))
+    assert not [w for w in caught if "could not keep" in str(w.message)]  # no warning before the error
     msg = str(info.value)
     assert "DataDependent" in msg
     assert "data-dependent" in msg  # export's own reason is carried
-    assert "pipe_split()" in msg and "PipelineStage" in msg  # ... and what to do about it
+    assert "torch._check" in msg and "strict=True" in msg and "PipelineStage" in msg  # ... and what helps
+    assert "pipe_split" not in msg  # the whole model is traced before any cut: markers do not help (issue 39)
     assert info.value.__cause__ is not None
 
 

@@ -1,0 +1,379 @@
+"""Which of the user's module calls keep their call signature through ``torch.export``
+(split, while tracing: ``trace.py`` asks, ``module_calls.py`` uses what is kept).
+
+A kept signature records which values went into a module call and which came out, so a
+stage can call the user's module object there (hooks, ``fully_shard``, ``parallelize_module``
+apply). Export keeps one where asked (``preserve_module_call_signature``) and fails or
+changes the graph in three places, each handled here rather than by giving up on all:
+
+- **A value export cannot flatten** (an HF cache object). Found by one forward on fake
+  tensors (:func:`opaque_calls`). A call that *returns* one (Reformer's encoder returns its
+  ``ReformerDynamicCache``) keeps its signature: export's hook sees a constant there, as the
+  model's own outputs are treated (``trace.py``), while the caller still gets the object
+  (:func:`outputs_hidden`); a stage calling the module leaves that output unread. A call that
+  *takes* one keeps none: its own submodules are kept instead.
+- **A ``torch.no_grad()`` / autocast region inside a forward** (an MoE router). A signature
+  kept for a module called *inside* the region puts export's markers in the region's
+  subgraph and changes which values cross it; the modules around the region are fine. So
+  the modules called inside a region (:func:`modules_in_regions`) keep none, and the
+  graph must then be the one exported without any signature (:func:`same_graph`).
+- **Only if that still differs**, the plain export, with a warning naming what no longer
+  applies.
+
+:func:`calls_to_keep` narrows the signatures to those the cuts need (export's cost grows
+with each one kept).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any, cast
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.export import ExportedProgram
+from torch.utils import _pytree as pytree
+
+from .calls import ROOT_PREFIX, user_module_path
+from .python_effects import ForwardEffects
+
+__all__ = ["calls_to_keep", "export_keeping_calls", "opaque_calls", "outputs_hidden", "modules_in_regions",
+           "same_graph", "fake_forward", "no_stack_traces"]
+
+_FLAT = (torch.Tensor, int, float, bool, str, type(None))  # what export's signature hooks accept
+
+
+def _flattens(leaf: Any) -> bool:
+    return isinstance(leaf, _FLAT)
+
+
+class _Export:
+    """One ``torch.export`` of the tracing root on the example, keeping the signatures of
+    the named modules (user FQNs) and hiding the opaque outputs of those in ``hide``."""
+
+    def __init__(self, model: torch.nn.Module, root: torch.nn.Module, args: tuple, kwargs: dict,
+                 dynamic_shapes: Any, strict: bool) -> None:
+        self.model, self.root, self.args, self.kwargs = model, root, args, kwargs
+        self.dynamic_shapes, self.strict = dynamic_shapes, strict
+
+    def __call__(self, names: Sequence[str], hide: Collection[str] = ()) -> ExportedProgram:
+        with no_stack_traces(), outputs_hidden(self.model, [n for n in names if n in hide]):
+            return torch.export.export(self.root, self.args, self.kwargs, dynamic_shapes=self.dynamic_shapes,
+                                       strict=self.strict,
+                                       preserve_module_call_signature=tuple(ROOT_PREFIX + n for n in names))
+
+
+def export_keeping_calls(model: torch.nn.Module, root: torch.nn.Module, args: tuple, kwargs: dict, *,
+                         dynamic_shapes: Any, strict: bool, effects: ForwardEffects,
+                         cuts: Sequence[str] | None) -> ExportedProgram:
+    """Export ``root`` (the tracing wrapper around ``model``) keeping every module's call
+    signature (``cuts`` None), or only those that cuts at ``cuts`` need (:func:`calls_to_keep`),
+    as far as export can keep them (see the module docstring). ``effects``: what the
+    forward did in Python (the modules applying a custom autograd Function keep no
+    signature inside them). Where the forward did not call a module the class-based guess
+    took as called (a container its parent iterates over), the children it calls are kept
+    too and the model exported again."""
+    export = _Export(model, root, args, kwargs, dynamic_shapes, strict)
+    if cuts is None:
+        return _keep(export, [name for name, _ in model.named_modules() if name], effects)
+    keep = calls_to_keep(model, cuts)
+    ep = _keep(export, keep, effects)
+    more = set(calls_to_keep(model, cuts, _ran_modules(ep))) - set(keep)
+    if more:
+        ep = _keep(export, keep + sorted(more), effects)
+    return ep
+
+
+def _keep(export: _Export, names: list[str], effects: ForwardEffects) -> ExportedProgram:
+    """Export keeping ``names``' signatures where export can: less those taking an opaque
+    value if export fails, less those called inside a no-grad / autocast region if the graph
+    differs from the plain one; else the plain export, with a warning."""
+    hide: list[str] = []
+    try:
+        ep = export(names)
+    except Exception as e:  # a module taking or giving an object export cannot flatten, or the model itself
+        takes, gives = opaque_calls(export.model, export.args, export.kwargs)
+        fewer = [n for n in names if n not in takes and not (export.strict and n in gives)]
+        hide = [n for n in fewer if n in gives]  # TorchDynamo traces hooks: strict keeps none of these
+        if fewer == names and not hide:  # nothing at a module call: the plain export raises the model's reason
+            return _plain(export, _reason(e))
+        try:
+            ep = export(fewer, hide)
+        except Exception as e2:
+            return _plain(export, _reason(e2))
+        names = fewer
+    if not _has_regions(ep.graph_module):
+        return ep
+    plain = export(())
+    if same_graph(ep.graph_module, plain.graph_module):
+        return ep
+    # A Function's forward runs in no-grad mode too: keep no signature inside it.
+    inside = modules_in_regions(plain.graph_module) | {
+        n for n in names if any(n.startswith(f + ".") for f in effects.functions)}
+    outside = [n for n in names if n not in inside]
+    try:
+        kept: ExportedProgram | None = export(outside, hide)
+    except Exception:
+        kept = None
+    if kept is not None and same_graph(kept.graph_module, plain.graph_module):
+        return kept
+    return _plain(export, "keeping them changes the graph around a higher-order region (torch.no_grad() or "
+                  "autocast inside forward)", plain)
+
+
+def _reason(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).strip()[:300]}"
+
+
+def _plain(export: _Export, reason: str, plain: ExportedProgram | None = None) -> ExportedProgram:
+    """The export without any signature (raising where the model itself cannot be traced), and
+    the warning that says what the stages lose."""
+    ep = plain if plain is not None else export(())
+    warnings.warn(f"{type(export.model).__name__}: torch.export could not keep its modules' call signatures "
+                  f"({reason}); its stages run the traced ops only, so hooks, fully_shard per block, "
+                  "parallelize_module and other module wrappers applied to a stage's submodules do not take effect",
+                  stacklevel=5)
+    return ep
+
+
+def calls_to_keep(model: torch.nn.Module, split_fqns: Sequence[str], called: set[str] | None = None) -> list[str]:
+    """The modules whose call signatures a trace must keep so that, with cuts at the modules
+    ``split_fqns``, every stage can call each user's module that lies whole in it: going down
+    from the root through every module a cut enters (the split points' ancestors) or that is
+    not called as a whole, the first module called whole, and nothing inside it (that runs in
+    its own ``forward``). ``called``: the FQNs a forward called (None: every module whose
+    class has a ``forward``, so a ``ModuleList`` is passed through). Keeping fewer signatures
+    makes ``torch.export`` cheaper.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 2)))
+        >>> calls_to_keep(model, ["1.1"]), calls_to_keep(model, ["1"]), calls_to_keep(model, ["1"], called={"0", "1.1"})
+        (['0', '1.0', '1.1'], ['0', '1'], ['0', '1.1'])
+    """
+    entered = {""}
+    for fqn in split_fqns:
+        parts = fqn.split(".")
+        entered.update(".".join(parts[:k]) for k in range(1, len(parts)))
+    keep: list[str] = []
+
+    def descend(prefix: str, module: torch.nn.Module) -> None:
+        for name, child in module.named_children():
+            fqn = f"{prefix}{name}"
+            runs = fqn in called if called is not None else type(child).forward is not torch.nn.Module.forward
+            if runs and fqn not in entered:
+                keep.append(fqn)
+            else:
+                descend(fqn + ".", child)
+
+    descend("", model)
+    return keep
+
+
+def _ran_modules(ep: ExportedProgram) -> set[str]:
+    """The user's modules whose calls left ops in the exported graph."""
+    ran: set[str] = set()
+    for node in ep.graph.nodes:
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            fqn = user_module_path(path)
+            if fqn:
+                ran.add(fqn)
+    return ran
+
+
+# ---- values export cannot flatten --------------------------------------------------------
+
+def opaque_calls(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[set[str], set[str]]:
+    """``(modules taking, modules returning)`` a value export cannot flatten into tensors and
+    scalars (an HF cache), found by one forward on fake tensors (no compute, no memory)."""
+    takes: set[str] = set()
+    gives: set[str] = set()
+    handles = []
+    for name, mod in model.named_modules():
+        if not name:
+            continue
+
+        def pre(m: Any, a: Any, kw: Any, _n: str = name) -> None:
+            if not all(_flattens(leaf) for leaf in pytree.tree_leaves((a, kw))):
+                takes.add(_n)
+
+        def post(m: Any, a: Any, kw: Any, out: Any, _n: str = name) -> None:
+            if not all(_flattens(leaf) for leaf in pytree.tree_leaves(out)):
+                gives.add(_n)
+
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True))
+    try:
+        fake_forward(model, args, kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return takes, gives
+
+
+@contextlib.contextmanager
+def outputs_hidden(model: torch.nn.Module, names: Collection[str]) -> Iterator[None]:
+    """While the block runs, each call of a module in ``names`` shows a constant (``0``) in
+    place of every output leaf export cannot flatten to the forward hooks registered after
+    this one (export's signature hook), and its caller gets the outputs as returned: the
+    call's signature records a constant there, no value (as the model's own outputs are
+    treated), and a stage calling the module leaves that output unread.
+
+    Example:
+        >>> class Cached(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return x + 1, object()
+        >>> m = torch.nn.Sequential(Cached())
+        >>> with outputs_hidden(m, ["0"]):
+        ...     h = m[0].register_forward_hook(lambda mod, a, out: print(out[1]))  # as export's, registered after
+        ...     out = m(torch.zeros(1))
+        0
+        >>> h.remove()
+        >>> type(out[1]).__name__
+        'object'
+    """
+    hiders = [_Hider(model.get_submodule(n)) for n in names]
+    try:
+        yield
+    finally:
+        for h in hiders:
+            h.remove()
+
+
+_SHOWN = 0
+"""What export's signature records in place of an opaque output: a constant no stage reads (an
+int: export's signatures take no string, and a container such as an HF ModelOutput drops None)."""
+
+
+class _Hider:
+    """One module's opaque outputs hidden from the hooks after its first forward hook: at
+    each call its pre-hook appends a hook that puts them back after every other hook."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.saved: list[tuple[list[Any], Any, set[int]]] = []
+        self.handles = [module.register_forward_pre_hook(self.arm), module.register_forward_hook(self.hide)]
+        self.restores: list[Any] = []
+
+    def arm(self, module: torch.nn.Module, _args: Any) -> None:
+        # registered now, it runs after the hooks export registered when it started
+        self.restores.append(module.register_forward_hook(self.restore))
+
+    def hide(self, _module: torch.nn.Module, _args: Any, out: Any) -> Any:
+        leaves, spec = pytree.tree_flatten(out)
+        opaque = {i for i, leaf in enumerate(leaves) if not _flattens(leaf)}
+        shown = pytree.tree_unflatten([_SHOWN if i in opaque else x for i, x in enumerate(leaves)], spec)
+        if len(pytree.tree_leaves(shown)) != len(leaves):
+            raise TypeError(f"{type(out).__name__} changes its structure with a constant in place of an opaque output")
+        self.saved.append((leaves, spec, opaque))
+        return shown
+
+    def restore(self, _module: torch.nn.Module, _args: Any, out: Any) -> Any:
+        self.restores.pop().remove()
+        leaves, spec, opaque = self.saved.pop()
+        now = pytree.tree_leaves(out)  # export's: the same leaves, tensors through its markers
+        return pytree.tree_unflatten([leaves[i] if i in opaque else x for i, x in enumerate(now)], spec)
+
+    def remove(self) -> None:
+        for h in self.handles + self.restores:
+            h.remove()
+
+
+def fake_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """One forward of ``model`` on fake tensors (no compute, no memory), for the probes that
+    watch it; an exception ends it quietly (a probe only narrows what is kept)."""
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+            model(*fake[0], **fake[1])
+    except Exception:
+        pass
+
+
+# ---- no-grad / autocast regions ------------------------------------------------------------
+
+def _subgraphs(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[torch.fx.GraphModule]:
+    """The graphs a higher-order op runs (a ``torch.no_grad()`` or autocast region's body)."""
+    subs = [getattr(gm, str(a.target), None) for a in node.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+    return [s for s in subs if isinstance(s, torch.fx.GraphModule)]
+
+
+def _has_regions(gm: torch.fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator) for n in gm.graph.nodes)
+
+
+def _paths(node: torch.fx.Node) -> set[str]:
+    out = set()
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        fqn = user_module_path(str(path).split("@")[0])
+        if fqn:
+            out.add(fqn)
+    return out
+
+
+def modules_in_regions(gm: torch.fx.GraphModule) -> set[str]:
+    """The user's modules called inside a higher-order region of ``gm`` (a ``torch.no_grad()``
+    or autocast block in some forward; nested regions included): every module on the stack of
+    an op in the region's body but not on the stack of the region itself.
+
+    Example:
+        >>> class Router(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.gate, self.count = torch.nn.Linear(4, 2), torch.nn.Linear(2, 2)
+        ...     def forward(self, x):
+        ...         with torch.no_grad():
+        ...             self.count(self.gate(x))
+        ...         return self.gate(x)
+        >>> ep = torch.export.export(torch.nn.Sequential(Router()), (torch.randn(1, 4),))
+        >>> sorted(modules_in_regions(ep.graph_module))  # "0" holds the region: only what it calls inside
+        ['0.count', '0.gate']
+    """
+    out: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+            continue
+        around = _paths(node)
+        for sub in _subgraphs(gm, node):
+            out |= {p for op in sub.graph.nodes if op.op == "call_function" for p in _paths(op)} - around
+            out |= modules_in_regions(sub)
+    return out
+
+
+def same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> bool:
+    """Whether two graphs run the same ops on the same values (names aside), subgraphs of
+    higher-order ops included."""
+    na, nb = list(a.graph.nodes), list(b.graph.nodes)
+    if len(na) != len(nb):
+        return False
+    index_a = {n: i for i, n in enumerate(na)}
+    index_b = {n: i for i, n in enumerate(nb)}
+    for x, y in zip(na, nb):
+        if x.op != y.op:
+            return False
+        if x.op == "get_attr":
+            sx, sy = getattr(a, str(x.target), None), getattr(b, str(y.target), None)
+            if isinstance(sx, torch.fx.GraphModule) != isinstance(sy, torch.fx.GraphModule):
+                return False
+            if isinstance(sx, torch.fx.GraphModule) and not same_graph(sx, cast(torch.fx.GraphModule, sy)):
+                return False
+        elif x.op != "placeholder" and x.target != y.target:
+            return False
+        ax = pytree.tree_map_only(torch.fx.Node, lambda n: ("node", index_a[n]), (x.args, x.kwargs))
+        ay = pytree.tree_map_only(torch.fx.Node, lambda n: ("node", index_b[n]), (y.args, y.kwargs))
+        if str(ax) != str(ay):
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def no_stack_traces() -> Iterator[None]:
+    """``torch.fx.config.do_not_emit_stack_traces`` on, then back as it was: recording a
+    source line per node is about a third of export's time and nothing downstream reads it."""
+    before = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = before
+
