@@ -149,11 +149,11 @@ def _stage_plans(pipe: Any, n_kv: int) -> list[StagePlan]:
             if slot.kind is not InputKind.EDGE or slot.edge is None or slot.edge.src_stage == MODEL_INPUT:
                 raise GenerationError(f"cache tensor {j} is returned unchanged by the decode step: the model does "
                                       "not update its cache")
-            if set(value.users) != {out_node}:
-                raise GenerationError(f"the last stage computes with the cache of layer {j // 2} that stage "
-                                      f"{slot.edge.src_stage} makes; cut the model at its blocks' boundaries")
             made[j] = (slot.edge.src_stage, slot.edge.src_output)
-            dropped.add(pos)
+            if set(value.users) == {out_node}:
+                dropped.add(pos)  # only returned: it stays on its stage
+            # else the cut falls between the layer's cache update and its attention: the last
+            # stage computes with the keys / values too, and they keep coming as a message
         else:
             made[j] = (n - 1, o)
     reads: dict[int, dict[int, int]] = {s: {} for s in range(n)}

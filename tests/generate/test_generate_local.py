@@ -87,3 +87,34 @@ def test_each_stage_keeps_its_own_layers_cache() -> None:
     assert program.links() == {1: {0}} and program.token_readers() == {0}
     out = pipe.generate(ids, max_new_tokens=0)
     assert torch.equal(out.sequences, ids) and out.logprobs is None
+
+
+@pytest.mark.timeout(600)
+def test_a_cut_between_a_cache_update_and_its_attention_generates() -> None:
+    """The job's example Qwen2 (examples/qwen2_tiny.json) balanced into 4 stages by flops cuts
+    inside block 3, between the layer's cache update and the attention reading it: the last
+    stage computes with keys stage 2 makes. It used to be refused ('cut the model at its
+    blocks' boundaries', found only at generate time); the keys now travel as a message."""
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    config = json.loads((Path(__file__).parents[2] / "examples" / "qwen2_tiny.json").read_text())
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config)).eval()
+    ids, mask = prompts(True)
+    pipe = ps.pipeline(model, 4, (torch.randint(0, config["vocab_size"], (4, 64)),))
+    from pippy_split.generate.program import decode_program
+
+    program = decode_program(pipe)
+    kept_elsewhere = {j for p in program.plans[:-1] for j in p.kv}
+    crossing = [e for e in program.messages() if e.dst_stage == pipe.num_stages - 1
+                and e.src_output in {program.plans[e.src_stage].kv_outputs.get(j) for j in kept_elsewhere}]
+    assert crossing, "the balanced cut no longer falls between a cache update and its attention"
+    ref, ref_logprobs = hf_reference(model, ids, mask, N_NEW)
+    out = pipe.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, return_logprobs=True)
+    assert torch.equal(out.sequences[:, : ref.shape[1]], ref)
+    n = ref.shape[1] - ids.shape[1]
+    live = _live(ref[:, ids.shape[1]:], model.generation_config.eos_token_id)
+    torch.testing.assert_close(out.logprobs[:, :n][live], ref_logprobs[live], atol=1e-5, rtol=0)
