@@ -21,7 +21,7 @@ TUTORIALS = sorted((Path(__file__).resolve().parent.parent / "tutorials").glob("
 
 
 def test_every_tutorial_is_here_in_order():
-    assert [p.name[:2] for p in TUTORIALS] == ["01", "02", "03", "04", "05", "06", "07", "08"]
+    assert [p.name[:2] for p in TUTORIALS] == ["01", "02", "03", "04", "05", "06", "07", "08", "09"]
 
 
 @pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.stem)
