@@ -65,3 +65,30 @@ def test_1f1b_on_two_ranks_is_exact_with_the_users_blocks_called():
         torch.testing.assert_close(grads[n], g, atol=1e-6, rtol=1e-5, msg=n)
     for n, c in want_counters.items():  # the routers' load counters: every microbatch counted once
         torch.testing.assert_close(counters[n], c, atol=0, rtol=0, msg=n)
+
+
+def test_torchtitan_deepseek_v3_keeps_its_module_calls():
+    """torchtitan's own DeepSeek-V3 (MoE router under no_grad, experts under autocast) at a tiny
+    size: an int split keeps the blocks as the user's modules (before: every stage traced ops)."""
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'pippy_split[torchtitan]')")
+    from tests.torchtitan.models import config  # imports torchtitan
+
+    torch.manual_seed(0)
+    model = config("deepseek_v3", 4).build()
+    model.init_weights()
+    tokens = torch.randint(0, 64, (2, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = ps.pipeline(model, 2, (tokens,))
+    assert not [w for w in caught if "could not keep" in str(w.message)]
+    calls = [[str(n.target) for n in pipe.get_stage_module(i).graph.nodes if n.op == "call_module"] for i in range(2)]
+    assert "layers.0" in calls[0] and {"layers.2", "layers.3"} <= set(calls[1]), calls
+    assert pipe.get_stage_module(1).get_submodule("layers.3") is model.layers["3"]
+    fired: list[int] = []
+    handle = model.layers["3"].register_forward_hook(lambda *_: fired.append(1))
+    with torch.no_grad():
+        got = pipe(tokens)
+    handle.remove()
+    assert fired == [1]
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(tokens), atol=1e-6, rtol=1e-5)
