@@ -162,7 +162,7 @@ def test_cli_plan_cluster_prices_the_runtime_it_is_given(tmp_path, capsys):
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_405B))
     base = ["plan", "--cluster", "h100x512", "--model", f"hf:{tmp_path}", "--seq-len", "8192",
-            "--global-batch-tokens", str(256 * 8192), "--top", "1"]
+            "--global-batch-tokens", str(256 * 8192), "--top", "10"]
     tables = {}
     for name in ("pippy_split", "torchtitan-2412"):
         assert main(base + ["--runtime", name]) == 0

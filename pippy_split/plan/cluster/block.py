@@ -108,7 +108,8 @@ def _tp_s(model: ModelShape, cluster: Cluster, lay: ClusterLayout, tokens: float
         return 0.0
     gather_bytes = 1 if runtime.float8_linears and cluster.efficiency is None else dtype_bytes
     one = (lay.tp - 1) / lay.tp * tokens * model.hidden
-    comm = 2 * link_s(one * gather_bytes, cluster.bandwidth(lay.tp)) + 2 * link_s(one * dtype_bytes, cluster.bandwidth(lay.tp))
+    bw = cluster.collective_bandwidth(lay.tp)
+    comm = 2 * link_s(one * gather_bytes, bw) + 2 * link_s(one * dtype_bytes, bw)
     if runtime.async_tp:
         return max(comm / lay.tp, comm - KERNELS.overlap_fraction * min(comm, matmul_s))
     return comm
@@ -120,8 +121,7 @@ def _cp_s(model: ModelShape, cluster: Cluster, lay: ClusterLayout, tokens: float
     if lay.cp == 1:
         return 0.0
     kv = model.hidden * model.kv_heads // model.heads
-    span = lay.tp * lay.cp
-    one = link_s(2 * tokens * kv / lay.tp * 2, cluster.bandwidth(span))
+    one = link_s(2 * tokens * kv / lay.tp * 2, cluster.bandwidth(lay.tp * lay.cp))
     return one + max(0.0, (lay.cp - 2) * one - attention * (lay.cp - 2) / lay.cp)
 
 

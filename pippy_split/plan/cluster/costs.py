@@ -11,7 +11,8 @@ Sits between :mod:`.block` / :mod:`.memory` (one block's seconds and bytes) and
 * **PP**: a microbatch's boundary activation ``t h / tp`` per message, plus the cluster's
   fixed cost per message (``p2p_latency``), as the simulator's link latency; each action
   also costs the cluster's ``action_overhead`` of host work (0 by default).
-* **FSDP2** over ``dp x cp``: each block's parameters all-gathered in bf16 for its forward
+* **FSDP2** over ``dp x cp`` (a ring over ranks ``tp`` apart, at
+  :meth:`.hardware.Cluster.collective_bandwidth`): each block's parameters all-gathered in bf16 for its forward
   (again for its backward without PP, where blocks reshard after forward) and its gradients
   reduce-scattered in ``r.grad_reduce_bytes``; with PP once per step per stage. Overlapped
   with compute except the first all-gather and the last reduce-scatter, and any part longer
@@ -111,7 +112,7 @@ def data_parallel_exposed_s(model: ModelShape, cluster: Cluster, lay: ClusterLay
     group = lay.dp * lay.cp
     if group == 1:
         return 0.0
-    bw = cluster.bandwidth(lay.tp * group)
+    bw = cluster.collective_bandwidth(group, stride=lay.tp)
     block = model.layer_params / lay.tp * (group - 1) / group
     gather, reduce = link_s(block * BF16, bw), link_s(block * r.grad_reduce_bytes, bw)
     if not lay.fsdp:

@@ -85,6 +85,22 @@ class Cluster:
         """Sustained bf16 peak: the datasheet's ``flops`` at the power limit's clock."""
         return self.flops * self.clock_fraction
 
+    def collective_bandwidth(self, members: int, stride: int = 1) -> float:
+        """Bytes/s per GPU of a ring collective (all-gather, reduce-scatter) over ``members``
+        ranks ``stride`` apart: inside a node the NVLink rate; across nodes each node's share
+        crosses on the NICs of its members (NCCL runs one ring per NIC), so ``k`` members on a
+        node move ``k`` NICs' worth, capped by NVLink.
+
+        Example:
+            >>> c = Cluster(gpus=64)
+            >>> c.collective_bandwidth(8), c.collective_bandwidth(64), c.collective_bandwidth(8, stride=8)
+            (450000000000.0, 400000000000.0, 50000000000.0)
+        """
+        if members * stride <= self.gpus_per_node:
+            return self.intra_node_bw
+        per_node = max(1, self.gpus_per_node // stride) if stride < self.gpus_per_node else 1
+        return min(self.intra_node_bw, min(per_node, members) * self.inter_node_bw)
+
     def with_(self, **changes: float | None) -> Cluster:
         """A copy with some numbers changed, e.g. ``cluster.with_(efficiency=0.4)``."""
         return replace(self, **changes)  # type: ignore[arg-type]
