@@ -100,6 +100,8 @@ def _runs() -> list[Run]:
                 "Interleaved1F1B", 8192, TITAN_FP8_ASYNC, 128, 72.7),
             Run("torchtitan H100 T6", "405B seq 32768 1F1B", LLAMA3_405B, h96, 512, _titan_pp(1, 1), "1F1B", 32768,
                 TITAN_FP8_ASYNC, 76, 75.3)]
+    out.append(Run("torchtitan PR 382 (held out)", "8B FSDP + compile, Jul 2024", LLAMA3_8B, h96, 8,
+                   _fsdp(8, 2, "selective-op"), "1F1B", 8192, TITAN_COMPILE, 6479, 68.09))
     a = "torchtitan A100 Llama 3"
     out += [Run(a, "8B selective layer", LLAMA3_8B, a100, 64, _fsdp(64, 1, "selective-layer"), "1F1B", 8192, TITAN, 2904),
             Run(a, "8B selective op", LLAMA3_8B, a100, 64, _fsdp(64, 1, "selective-op"), "1F1B", 8192, TITAN, 2973),

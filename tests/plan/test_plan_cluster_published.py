@@ -30,6 +30,11 @@ MISSES = {
     ("torchtitan A100 Llama 2", "70B selective op"): "predicted 412 vs 355 (+16%): op-level selective AC on a 70B at "
     "4,096 tokens a GPU costs more than the recomputed matmuls and elementwise passes the model charges",
 }
+MEMORY_MISSES = {
+    ("torchtitan PR 382 (held out)", "8B FSDP + compile, Jul 2024"): "predicted 83.9 GiB reserved vs 68.09 published "
+    "(+23%): found after the constants were chosen; the same configuration on the torch of Dec 2024 reserved 77.0 "
+    "(Table 1), so the allocator's reserve moved 9 GiB between versions",
+}
 RATIO_MISSES = {
     ("torchtitan H100 T2", "8B FSDP 2 CP 4 seq 131072"): "predicted 0.335 of the CP 1 row vs 0.275 published (+22%)",
     ("torchtitan H100 T2", "8B FSDP 1 CP 8 seq 262144"): "predicted 0.178 of the CP 1 row vs 0.141 published (+26%)",
@@ -48,7 +53,8 @@ def test_row_throughput_within_15_percent(run):
     assert tps == pytest.approx(1.0, rel=0.15), f"predicted/published {tps:.2f}"
 
 
-@pytest.mark.parametrize("run", [pytest.param(r, id=f"{r.table}: {r.name}") for r in RUNS if r.memory_gib])
+@pytest.mark.parametrize("run", [pytest.param(r, id=f"{r.table}: {r.name}", marks=_marks((r.table, r.name), MEMORY_MISSES))
+                                 for r in RUNS if r.memory_gib])
 def test_row_reserved_memory_within_15_percent(run):
     _, mem = errors(run)
     assert mem == pytest.approx(1.0, rel=0.15), f"predicted/published {mem:.2f}"
@@ -155,6 +161,9 @@ def test_docs_table_is_what_the_planner_predicts():
         assert (cells[5].strip() == "") == (mem is None) and (mem is None or float(cells[5]) == round(mem, 2))
     summary = re.search(r"(\d+) of (\d+) rows are within 15%", text)
     assert summary and int(summary.group(2)) == len(RUNS) and int(summary.group(1)) == len(RUNS) - len(MISSES)
+    memory = re.search(r"(\d+) of the (\d+) published memory figures within 15%", text)
+    published = sum(1 for r in RUNS if r.memory_gib)
+    assert memory and int(memory.group(2)) == published and int(memory.group(1)) == published - len(MEMORY_MISSES)
     ratios = {(table, name): pred for table, name, pred, _ in table_ratios()}
     summary = re.search(r"(\d+) of (\d+) ratios within a table are within 10%", text)
     assert summary and int(summary.group(2)) == len(ratios) and int(summary.group(1)) == len(ratios) - len(RATIO_MISSES)
