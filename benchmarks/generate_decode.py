@@ -1,11 +1,14 @@
-"""Decode tokens/s on the training split (issue 30): lanes = stage hops vs one lane vs the
-unsplit model's Hugging Face ``generate`` in one process; each rank's busy fraction beside
-the decode order's simulated one.
+"""Decode tokens/s on the training split (issues 30, 39): lanes = stage hops vs one lane vs the
+unsplit model's Hugging Face ``generate`` with its KV cache in one process; each rank's busy
+fraction beside the decode order's simulated one; ``pipe.generate``'s first call (which traces
+the decode step) beside ``ps.pipeline()`` of the same model.
 
-Run with ``python -m benchmarks.generate_decode [--quick]``. A tiny HF Llama (d=256, 8 blocks,
-8 heads, vocab 256) generates 64 new tokens for 32 prompts of 16 tokens, greedy, fp32, on
-2 and 4 gloo ranks (1F1B: one stage per rank; one intra-op thread per rank) and in one
-process (HF ``generate`` with its own cache, one thread). Each configuration generates
+Run with ``python -m benchmarks.generate_decode [--quick] [--d 1024] [--worlds 2 4]``. An HF
+Llama (d=1024 by default, 8 blocks, 8 heads, vocab 256) generates 64 new tokens for 32 prompts
+of 16 tokens, greedy, fp32, on gloo ranks (1F1B: one stage per rank; one intra-op thread per
+rank) and in one process (HF ``generate`` with ``use_cache=True``, one thread: the baseline a
+user has; the model's config says ``use_cache=False`` for training, which HF generate would
+otherwise follow and recompute every token). Each configuration generates
 once to warm up (the decode program is traced then), then ``REPS`` times; the figure is the
 median (the lane settings take turns within each rank process). Tokens/s counts new tokens of all rows. Busy fraction: a rank's time inside its
 stages' decode steps over the call's wall time; predicted: ``ps.simulate`` of the
@@ -61,14 +64,15 @@ def rank_body(rank: int, world: int, d: int, layers: int, batch: int, length: in
     sched = ps.build_schedule(pipe, "1F1B", 2, loss_fn=lambda out, t: out.logits.sum())
     out: dict[str, Any] = {}
     for lanes in lanes_list:
-        generate_on_schedule(sched, ids, max_new_tokens=2, lanes=lanes)  # warm up: traces the decode step
+        generate_on_schedule(sched, None, None, ids, max_new_tokens=2, lanes=lanes)  # warm up: traces the decode step
     walls: dict[Any, list[float]] = {lanes: [] for lanes in lanes_list}
     busy: dict[Any, list[float]] = {lanes: [] for lanes in lanes_list}
     steps: dict[Any, list[float]] = {lanes: [] for lanes in lanes_list}
     for _ in range(REPS):  # the configurations take turns, so a busy machine slows them alike
         for lanes in lanes_list:
             record: list = []
-            generate_on_schedule(sched, ids, max_new_tokens=new, lanes=lanes, record=record, eos_token_id=None)
+            generate_on_schedule(sched, None, None, ids, max_new_tokens=new, lanes=lanes, record=record,
+                                 eos_token_id=None)
             run = next(r for r in record if r[0] == "run")
             wall = run[5] - run[4]
             computes = [r[5] - r[4] for r in record if r[0] == "D"]
@@ -90,24 +94,45 @@ def hf_baseline(d: int, layers: int, batch: int, length: int, new: int) -> float
     torch.set_num_threads(1)
     m = model(d, layers)
     ids = prompts(batch, length)
-    m.generate(ids, max_new_tokens=2, do_sample=False)
+    m.generate(ids, max_new_tokens=2, do_sample=False, use_cache=True)
     walls = []
     for _ in range(REPS):
         start = time.perf_counter()
-        m.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        m.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, use_cache=True)
         walls.append(time.perf_counter() - start)
     return statistics.median(walls)
+
+
+def first_call(d: int, layers: int, length: int) -> dict[str, float]:
+    """Seconds of ``ps.pipeline()`` (2 stages) and of the pipe's first ``generate`` (which traces
+    the decode step) and its second, in this process, on one thread."""
+    torch.set_num_threads(1)
+    m = model(d, layers)
+    ids = prompts(2, length)
+    start = time.perf_counter()
+    pipe = ps.pipeline(m, [f"model.layers.{layers // 2}"], (ids,))
+    split = time.perf_counter() - start
+    start = time.perf_counter()
+    pipe.generate(ids, max_new_tokens=2)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    pipe.generate(ids, max_new_tokens=2)
+    return {"pipeline_s": split, "first_generate_s": first, "second_generate_s": time.perf_counter() - start,
+            "first_over_pipeline": first / split}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="d=64, 4 prompts, 8 new tokens (a smoke run)")
+    parser.add_argument("--d", type=int, default=1024, help="hidden size (issue 39 asks d=1024)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="rank counts to run")
     args = parser.parse_args()
-    d, layers, batch, length, new = (64, 8, 4, 8, 8) if args.quick else (256, 8, 32, 16, 64)
+    d, layers, batch, length, new = (64, 8, 4, 8, 8) if args.quick else (args.d, 8, 32, 16, 64)
     tokens = batch * new
     rows: dict[str, Any] = {"config": {"d": d, "layers": layers, "prompts": batch, "prompt_len": length,
                                        "new_tokens": new, "reps": REPS}}
-    for world in (2, 4):
+    rows["first_call"] = first_call(d, layers, length)
+    for world in args.worlds:
         results = run_ranks(rank_body, world, d, layers, batch, length, new, [None, 1], timeout=3000)
         for lanes in ("None", "1"):
             wall = max(r[lanes]["wall"] for r in results)
@@ -118,17 +143,25 @@ def main() -> None:
                 "predicted_busy": [round(r[lanes]["predicted_busy"], 3) for r in results]}
     hf = hf_baseline(d, layers, batch, length, new)  # after the ranks: nothing else of ours runs meanwhile
     rows["hf_generate_1_process"] = {"wall": hf, "tokens_per_s": tokens / hf}
+    for key, row in rows.items():
+        if key.endswith(("hops", "_1")):
+            row["over_hf"] = round(row["tokens_per_s"] / rows["hf_generate_1_process"]["tokens_per_s"], 3)
     print(json.dumps(rows, indent=1))
     if not args.quick:
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "generate_decode.json").write_text(json.dumps(rows, indent=1) + "\n")
-        lines = ["| run | lanes | tokens/s | busy per rank (measured) | busy per rank (simulated) | "
-                 "one stage step, ms (median per rank) |", "|---|---|---|---|---|---|",
-                 f"| HF generate, 1 process | - | {rows['hf_generate_1_process']['tokens_per_s']:.0f} | - | - | - |"]
+        first = rows["first_call"]
+        lines = [f"d={d}, {layers} blocks, {batch} prompts x {new} new tokens, fp32, one thread per process.", "",
+                 "| run | lanes | tokens/s | over HF | busy per rank (measured) | busy per rank (simulated) | "
+                 "one stage step, ms (median per rank) |", "|---|---|---|---|---|---|---|",
+                 f"| HF generate (KV cache), 1 process | - | {rows['hf_generate_1_process']['tokens_per_s']:.0f} | 1 "
+                 "| - | - | - |"]
         for key, row in rows.items():
             if key.endswith(("hops", "_1")):
                 lines.append(f"| {key.replace('_', ' ')} | {row['lanes']} | {row['tokens_per_s']:.0f} | "
-                             f"{row['busy']} | {row['predicted_busy']} | {row['stage_step_ms']} |")
+                             f"{row['over_hf']} | {row['busy']} | {row['predicted_busy']} | {row['stage_step_ms']} |")
+        lines += ["", f"ps.pipeline() {first['pipeline_s']:.2f} s; pipe.generate's first call {first['first_generate_s']:.2f} s "
+                  f"({first['first_over_pipeline']:.2f}x), its second {first['second_generate_s']:.2f} s."]
         (RESULTS / "generate_decode.md").write_text("\n".join(lines) + "\n")
 
 

@@ -56,7 +56,7 @@ def checked_call(pipe: Any, input_ids: torch.Tensor, *, max_new_tokens: int, att
                  pad_token_id: int | None = None, lanes: int | None = None, slots: int | None = None,
                  return_logprobs: bool = False
                  ) -> CheckedCall:
-    model = pipe._model
+    model = pipe.model
     if model is None:
         raise GenerationError("this Pipe does not hold its model (it was not built by pipeline())")
     if eos_token_id is None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..schedule.agree import FailureChannel
 from ..schedule.decode_order import (
     DecodeAction,
     content_round,
@@ -211,19 +212,22 @@ def lowered_decode(placement: dict[int, int], program: DecodeProgram, lanes: lis
     return lowered, decision_lag(lowered, placement)
 
 
-def generate_on_schedule(sched: Any, input_ids: torch.Tensor, *, record: list | None = None,
-                         **kwargs: Any) -> Generation:
-    """See :meth:`pippy_split.schedule.PipelineSchedule.generate`. ``record``, where given, gets
+def generate_on_schedule(sched: Any, transport: P2P | None, failures: FailureChannel | None, input_ids: torch.Tensor,
+                         *, record: list | None = None, **kwargs: Any) -> Generation:
+    """See :meth:`pippy_split.schedule.PipelineSchedule.generate`: ``sched``'s stages, with its
+    point-to-point ``transport`` (None on one rank) and its ``failures`` channel (a rank failing
+    mid-generation stops every rank, as in ``step()``). ``record``, where given, gets
     ``(what, stage, lane, round, start, end)`` (``time.perf_counter()``) for each compute (what
     ``"D"``) and for the whole run (what ``"run"``): the benchmark's busy fractions."""
     pipe = _pipe_of(sched)
     call = agreed_call(pipe, sched.pipeline_group, input_ids, kwargs)  # every rank, before any message
     # FSDP2 / TP stages: their DTensors whole for this call, freed after it (gathered.py)
     with unsharded_stages(sched.stages, pipe):
-        return _generate(sched, pipe, call, input_ids, record)
+        return _generate(sched, pipe, call, input_ids, record, transport, failures)
 
 
-def _generate(sched: Any, pipe: Any, call: Any, input_ids: torch.Tensor, record: list | None) -> Generation:
+def _generate(sched: Any, pipe: Any, call: Any, input_ids: torch.Tensor, record: list | None,
+              transport: P2P | None, failures: FailureChannel | None) -> Generation:
     program = decode_program(pipe)
     opts = call.options
     device = sched.stages[0].device
@@ -241,10 +245,9 @@ def _generate(sched: Any, pipe: Any, call: Any, input_ids: torch.Tensor, record:
     run = _Run(sched, program, lanes, decoders, progress, lag, device)
     # The schedule's own transport and failure channel: a rank that fails mid-generation posts
     # its cause and every other rank stops with PipelineAborted naming it, as in step().
-    p2p = getattr(getattr(sched, "_runtime", None), "p2p", None) if sched.world > 1 else None
+    p2p = transport if sched.world > 1 else None
     if p2p is None and sched.world > 1:
         p2p = P2P(sched.group, timeout=300.0)
-    failures = getattr(sched, "_failures", None)
     with failures.guard("generate()") if failures is not None else contextlib.nullcontext() as guard:
         if guard is not None:
             guard.communicating("in generate()")

@@ -202,7 +202,7 @@ def decode_program(pipe: Any) -> DecodeProgram:
         return cached
     from ..split.retrace import trace_again
 
-    model = pipe._model
+    model = pipe.model
     if model is None:
         raise GenerationError("this Pipe does not hold its model (it was not built by pipeline()); generation "
                               "traces the model's decode step, so build the Pipe with pippy_split.pipeline()")

@@ -393,7 +393,8 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         """
         from ..generate.distributed import generate_on_schedule  # generation runs on the schedule's stages
 
-        return generate_on_schedule(self, input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
+        return generate_on_schedule(self, self._runtime.p2p, self._failures, input_ids,
+                                    max_new_tokens=max_new_tokens, attention_mask=attention_mask,
                                     do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                     seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id, lanes=lanes,
                                     slots=slots, return_logprobs=return_logprobs)

@@ -74,6 +74,11 @@ class Pipe:
         return len(self.stages)
 
     @property
+    def model(self) -> torch.nn.Module | None:
+        """The model ``pipeline()`` traced (its own object; None for a Pipe built otherwise)."""
+        return self._model
+
+    @property
     def input_names(self) -> list[str]:
         """The model's flattened input names, in the order stages refer to them."""
         return list(self._traced.user_inputs)
