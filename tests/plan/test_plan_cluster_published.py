@@ -172,3 +172,17 @@ def test_docs_table_is_what_the_planner_predicts():
     assert (f"1F1B\n{ratios['torchtitan H100 T5', '405B Interleaved1F1B']:.3f} against 1.280" in text
             and f"gain {ratios['torchtitan H100 T4', '70B 2D + AsyncTP']:.3f} against 1.057" in text
             and f"compile {fp8:.3f} against\n1.280" in text)
+
+
+def test_launch_refuses_a_layout_pippy_split_train_cannot_run():
+    """CP, plain DP and selective AC are priced for other runtimes; ``launch()`` says so by name
+    instead of printing a command that would run something else."""
+    cp2 = price(next(r for r in RUNS if r.name == "8B FSDP 4 CP 2 seq 65536"))
+    with pytest.raises(ValueError, match=r"cannot run this layout \(context parallelism cp=2\)"):
+        cp2.launch()
+    sac = price(next(r for r in RUNS if r.name == "8B FSDP + compile"))
+    with pytest.raises(ValueError, match=r"activation checkpointing 'selective-op'"):
+        sac.launch()
+    nemo = price(next(r for r in RUNS if r.name == "LLAMA2-7B"))
+    with pytest.raises(ValueError, match=r"data parallelism without FSDP"):
+        nemo.launch()

@@ -67,11 +67,20 @@ class ClusterCandidate:
         return self.memory_bytes - self.memory.get(RESERVE, 0.0)
 
     def launch(self, model: str | None = None) -> str:
-        """The ``torchrun`` + ``pippy_split.train`` command line for this layout (run on every node).
+        """The ``torchrun`` + ``pippy_split.train`` command line for this layout (run on every node);
+        a layout ``pippy_split.train`` cannot run (CP, DP without FSDP, selective AC) is refused.
 
         Example: ``torchrun --nnodes 64 --nproc-per-node 8 ... -m pippy_split.train --model hf:DIR --dp 8 ...``
         """
         lay, c = self.layout, self.cluster
+        cannot = [what for what, bad in ((f"context parallelism cp={lay.cp}", lay.cp > 1),
+                                         ("data parallelism without FSDP", not lay.fsdp),
+                                         (f"activation checkpointing {lay.ac!r}", lay.ac_mode not in ("none", "full")))
+                  if bad]
+        if cannot:
+            raise ValueError(f"pippy_split.train cannot run this layout ({', '.join(cannot)}): it runs FSDP2 data "
+                             "parallelism, no context parallelism, and full activation checkpointing or none; "
+                             "this layout is priced for the runtime that runs it")
         rows = lay.m * lay.mb
         parts = [f"torchrun --nnodes {c.nodes} --nproc-per-node {min(c.gpus, c.gpus_per_node)}",
                  "--rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500",

@@ -1,5 +1,5 @@
 """A decoder-only transformer's shape, read from its Hugging Face config or a meta-device
-model: what :mod:`.cluster_costs` needs to price it (no weights, no GPU).
+model: what :mod:`.costs` needs to price it (no weights, no GPU).
 
 Example:
     >>> shape = ModelShape(layers=2, hidden=64, intermediate=256, heads=4, kv_heads=2, vocab=100)
