@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.distributed.pipeline_parallel import pipeline_llm as tt_pipeline_llm
 from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
 from torchtitan.models.llama3 import parallelize_llama
@@ -83,6 +83,9 @@ def reference(name: str, n_layers: int, dp: int = 1) -> dict[str, Any]:
         opt.step()
         out["losses"].append(loss.detach())
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tokens, labels = (t.chunk(dp)[0] for t in batches(dp)[0])
+    with torch.no_grad():  # the Validator's loss: summed, with no global_valid_tokens
+        out["eval"] = loss_fn(model(tokens), labels)[0]
     return out
 
 
@@ -120,7 +123,7 @@ def trainer_replay(rank: int, world: int, name: str, route: str, schedule: str, 
     parallelism = ParallelismConfig(pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule,
                                     pipeline_parallel_microbatch_size=1, data_parallel_shard_degree=fsdp,
                                     spmd_backend="partial_dtensor")
-    ac_config = ActivationCheckpointingConfig(mode="full") if ac else None
+    ac_config = FullAC.Config() if ac else None  # torchtitan's full AC: each block checkpoint-wrapped
     sched, parts, has_first, has_last = ROUTES[route](
         model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
         compile_config=CompileConfig(), ac_config=ac_config, dump_folder="/tmp", device=torch.device("cpu"),
@@ -133,8 +136,10 @@ def trainer_replay(rank: int, world: int, name: str, route: str, schedule: str, 
             m.init_weights(buffer_device=None)
         m.train()
     out: dict[str, Any] = {"has_first": has_first, "has_last": has_last, "schedule": type(sched).__name__,
-                           "ropes": {n: _full(b) for m in parts for n, b in m.named_buffers() if n.endswith("rope.cache")},
+                           "ropes": {_fqn(n): _full(b) for m in parts for n, b in m.named_buffers() if n.endswith("rope.cache")},
                            "finite": all(bool(torch.isfinite(_full(p)).all()) for m in parts for p in m.parameters()),
+                           "checkpointed": any("_checkpoint_wrapped_module" in n for m in parts
+                                               for n, _ in m.named_modules()),
                            "dp_rank": parallel_dims.get_mesh("fsdp").get_local_rank() if fsdp > 1 else 0}
     ref = reference_model(name, n_layers)
     full = {n: p.detach() for n, p in ref.named_parameters()}
@@ -163,6 +168,12 @@ def trainer_replay(rank: int, world: int, name: str, route: str, schedule: str, 
         if has_last:
             out["losses"].append(torch.sum(torch.stack(losses)).detach())
     out["params"] = {_fqn(n): _full(p) for m in parts for n, p in m.named_parameters()}
+    tokens, labels = (t.chunk(fsdp)[dp_rank] for t in batches(fsdp)[0])
+    losses = [] if has_last else None  # torchtitan's Validator: eval(arg_mbs=, kwarg_mbs=, target_mbs=, losses=)
+    with torch.no_grad():
+        sched.eval(arg_mbs=[(t,) for t in tokens.chunk(n_mb)] if has_first else None, kwarg_mbs=[{}] * n_mb,
+                   target_mbs=list(labels.chunk(n_mb)) if has_last else None, losses=losses)
+    out["eval"] = torch.sum(torch.stack(losses)) if has_last else None
     return out
 
 

@@ -2,7 +2,8 @@
 on gloo ranks, through pippy_split's ``pipeline_llm`` and through the compat route inside
 torchtitan's own ``pipeline_llm``: losses, every parameter after two optimizer steps (SGD, the
 Trainer's ``clip_grad_norm_`` with the pp mesh) and the MoE load counters equal the unsplit model's
-(fp32, atol 1e-5). The 2-rank cases share one spawn of the ranks, the 4-rank (PP x FSDP2) cases
+(fp32, atol 1e-5), and the Validator's
+``eval(arg_mbs=, kwarg_mbs=, target_mbs=, losses=)`` after them. The 2-rank cases share one spawn of the ranks, the 4-rank (PP x FSDP2) cases
 another."""
 
 from __future__ import annotations
@@ -30,8 +31,13 @@ TWO = [  # (model, route, schedule)
     ("qwen3", "compat", "ZBVZeroBubble"),
     ("deepseek_v3", "compat", "1F1B"),
     ("deepseek_v3", "compat", "ZBVZeroBubble"),
+    ("llama3", "pipeline_llm", "ZBVZeroBubble", 1, 4, True),  # torchtitan's full AC through its parallelize_fn
 ]
-FOUR = [("llama3", "pipeline_llm", "1F1B", 2), ("deepseek_v3", "compat", "Interleaved1F1B", 2)]  # (.., fsdp)
+FOUR = [  # (model, route, schedule, fsdp): PP2 x FSDP2, and PP4
+    ("llama3", "pipeline_llm", "1F1B", 2),
+    ("deepseek_v3", "compat", "Interleaved1F1B", 2),
+    ("qwen3", "pipeline_llm", "1F1B", 1),
+]
 
 
 def _key(case: tuple) -> str:
@@ -55,6 +61,7 @@ def _check(results: list[dict], name: str, dp: int = 1) -> None:
     for r in last:
         for got, want in zip(r["losses"], ref["losses"]):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(r["eval"], ref["eval"], atol=1e-4, rtol=0)  # a sum over 32 tokens
     params: dict = {}
     for r in results:
         assert r["finite"], "init_weights left a non-finite value"
@@ -85,8 +92,13 @@ def test_trainer_sequence_on_two_ranks_equals_unsplit(two_ranks, case) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", FOUR, ids=[_key(c) for c in FOUR])
-def test_pp_x_fsdp2_on_four_ranks_equals_unsplit(four_ranks, case) -> None:
+def test_four_ranks_equal_unsplit(four_ranks, case) -> None:
     _check(case_results(four_ranks, _key(case)), case[0], dp=case[3])
+
+
+def test_full_ac_wrapped_the_blocks(two_ranks) -> None:
+    results = case_results(two_ranks, _key(TWO[-1]))
+    assert all(r["checkpointed"] for r in results)
 
 
 @pytest.mark.xfail(strict=False, raises=TraceError,
