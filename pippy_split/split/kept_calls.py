@@ -36,7 +36,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
-from .calls import ROOT_PREFIX, user_module_path
+from .calls import ROOT_PREFIX, call_tree, user_module_path
+from .module_calls import same_value_outside, signature_key
 from .python_effects import ForwardEffects
 
 __all__ = ["calls_to_keep", "export_keeping_calls", "opaque_calls", "outputs_hidden", "modules_in_regions",
@@ -73,17 +74,49 @@ def export_keeping_calls(model: torch.nn.Module, root: torch.nn.Module, args: tu
     as far as export can keep them (see the module docstring). ``effects``: what the
     forward did in Python (the modules applying a custom autograd Function keep no
     signature inside them). Where the forward did not call a module the class-based guess
-    took as called (a container its parent iterates over), the children it calls are kept
-    too and the model exported again."""
+    took as called (a container its parent iterates over), or where a value leaves a kept call
+    other than through its outputs (:func:`leaky_calls`: no stage can call it whole), the calls
+    inside are kept too and the model exported again."""
     export = _Export(model, root, args, kwargs, dynamic_shapes, strict)
     if cuts is None:
         return _keep(export, [name for name, _ in model.named_modules() if name], effects)
     keep = calls_to_keep(model, cuts)
     ep = _keep(export, keep, effects)
-    more = set(calls_to_keep(model, cuts, _ran_modules(ep))) - set(keep)
-    if more:
-        ep = _keep(export, keep + sorted(more), effects)
+    opened: set[str] = set()
+    for _ in range(_MAX_OPENED):
+        opened |= leaky_calls(ep)
+        more = set(calls_to_keep(model, cuts, _ran_modules(ep), opened)) - set(keep)
+        if not more:
+            break
+        keep = keep + sorted(more)
+        ep = _keep(export, keep, effects)
     return ep
+
+
+_MAX_OPENED = 3
+"""How many levels of leaky calls the trace opens (one export each): a block, its MLP, its router."""
+
+
+def leaky_calls(ep: ExportedProgram) -> set[str]:
+    """The user's modules with a kept call from which a value leaves other than through the
+    call's outputs (a forward hook's side channel, such as Hugging Face's output recorder taking
+    an MoE router's logits): a stage cannot call them whole, so the calls inside them need
+    signatures of their own. A no-op cast of an input read after the call is no leak."""
+    ops = [n for n in ep.graph.nodes if n.op == "call_function"]
+    tree = call_tree(ops)
+    sigs = {user_module_path(e.fqn): e.signature for e in ep.module_call_graph if e.signature is not None}
+    by_name = {n.name: n for n in ep.graph.nodes}
+    out: set[str] = set()
+    for call in tree.calls.values():
+        sig = sigs.get(signature_key(call, call.path))
+        if sig is None:
+            continue
+        span = set(ops[call.first:call.last + 1])
+        returned = {by_name.get(getattr(a, "name", "")) for a in sig.outputs}
+        if any(n not in returned and any(u not in span for u in n.users) and same_value_outside(n, span) is None
+               for n in span):
+            out.add(call.path)
+    return out
 
 
 def _keep(export: _Export, names: list[str], effects: ForwardEffects) -> ExportedProgram:
@@ -138,21 +171,22 @@ def _plain(export: _Export, reason: str, plain: ExportedProgram | None = None) -
     return ep
 
 
-def calls_to_keep(model: torch.nn.Module, split_fqns: Sequence[str], called: set[str] | None = None) -> list[str]:
+def calls_to_keep(model: torch.nn.Module, split_fqns: Sequence[str], called: set[str] | None = None,
+                  opened: Collection[str] = ()) -> list[str]:
     """The modules whose call signatures a trace must keep so that, with cuts at the modules
     ``split_fqns``, every stage can call each user's module that lies whole in it: going down
-    from the root through every module a cut enters (the split points' ancestors) or that is
-    not called as a whole, the first module called whole, and nothing inside it (that runs in
-    its own ``forward``). ``called``: the FQNs a forward called (None: every module whose
-    class has a ``forward``, so a ``ModuleList`` is passed through). Keeping fewer signatures
-    makes ``torch.export`` cheaper.
+    from the root through every module a cut enters (the split points' ancestors), that is
+    not called as a whole, or that is ``opened`` (no stage can call it whole), the first module
+    called whole, and nothing inside it (that runs in its own ``forward``). ``called``: the
+    FQNs a forward called (None: every module whose class has a ``forward``, so a
+    ``ModuleList`` is passed through). Keeping fewer signatures makes ``torch.export`` cheaper.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 2)))
         >>> calls_to_keep(model, ["1.1"]), calls_to_keep(model, ["1"]), calls_to_keep(model, ["1"], called={"0", "1.1"})
         (['0', '1.0', '1.1'], ['0', '1'], ['0', '1.1'])
     """
-    entered = {""}
+    entered = {"", *opened}
     for fqn in split_fqns:
         parts = fqn.split(".")
         entered.update(".".join(parts[:k]) for k in range(1, len(parts)))

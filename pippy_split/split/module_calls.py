@@ -17,7 +17,7 @@ itself come from the whole traced graph before any swap.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.export.graph_signature import ConstantArgument
@@ -25,7 +25,8 @@ from torch.utils import _pytree as pytree
 
 from .calls import Call, CallTree
 
-__all__ = ["called_module_names", "parent_of", "swap_in_module_calls", "outermost_calls", "call_inputs", "output_leaves", "signature_key"]
+__all__ = ["called_module_names", "parent_of", "swap_in_module_calls", "outermost_calls", "call_inputs", "output_leaves", "signature_key",
+           "same_value_outside"]
 
 _NODE_ARGS = ("TensorArgument", "SymIntArgument", "SymFloatArgument", "SymBoolArgument")
 
@@ -50,16 +51,23 @@ def swap_in_module_calls(gm: torch.fx.GraphModule, stage_ops: set[torch.fx.Node]
                          by_name: dict[str, torch.fx.Node], model: torch.nn.Module,
                          user_path: Any) -> list[str]:
     """Replace, in stage module ``gm``, each outermost module call lying whole in the stage
-    (``stage_ops``) by a call of the user's module; returns the swapped FQNs.
+    (``stage_ops``) by a call of the user's module; returns the swapped FQNs. Where a call
+    cannot be swapped (a value leaves it other than through its outputs, such as router logits
+    an output hook records), the calls inside it are tried.
 
     ``env`` maps the whole graph's nodes to ``gm``'s, ``all_ops`` are the whole graph's
     call nodes (``tree`` their module calls), ``signatures`` the preserved call signatures
     by name, ``user_path`` turns an export module path into the user's FQN.
     """
     swapped: list[str] = []
-    for call, fqn, sig in outermost_calls(stage_ops, all_ops, tree, signatures, user_path):
+    todo = outermost_calls(stage_ops, all_ops, tree, signatures, user_path)
+    while todo:
+        call, fqn, sig = todo.pop(0)
         if _swap(gm, env, [all_ops[i] for i in range(call.first, call.last + 1)], sig, by_name, model, fqn):
             swapped.append(fqn)
+        else:
+            inner = _with_signatures([tree.calls[k] for k in call.children], all_ops, tree, signatures, user_path)
+            todo = sorted(todo + inner, key=lambda c: c[0].first)
     if swapped:
         for node in list(gm.graph.nodes):
             if node.op == "get_attr" and not node.users:
@@ -76,8 +84,15 @@ def outermost_calls(stage_ops: set[torch.fx.Node], all_ops: list[torch.fx.Node],
     (it took an object export cannot flatten, such as a cache), its own calls are looked at."""
     inside = [c for c in tree.calls.values() if all(all_ops[i] in stage_ops for i in range(c.first, c.last + 1))]
     keys = {c.key for c in inside}
+    return _with_signatures([c for c in inside if c.parent not in keys], all_ops, tree, signatures, user_path)
+
+
+def _with_signatures(calls: list[Call], all_ops: list[torch.fx.Node], tree: CallTree, signatures: dict[str, Any],
+                     user_path: Any) -> list[tuple[Call, str, Any]]:
+    """``(call, FQN, signature)`` of each of ``calls`` whose signature export kept, and of the
+    outermost calls with one inside each of the others, in call order."""
     out: list[tuple[Call, str, Any]] = []
-    todo = sorted((c for c in inside if c.parent not in keys), key=lambda c: c.first)
+    todo = sorted(calls, key=lambda c: c.first)
     while todo:
         call = todo.pop(0)
         raw = _raw_path(all_ops[call.first], call.key)
@@ -136,7 +151,8 @@ def _swap(gm: torch.fx.GraphModule, env: dict, ops: list[torch.fx.Node], sig: An
             return False
         outs.append(value)
     leaking = [n for n in span if n not in outs and any(u not in span_set for u in n.users)]
-    if leaking:
+    same = _outside_values(leaking, ops, env)
+    if any(src is None for src in same.values()):
         return False  # a value leaves the call other than through its outputs (a side channel)
     try:
         user_module = model.get_submodule(fqn)
@@ -161,9 +177,47 @@ def _swap(gm: torch.fx.GraphModule, env: dict, ops: list[torch.fx.Node], sig: An
         old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in span_set)
     if sig.out_spec.is_leaf():
         call.meta = dict(results[0].meta)
+    for node, src in same.items():  # a no-op cast of an input, read outside: the input itself
+        node.replace_all_uses_with(cast(torch.fx.Node, src), delete_user_cb=lambda u: u not in span_set)
     for node in reversed(span):
         graph.erase_node(node)
     return True
+
+
+_NO_OP_CASTS = (torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,
+                torch.ops.aten.alias.default)
+
+
+def same_value_outside(node: torch.fx.Node, span: set[torch.fx.Node]) -> torch.fx.Node | None:
+    """The value outside a call's ops that ``node`` is, where ``node`` is a chain of casts that
+    change nothing (``x.to(torch.float32)`` of a float32 ``x``: eager returns ``x`` itself, so
+    the model's code reads it after the call, as an RMSNorm's input read as the residual);
+    None for any other value."""
+    while node in span:
+        src = node.args[0] if node.op == "call_function" and node.target in _NO_OP_CASTS and node.args else None
+        if not isinstance(src, torch.fx.Node) or node.kwargs.get("copy") or not _same_tensor(node, src):
+            return None
+        node = src
+    return node
+
+
+def _outside_values(leaking: list[torch.fx.Node], ops: list[torch.fx.Node], env: dict) -> dict[torch.fx.Node, Any]:
+    """For each stage node read after a call (``leaking``), the stage node of the value outside
+    the call it is a no-op cast of, or None; judged on the whole graph (``ops``, the call's),
+    whose nodes carry every value's metadata."""
+    whole = {env[op]: op for op in ops if op in env}
+    inside = set(ops)
+    out: dict[torch.fx.Node, Any] = {}
+    for node in leaking:
+        src = same_value_outside(whole[node], inside) if node in whole else None
+        out[node] = env.get(src) if src is not None else None
+    return out
+
+
+def _same_tensor(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype
+            and va.device == vb.device and [str(d) for d in va.shape] == [str(d) for d in vb.shape])
 
 
 def parent_of(root: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
