@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI, part 2: pippy_split on the newest torch that pip installs here without a pin (README, "Which
+# CI, part 2: pippy_split on the newest torch that pip installs here without a pin (docs/testing.md, "Which
 # torch"). A fresh venv gets `pip install -e ".[test]"` and nothing else, so pip picks torch itself:
 # 2.14.1 where pip is capped to the wheels on this machine's disk, else the newest on PyPI. Then, on
 # it: the main job, tests/compat (the drop-in against the installed torch's own pipelining API and

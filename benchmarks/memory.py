@@ -57,7 +57,7 @@ def _track_held(stages: list, tool: str, peak: list[int]) -> None:
 
 
 def _meta_entry(d: int, world: int) -> zoo.ZooEntry:
-    """The same entry with its model built on the meta device (README: models bigger than one rank)."""
+    """The same entry with its model built on the meta device (docs/splitting.md: models bigger than one rank)."""
     entry = common.gpt(d, num_stages=world)
     m = entry.model
     with torch.device("meta"):

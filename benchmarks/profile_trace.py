@@ -9,7 +9,7 @@ reads those marks back from both ranks' traces (one clock on one machine), draws
 the simulator's SVG renderer, and prints each action kind's measured mean beside the
 simulator's makespan for the same order with those costs.
 
-Outputs: ``benchmarks/results/profile_trace_2ranks.svg`` (in the README) and the two Chrome
+Outputs: ``benchmarks/results/profile_trace_2ranks.svg`` (in docs/profiler.md) and the two Chrome
 traces in ``--trace-dir`` (default a temporary directory; not committed: a few MB each).
 """
 

@@ -2,7 +2,7 @@
 
 Public API (re-exports only). The flow, one direction: split (``pipeline()`` →
 ``Pipe``) → stage (``PipelineStage``) → schedule (pure action lists, lowered with
-comms and validated) → runtime (one interpreter); README.md says how to use it.
+comms and validated) → runtime (one interpreter); README.md and docs/ say how to use it.
 
 Names are imported on first use (PEP 562), so ``import pippy_split`` and the
 ``pippy-split`` command's ``--help`` do not import torch; ``ps.pipeline`` and every

@@ -150,7 +150,7 @@ print(f"packed: {n_tokens} predicted tokens, loss {psched.loss:.4f} == unsplit {
 
 # %% [markdown]
 # `python -m benchmarks.packing` measures what this saves against padding every
-# document to the longest (see the README for the figures), and
+# document to the longest (see docs/variable_lengths.md for the figures), and
 # `pippy-split train --data FILE --pack` trains on the lines of a text file packed
 # this way.
 

@@ -60,7 +60,7 @@ class RunControls:
         Backward needs only the output's autograd node and shape, so its values are
         dropped unless autograd saved them. ``None`` (default): on accelerators
         (CUDA's caching allocator makes it free), not on CPU, where handing the pages
-        back costs more time than it saves (see README, performance). ``True`` /
+        back costs more time than it saves (see docs/performance.md). ``True`` /
         ``False`` force it.
 
         Example:
