@@ -16,6 +16,11 @@ model on the same batch:
                         the same autocast: atol 1e-5 + rtol 1e-4
     loss_count          ZBV, per-item sum loss / the batch's valid items (- where no per-item loss)
     clip 2 / clip inf   ps.clip_grad_norm_ after the ZBV step against torch's on the unsplit model
+    generate            causal LMs: pipe.generate (cut between blocks, 2 stages, one process)
+                        against HF generate on the unsplit model, greedy, left-padded prompts:
+                        ``ok`` (tokens equal, log-probabilities to 1e-5), ``refused`` (a recurrent
+                        state, refused by name at generate's first line), else FAIL; ``-`` for the
+                        other models (``tests/generate/archs.py``, as tests/generate runs it)
 
 A cell is ``ok <max abs error>``, ``FAIL <max abs error>`` (a wrong result), or ``FAIL``
 and the last line of the exception; failures are listed in full below the table.
@@ -37,11 +42,12 @@ from rich.table import Table
 
 COLUMNS = {"split_2": "split N=2", "split_4": "split N=4", "ZBV": "ZBV", "1F1B": "1F1B", "ac_full": "AC full",
            "ac_selective": "AC selective", "bf16": "bf16", "loss_count": "loss_count", "clip_2": "clip 2",
-           "clip_inf": "clip inf"}
+           "clip_inf": "clip inf", "generate": "generate"}
 
 
 def run(names: list[str]) -> dict[str, dict]:
     """``{arch: {check: {"ok", "err", "msg"}} | {"skipped": why} | {"crashed": text}}`` plus seconds."""
+    from tests.generate import archs as gen_archs
     from tests.models import arch_bodies, hf_archs
 
     rows: dict[str, dict] = {}
@@ -54,11 +60,23 @@ def run(names: list[str]) -> dict[str, dict]:
         try:
             outcomes = arch_bodies.evaluate(name)
             rows[name] = {k: {"ok": o.ok, "err": o.err, "msg": o.msg, "cell": o.cell()} for k, o in outcomes.items()}
+            if name in gen_archs.MATRIX:
+                rows[name]["generate"] = _generation_cell(name)
         except Exception as e:  # a rank died or hung: the whole row
             rows[name] = {"crashed": f"{type(e).__name__}: {e}"}
         rows[name]["seconds"] = round(time.perf_counter() - start, 1)
         print(f"{name}: {rows[name]['seconds']} s", flush=True)
     return rows
+
+
+def _generation_cell(name: str) -> dict:
+    """The generate column's cell of a causal LM (see the module docstring)."""
+    from tests.generate import archs as gen_archs
+
+    verdict, detail = gen_archs.generation_check(name)
+    expected = "refused" if name in gen_archs.RECURRENT else "equal"
+    cell = {"equal": f"ok {detail}", "refused": "refused"}.get(verdict, f"FAIL {verdict}")
+    return {"ok": verdict == expected, "err": None, "msg": detail, "cell": cell}
 
 
 def render(rows: dict[str, dict]) -> None:

@@ -108,3 +108,39 @@ def arch_generate_body(rank: int, world: int, name: str, schedule: str, stages: 
     sched = ps.build_schedule(pipe, schedule, 2, loss_fn=lm_loss, group=group)
     out = sched.generate(ids, attention_mask=mask, return_logprobs=True, **kwargs)
     return {"sequences": out.sequences, "logprobs": out.logprobs}
+
+
+def hf_kwargs(model: torch.nn.Module) -> dict:
+    """What HF generate needs to decode ``model`` as the pipe does: HF's own cached generate fails
+    with left-padded prompts while a MoE's router aux loss is on (its loss reads the whole mask
+    beside the new tokens' router logits), so the reference switches it off, as the pipe's
+    decode step does."""
+    return {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
+
+
+def generation_check(name: str, n_new: int = 6) -> tuple[str, str]:
+    """``(verdict, detail)`` of ``pipe.generate`` on ``name`` cut between blocks into 2 stages,
+    against HF generate on the unsplit model (greedy, left-padded prompts): ``"equal"`` (tokens
+    equal, log-probabilities within 1e-5 up to each row's EOS), ``"refused"`` (a GenerationError
+    naming a recurrent state), else ``"differs"`` / ``"raised"`` with what differed or raised.
+    The real-architecture benchmark's generation column and ``test_generate_archs`` use it."""
+    import pippy_split as ps
+    from pippy_split.generate import GenerationError
+
+    from .models import hf_reference, prompts
+    from .test_generate_local import _live
+
+    model = build(name)
+    ids, mask = prompts(True)
+    pipe = ps.pipeline(model, mid_cut(model), (ids[:2],))
+    try:
+        out = pipe.generate(ids, attention_mask=mask, max_new_tokens=n_new, return_logprobs=True)
+    except GenerationError as e:
+        return ("refused" if "recurrent state" in str(e) else "raised"), str(e)
+    ref, ref_logprobs = hf_reference(model, ids, mask, n_new, **hf_kwargs(model))
+    if not torch.equal(out.sequences[:, : ref.shape[1]], ref):
+        return "differs", f"tokens differ: {out.sequences.tolist()} vs {ref.tolist()}"
+    n = ref.shape[1] - ids.shape[1]
+    live = _live(ref[:, ids.shape[1]:], model.generation_config.eos_token_id)  # HF pads a row after its EOS
+    err = float((out.logprobs[:, :n][live] - ref_logprobs[live]).abs().max()) if bool(live.any()) else 0.0
+    return ("equal", f"{err:.1e}") if err <= 1e-5 else ("differs", f"log-probabilities differ by {err:.1e}")
