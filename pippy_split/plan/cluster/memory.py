@@ -25,6 +25,11 @@ element, ``r`` the :class:`.runtime.Runtime`):
   the loss's peak, ``t V / tp`` logits of ``r.logits_bytes`` plus ``r.loss_bytes``
   (``r.loss_parallel_bytes`` under TP > 1) per logit.
 * **Kept outputs** (``r.keeps_outputs``): each microbatch's stage output until the step ends.
+* **When gradients exist** (:func:`timeline_peak`): under PP with FSDP a stage's unsharded
+  gradients are allocated at its first weight-gradient backward and freed (reduce-scattered)
+  after its last, so the rank's peak is found on its simulated timeline, activations and
+  gradients together: on 1F1B's first rank the whole stage's gradients arrive while all its
+  warm-up microbatches are held; an interleaved rank's second stage starts its backward later.
 * **Reserved** (:func:`reserved_bytes`; what ``torch.cuda.max_memory_reserved`` reports and
   torchtitan prints): the caching allocator never returns a freed block to the driver during
   a step and reuses it only for a request it can hold; a block freed by a microbatch's
@@ -36,17 +41,20 @@ element, ``r`` the :class:`.runtime.Runtime`):
   what lives: FSDP's all-gathers at microbatch 1 (pytorch/pytorch#137151: 1.75 GiB active,
   2.67 reserved), a 70B fine-tune (meta-llama/llama-cookbook#120: 42 GB allocated, 63
   reserved). The fraction is one constant, chosen with the kernels' over every published
-  memory figure at once (``benchmarks.published_runs``); it does not reproduce why torchtitan's
-  405B 1F1B run reserved 9.8 GiB more than its Interleaved1F1B run (both within 15%).
+  memory figure at once (``benchmarks.published_runs``). Of the 9.8 GiB torchtitan's 405B
+  1F1B run reserved beyond its Interleaved1F1B run, the gradients' timing gives 3.9.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
+from ...schedule import Action
 from .layout import ClusterLayout
 from .runtime import Runtime
 from .shape import ModelShape
 
-__all__ = ["activation_bytes", "block_activation_bytes", "head_bytes", "static_bytes", "reserved_bytes",
+__all__ = ["activation_bytes", "block_activation_bytes", "head_bytes", "static_bytes", "reserved_bytes", "timeline_peak",
            "ALLOCATOR_SPLIT_FRACTION", "OPTIMIZER_BYTES", "BF16"]
 
 BF16 = 2
@@ -148,6 +156,48 @@ def static_bytes(model: ModelShape, lay: ClusterLayout, layers_on_rank: int, fir
         boundary = (stages_on_rank - (1 if last else 0)) * t * model.hidden / lay.tp * BF16
         out["stage outputs kept until the step ends"] = lay.m * (boundary + (logits * r.logits_bytes if last else 0.0))
     return out
+
+
+def timeline_peak(timeline: Sequence[tuple[float, float, Action]], held: Sequence[float], workspace: Sequence[float],
+                  grads: Mapping[int, float]) -> tuple[float, float]:
+    """The most bytes one rank holds at once over its simulated step (``timeline``: its
+    ``(start, end, action)``), counting each stage's ``held`` bytes per microbatch from its F
+    until its backward ends (B, or W when split), ``workspace`` while a B or I runs, and
+    ``grads[stage]`` from the stage's first B or W to its last; returns the peak and the
+    gradient bytes alive at it.
+
+    Example:
+        >>> from pippy_split.schedule import Action
+        >>> tl = [(0, 1, Action(0, "F", 0)), (1, 2, Action(0, "F", 1)), (2, 4, Action(0, "B", 0)),
+        ...       (4, 6, Action(0, "B", 1))]
+        >>> timeline_peak(tl, held=[10.0], workspace=[1.0], grads={0: 5.0})
+        (26.0, 5.0)
+    """
+    split = any(a.kind.value == "W" for _, _, a in timeline)
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    events: list[tuple[float, int, float, bool]] = []  # (time, 0 frees / 1 allocates, bytes, is a gradient)
+    for start, end, a in timeline:
+        k, s = a.kind.value, a.stage
+        if k == "F":
+            events.append((start, 1, held[s], False))
+        if k == "B" or (k == "W" and split):
+            events.append((end, 0, -held[s], False))
+        if k in ("B", "I"):
+            events += [(start, 1, workspace[s], False), (end, 0, -workspace[s], False)]
+        if k in ("B", "W"):
+            first.setdefault(s, start)
+            last[s] = end
+    for s, t in first.items():
+        events += [(t, 1, grads.get(s, 0.0), True), (last[s], 0, -grads.get(s, 0.0), True)]
+    events.sort(key=lambda e: (e[0], e[1]))
+    now = g = peak = g_at = 0.0
+    for _, _, delta, is_grad in events:
+        now += delta
+        g += delta if is_grad else 0.0
+        if now > peak:
+            peak, g_at = now, g
+    return peak, g_at
 
 
 def reserved_bytes(live_peak: float, largest_transient: float) -> float:

@@ -26,7 +26,7 @@ from ...schedule.orders import get_order_spec
 from .costs import data_parallel_exposed_s, layout_costs, optimizer_s
 from .hardware import Cluster, GiB
 from .layout import ClusterLayout
-from .memory import BF16, reserved_bytes, static_bytes
+from .memory import BF16, reserved_bytes, static_bytes, timeline_peak
 from .runtime import Runtime
 from .shape import ModelShape, model_shape
 
@@ -171,7 +171,13 @@ def price_layout(model: ModelShape, cluster: Cluster, lay: ClusterLayout, schedu
         params = layers * model.layer_params + model.vocab * model.hidden * ((0 in mine) + (S - 1 in mine))
         exposed = max(exposed, data_parallel_exposed_s(model, cluster, lay, layers, compute, one_bwd, runtime)
                       + optimizer_s(model, cluster, lay, params))
-        mem["activations (in flight, from the simulator)"] = (sim.peak_bytes or {}).get(rank, 0.0)
+        grads = _accumulated_grads(model, lay, c.layers, mine, runtime)
+        if grads:  # held from each stage's first backward to its last: found on the timeline
+            key = next(k for k in mem if k.startswith("unsharded gradients"))
+            peak, mem[key] = timeline_peak(sim.timeline.get(rank, []), c.held, c.workspace, grads)
+            mem["activations (in flight, from the simulator)"] = peak - mem[key]
+        else:
+            mem["activations (in flight, from the simulator)"] = (sim.peak_bytes or {}).get(rank, 0.0)
         live = sum(mem.values())
         transient = max([c.workspace[s] for s in mine] or [0.0])
         mem[RESERVE] = reserved_bytes(live, transient) - live
@@ -184,6 +190,22 @@ def price_layout(model: ModelShape, cluster: Cluster, lay: ClusterLayout, schedu
     why = "fits" if fits else _overflow(worst, cluster.hbm_bytes, lay)
     return ClusterCandidate(lay, spec.name, step, tokens / step / cluster.gpus, worst, sim.bubble_fraction, fits,
                             why, cluster, seq_len)
+
+
+def _accumulated_grads(model: ModelShape, lay: ClusterLayout, layers: list[int], mine: list[int],
+                       runtime: Runtime | None) -> dict[int, float]:
+    """Per stage of this rank, the unsharded gradient bytes FSDP2 accumulates across the step's
+    microbatches under PP (none without PP or without sharding: then they are static)."""
+    if lay.pp == 1 or not lay.fsdp or lay.dp * lay.cp == 1:
+        return {}
+    r = runtime or Runtime()
+    last = lay.stages - 1
+    out = {}
+    for s in mine:
+        params = layers[s] * model.layer_params + model.vocab * model.hidden * (
+            (s == 0) + (s == last and not model.tied))
+        out[s] = params / lay.tp * r.grad_accum_bytes
+    return out
 
 
 def _overflow(mem: dict[str, float], budget: float, lay: ClusterLayout) -> str:
