@@ -36,6 +36,9 @@ MEMORY_MISSES = {
     "(Table 1), so the allocator's reserve moved 9 GiB between versions",
 }
 RATIO_MISSES = {
+    ("torchtitan 405B Jul 2024 (held out)", "405B 2D + Float8"): "Float8's gain on 405B (FSDP 16, TP 8) predicted "
+    "1.371 vs 1.624 published (-16%): found after the constants were chosen; the 8B's gain is met (Table 1)",
+    ("torchtitan 405B Jul 2024 (held out)", "405B 2D + Float8 + AsyncTP"): "predicted 1.423 vs 1.697 (-16%), as above",
     ("torchtitan H100 T2", "8B FSDP 2 CP 4 seq 131072"): "predicted 0.335 of the CP 1 row vs 0.275 published (+22%)",
     ("torchtitan H100 T2", "8B FSDP 1 CP 8 seq 262144"): "predicted 0.178 of the CP 1 row vs 0.141 published (+26%)",
     ("torchtitan A100 Llama 2", "70B selective op"): "predicted 0.189 of the 13B no-AC row vs 0.164 published (+15%)",
