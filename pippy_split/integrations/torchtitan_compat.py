@@ -10,7 +10,8 @@ torchtitan's FQN lists, its ``_split_module`` deep copies, its ``parallelize_fn`
 
     spec = dataclasses.replace(llama3.model_registry("8B"), pipelining_fn=compat_pipeline_llm)
 
-Imports torchtitan (the ``pippy_split[torchtitan]`` extra); nothing else in pippy_split does.
+Imports torchtitan (the ``pippy_split[torchtitan]`` extra) where it is installed; nothing else in
+pippy_split does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torchtitan.distributed.pipeline_parallel as _tt_pp
+
+try:  # the pippy_split[torchtitan] extra; without it the module imports and says so when called
+    import torchtitan.distributed.pipeline_parallel as _tt_pp
+except ImportError:
+    _tt_pp = None
 
 from ..compat import schedules as _compat_schedules
 from ..compat.stage import PipelineStage
@@ -61,11 +66,14 @@ def compat_pipelining() -> Iterator[None]:
         ImportError: torchtitan's ``pipeline_parallel`` no longer imports one of the names (another
             torchtitan than 0.3.0): the message names it.
 
-    Example:
-        >>> with compat_pipelining():
-        ...     _tt_pp.PipelineStage is PipelineStage
+    Example (torchtitan's own pipeline_llm, on pippy_split.compat):
+        >>> PIPELINING_NAMES["PipelineStage"] is PipelineStage
         True
+        >>> # with compat_pipelining(): torchtitan.distributed.pipeline_parallel.pipeline_llm(model, ...)
     """
+    if _tt_pp is None:
+        raise ImportError("compat_pipelining needs torchtitan: pip install 'pippy-split[torchtitan]' (and, without "
+                          "CUDA, pip install --no-deps triton==3.8.0)")
     missing = [n for n in PIPELINING_NAMES if not hasattr(_tt_pp, n)]
     if missing:
         raise ImportError(f"torchtitan.distributed.pipeline_parallel has no {missing}: compat_pipelining knows the names "
