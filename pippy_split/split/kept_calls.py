@@ -4,14 +4,12 @@
 A kept signature records which values went into a module call and which came out, so a
 stage can call the user's module object there (hooks, ``fully_shard``, ``parallelize_module``
 apply). Export keeps one where asked (``preserve_module_call_signature``) and fails or
-changes the graph in three places, each handled here rather than by giving up on all:
+changes the graph in the places below, each handled here rather than by giving up on all:
 
-- **A value export cannot flatten** (an HF cache object). Found by one forward on fake
-  tensors (:func:`opaque_calls`). A call that *returns* one (Reformer's encoder returns its
-  ``ReformerDynamicCache``) keeps its signature: export's hook sees a constant there, as the
-  model's own outputs are treated (``trace.py``), while the caller still gets the object
-  (:func:`outputs_hidden`); a stage calling the module leaves that output unread. A call that
-  *takes* one keeps none: its own submodules are kept instead.
+- **A value export cannot flatten** (an HF cache object), found and handled by
+  ``opaque_values.py``: a call that *returns* one (Reformer's encoder) keeps its signature
+  with a constant in that place; a call that *takes* one keeps none, its own submodules are
+  kept instead.
 - **A ``torch.no_grad()`` / autocast region inside a forward** (an MoE router). A signature
   kept for a module called *inside* the region puts export's markers in the region's
   subgraph and changes which values cross it; the modules around the region are fine. So
@@ -21,7 +19,9 @@ changes the graph in three places, each handled here rather than by giving up on
   applies.
 
 :func:`calls_to_keep` narrows the signatures to those the cuts need (export's cost grows
-with each one kept).
+with each one kept): the outermost module calls. Where a value leaves such a call other
+than through its outputs (:func:`leaky_calls`: a hook's side channel), no stage can call it
+whole, so the calls inside it keep signatures too and the model is exported again.
 """
 
 from __future__ import annotations
@@ -32,22 +32,16 @@ from collections.abc import Collection, Iterator, Sequence
 from typing import Any, cast
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
 from .calls import ROOT_PREFIX, call_tree, user_module_path
 from .module_calls import same_value_outside, signature_key
+from .opaque_values import opaque_calls, outputs_hidden
 from .python_effects import ForwardEffects
 
-__all__ = ["calls_to_keep", "export_keeping_calls", "opaque_calls", "outputs_hidden", "modules_in_regions",
-           "same_graph", "fake_forward", "no_stack_traces"]
-
-_FLAT = (torch.Tensor, int, float, bool, str, type(None))  # what export's signature hooks accept
-
-
-def _flattens(leaf: Any) -> bool:
-    return isinstance(leaf, _FLAT)
+__all__ = ["calls_to_keep", "export_keeping_calls", "leaky_calls", "modules_in_regions", "same_graph",
+           "no_stack_traces"]
 
 
 class _Export:
@@ -214,114 +208,6 @@ def _ran_modules(ep: ExportedProgram) -> set[str]:
             if fqn:
                 ran.add(fqn)
     return ran
-
-
-# ---- values export cannot flatten --------------------------------------------------------
-
-def opaque_calls(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[set[str], set[str]]:
-    """``(modules taking, modules returning)`` a value export cannot flatten into tensors and
-    scalars (an HF cache), found by one forward on fake tensors (no compute, no memory)."""
-    takes: set[str] = set()
-    gives: set[str] = set()
-    handles = []
-    for name, mod in model.named_modules():
-        if not name:
-            continue
-
-        def pre(m: Any, a: Any, kw: Any, _n: str = name) -> None:
-            if not all(_flattens(leaf) for leaf in pytree.tree_leaves((a, kw))):
-                takes.add(_n)
-
-        def post(m: Any, a: Any, kw: Any, out: Any, _n: str = name) -> None:
-            if not all(_flattens(leaf) for leaf in pytree.tree_leaves(out)):
-                gives.add(_n)
-
-        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(mod.register_forward_hook(post, with_kwargs=True))
-    try:
-        fake_forward(model, args, kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    return takes, gives
-
-
-@contextlib.contextmanager
-def outputs_hidden(model: torch.nn.Module, names: Collection[str]) -> Iterator[None]:
-    """While the block runs, each call of a module in ``names`` shows a constant (``0``) in
-    place of every output leaf export cannot flatten to the forward hooks registered after
-    this one (export's signature hook), and its caller gets the outputs as returned: the
-    call's signature records a constant there, no value (as the model's own outputs are
-    treated), and a stage calling the module leaves that output unread.
-
-    Example:
-        >>> class Cached(torch.nn.Module):
-        ...     def forward(self, x):
-        ...         return x + 1, object()
-        >>> m = torch.nn.Sequential(Cached())
-        >>> with outputs_hidden(m, ["0"]):
-        ...     h = m[0].register_forward_hook(lambda mod, a, out: print(out[1]))  # as export's, registered after
-        ...     out = m(torch.zeros(1))
-        0
-        >>> h.remove()
-        >>> type(out[1]).__name__
-        'object'
-    """
-    hiders = [_Hider(model.get_submodule(n)) for n in names]
-    try:
-        yield
-    finally:
-        for h in hiders:
-            h.remove()
-
-
-_SHOWN = 0
-"""What export's signature records in place of an opaque output: a constant no stage reads (an
-int: export's signatures take no string, and a container such as an HF ModelOutput drops None)."""
-
-
-class _Hider:
-    """One module's opaque outputs hidden from the hooks after its first forward hook: at
-    each call its pre-hook appends a hook that puts them back after every other hook."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.saved: list[tuple[list[Any], Any, set[int]]] = []
-        self.handles = [module.register_forward_pre_hook(self.arm), module.register_forward_hook(self.hide)]
-        self.restores: list[Any] = []
-
-    def arm(self, module: torch.nn.Module, _args: Any) -> None:
-        # registered now, it runs after the hooks export registered when it started
-        self.restores.append(module.register_forward_hook(self.restore))
-
-    def hide(self, _module: torch.nn.Module, _args: Any, out: Any) -> Any:
-        leaves, spec = pytree.tree_flatten(out)
-        opaque = {i for i, leaf in enumerate(leaves) if not _flattens(leaf)}
-        shown = pytree.tree_unflatten([_SHOWN if i in opaque else x for i, x in enumerate(leaves)], spec)
-        if len(pytree.tree_leaves(shown)) != len(leaves):
-            raise TypeError(f"{type(out).__name__} changes its structure with a constant in place of an opaque output")
-        self.saved.append((leaves, spec, opaque))
-        return shown
-
-    def restore(self, _module: torch.nn.Module, _args: Any, out: Any) -> Any:
-        self.restores.pop().remove()
-        leaves, spec, opaque = self.saved.pop()
-        now = pytree.tree_leaves(out)  # export's: the same leaves, tensors through its markers
-        return pytree.tree_unflatten([leaves[i] if i in opaque else x for i, x in enumerate(now)], spec)
-
-    def remove(self) -> None:
-        for h in self.handles + self.restores:
-            h.remove()
-
-
-def fake_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """One forward of ``model`` on fake tensors (no compute, no memory), for the probes that
-    watch it; an exception ends it quietly (a probe only narrows what is kept)."""
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
-            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
-            model(*fake[0], **fake[1])
-    except Exception:
-        pass
 
 
 # ---- no-grad / autocast regions ------------------------------------------------------------

@@ -2,9 +2,12 @@
 
 The model is wrapped, not patched: a thin root module calls it and replaces
 opaque objects in the output (an HF ``DynamicCache``, which export cannot
-flatten) by ``None``, then ``torch.export`` traces the root. Parameter and
-module names are reported without the wrapper's prefix, so every FQN below is
-the user's own (``blocks.2.attn.qkv.weight``).
+flatten) by ``None``, then ``torch.export`` traces the root, keeping the module
+call signatures ``kept_calls.py`` chooses. What the exported program holds is
+read once into :class:`Traced`: parameter and module names without the
+wrapper's prefix, so every FQN below is the user's own
+(``blocks.2.attn.qkv.weight``), the call's inputs and their checks, and what the
+forward did in Python (``python_effects.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from torch.utils import _pytree as pytree
 
 from .calls import ROOT_PREFIX, user_module_path
 from .errors import TraceError
-from .kept_calls import export_keeping_calls, fake_forward
+from .kept_calls import export_keeping_calls
+from .opaque_values import fake_forward
 from .python_effects import ForwardEffects, StateWrite, modules_kept_traced, watch_forward
 
 __all__ = ["Traced", "trace_model", "ROOT_PREFIX", "user_module_path"]
