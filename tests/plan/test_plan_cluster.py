@@ -30,6 +30,8 @@ from pippy_split.plan.cluster.memory import static_bytes
 from pippy_split.plan.cluster.search import _overflow
 
 GiB = 2**30
+LLAMA_70B = {"num_hidden_layers": 80, "hidden_size": 8192, "intermediate_size": 28672,
+             "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256}
 LLAMA_405B = {"num_hidden_layers": 126, "hidden_size": 16384, "intermediate_size": 53248,
               "num_attention_heads": 128, "num_key_value_heads": 8, "vocab_size": 128256}
 
@@ -169,9 +171,9 @@ def test_cli_plan_cluster_prices_the_runtime_it_is_given(tmp_path, capsys):
     than pippy_split's own runtime on the same layouts; a name it does not know is refused."""
     from pippy_split.cli import main
 
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA_405B))
-    base = ["plan", "--cluster", "h100x512", "--model", f"hf:{tmp_path}", "--seq-len", "8192",
-            "--global-batch-tokens", str(256 * 8192), "--top", "10"]
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    base = ["plan", "--cluster", "h100x64", "--model", f"hf:{tmp_path}", "--seq-len", "8192",
+            "--global-batch-tokens", str(64 * 8192), "--top", "10"]
     tables = {}
     for name in ("pippy_split", "torchtitan-2412"):
         assert main(base + ["--runtime", name]) == 0

@@ -50,6 +50,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ...schedule import Action
+from ...schedule.actions import ActionKind
 from .layout import ClusterLayout
 from .runtime import Runtime
 from .shape import ModelShape
@@ -173,19 +174,23 @@ def timeline_peak(timeline: Sequence[tuple[float, float, Action]], held: Sequenc
         >>> timeline_peak(tl, held=[10.0], workspace=[1.0], grads={0: 5.0})
         (26.0, 5.0)
     """
-    split = any(a.kind.value == "W" for _, _, a in timeline)
+    F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
+    split = any(a.kind is W for _, _, a in timeline)
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     events: list[tuple[float, int, float, bool]] = []  # (time, 0 frees / 1 allocates, bytes, is a gradient)
+    add = events.append
     for start, end, a in timeline:
-        k, s = a.kind.value, a.stage
-        if k == "F":
-            events.append((start, 1, held[s], False))
-        if k == "B" or (k == "W" and split):
-            events.append((end, 0, -held[s], False))
-        if k in ("B", "I"):
-            events += [(start, 1, workspace[s], False), (end, 0, -workspace[s], False)]
-        if k in ("B", "W"):
+        k, s = a.kind, a.stage
+        if k is F:
+            add((start, 1, held[s], False))
+            continue
+        if k is B or (k is W and split):
+            add((end, 0, -held[s], False))
+        if k is B or k is I:
+            add((start, 1, workspace[s], False))
+            add((end, 0, -workspace[s], False))
+        if k is B or k is W:
             first.setdefault(s, start)
             last[s] = end
     for s, t in first.items():
