@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--seq-len", type=int, default=None, help="with --cluster: tokens per sequence")
     pl.add_argument("--global-batch-tokens", type=int, default=None, help="with --cluster: tokens per step")
     pl.add_argument("--efficiency", type=float, default=None,
-                    help="with --cluster: fraction of peak FLOP/s the blocks reach (default: the preset's)")
+                    help="with --cluster: one flat fraction of peak FLOP/s for every matmul and attention "
+                         "(default: each kernel priced by its shape, ps.plan_cluster's kernel model)")
     pl.add_argument("--runtime", default="pippy_split", metavar="NAME",
                     help="with --cluster: the training code priced, pippy_split (default) or torchtitan-2412 "
                          "(ps.Runtime.preset)")
