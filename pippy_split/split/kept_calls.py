@@ -35,7 +35,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
-from .calls import ROOT_PREFIX, call_tree, user_module_path
+from .calls import ROOT_PREFIX, call_tree, module_paths, user_module_path
 from .module_calls import same_value_outside, signature_key
 from .opaque_values import opaque_calls, outputs_hidden
 from .python_effects import ForwardEffects
@@ -88,14 +88,16 @@ def export_keeping_calls(model: torch.nn.Module, root: torch.nn.Module, args: tu
 
 
 _MAX_OPENED = 3
-"""How many levels of leaky calls the trace opens (one export each): a block, its MLP, its router."""
+"""How many more exports the trace may spend opening leaky calls (usually one does)."""
 
 
 def leaky_calls(ep: ExportedProgram) -> set[str]:
-    """The user's modules with a kept call from which a value leaves other than through the
-    call's outputs (a forward hook's side channel, such as Hugging Face's output recorder taking
-    an MoE router's logits): a stage cannot call them whole, so the calls inside them need
-    signatures of their own. A no-op cast of an input read after the call is no leak."""
+    """The user's modules to look inside: each with a kept call from which a value leaves other
+    than through the call's outputs (a forward hook's side channel, such as Hugging Face's
+    output recorder taking an MoE router's logits), so that no stage can call it whole, and
+    every module inside it that the value was made in (its MLP, its router), so that one more
+    export keeps the signatures of the calls inside all of them. A no-op cast of an input read
+    after the call is no leak."""
     ops = [n for n in ep.graph.nodes if n.op == "call_function"]
     tree = call_tree(ops)
     sigs = {user_module_path(e.fqn): e.signature for e in ep.module_call_graph if e.signature is not None}
@@ -107,9 +109,10 @@ def leaky_calls(ep: ExportedProgram) -> set[str]:
             continue
         span = set(ops[call.first:call.last + 1])
         returned = {by_name.get(getattr(a, "name", "")) for a in sig.outputs}
-        if any(n not in returned and any(u not in span for u in n.users) and same_value_outside(n, span) is None
-               for n in span):
-            out.add(call.path)
+        for n in span:
+            if n not in returned and any(u not in span for u in n.users) and same_value_outside(n, span) is None:
+                out.add(call.path)
+                out.update(p for p in module_paths(n) if p.startswith(call.path + "."))
     return out
 
 
