@@ -95,8 +95,8 @@ def leaky_calls(ep: ExportedProgram) -> set[str]:
     """The user's modules to look inside: each with a kept call from which a value leaves other
     than through the call's outputs (a forward hook's side channel, such as Hugging Face's
     output recorder taking an MoE router's logits), so that no stage can call it whole, and
-    every module inside it that the value was made in (its MLP, its router), so that one more
-    export keeps the signatures of the calls inside all of them. A no-op cast of an input read
+    every module between it and the module that made the value (the block's MLP, around its
+    router), so that one more export keeps the signatures of the calls inside all of them. A no-op cast of an input read
     after the call is no leak."""
     ops = [n for n in ep.graph.nodes if n.op == "call_function"]
     tree = call_tree(ops)
@@ -112,7 +112,7 @@ def leaky_calls(ep: ExportedProgram) -> set[str]:
         for n in span:
             if n not in returned and any(u not in span for u in n.users) and same_value_outside(n, span) is None:
                 out.add(call.path)
-                out.update(p for p in module_paths(n) if p.startswith(call.path + "."))
+                out.update(p for p in module_paths(n)[:-1] if p.startswith(call.path + "."))  # not its maker
     return out
 
 
