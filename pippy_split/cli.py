@@ -113,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="sample from a train run on the stages and ranks it trained with")
     gen.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (train's --checkpoint), holding model.pt")
-    gen.add_argument("--prompt", action="append", required=True,
-                     help="text to continue; repeat for several (left-padded into one batch)")
+    gen.add_argument("--prompt", action="append", default=[],
+                     help="text to continue; repeat for several (left-padded into one batch); without it, a folder "
+                          "of runs (checkpoints/) lists its runs")
     gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens added to each prompt (default 32)")
     gen.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
     gen.add_argument("--temperature", type=float, default=1.0, help="with --do-sample: the logits are divided by it")

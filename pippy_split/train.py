@@ -33,23 +33,24 @@ The parts live in :mod:`pippy_split.training` (setup, loop, finish).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
+import dataclasses
 import os
 import re
+import shlex
 import sys
-from collections.abc import Iterator, Mapping
-from typing import Any
 
-from .testing import free_port
-from .training.config import TrainConfig, build_train_parser, config_from_namespace
+from .schedule.orders import ORDERS
+from .training.config import TrainConfig, build_train_parser, config_from_namespace, load_toml
+from .training.errors import JobError, RankFailed, failure_line, rank_traceback, report  # noqa: F401  (importable from here)
 from .training.factory import load_factory, unpack_entry  # noqa: F401  (importable from here, as before)
-from .training.inputs import JobError, check_inputs
-from .training.loop import TRAIN_STATE_DIR, worker  # noqa: F401  (importable from here, as before)
-from .training.setup import CHECKPOINT_FILE, SUM_MAX, Prepared, parse_split, prepare  # noqa: F401
+from .training.inputs import check_inputs
+from .training.launch import Interrupted, launch
+from .training.loop import TRAIN_STATE_DIR, restart_count, worker  # noqa: F401  (importable from here, as before)
+from .training.run_dir import newest_step
+from .training.setup import CHECKPOINT_FILE, DEFAULT_N_LAYER, SUM_MAX, Prepared, gpt_split, parse_split, prepare  # noqa: F401
 
 __all__ = ["build_parser", "main", "run", "worker", "load_factory", "failure_line", "DEFAULT_CHECKPOINT",
-           "TrainConfig"]
+           "TrainConfig", "resume_command"]
 
 DEFAULT_CHECKPOINT = os.path.join("checkpoints", "tiny_gpt")  # the built-in model's run directory
 
@@ -60,39 +61,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                                                  description=__doc__.split("\n\n")[0]))
 
 
-def failure_line(error: Any) -> str:
-    """One line naming the failed rank and its root cause, from the launcher's ``ChildFailedError``.
-
-    The launcher reports the first rank it saw fail; its cause is the exception that
-    rank raised (type and the first line of its message; an error the job found, a
-    :class:`~pippy_split.training.inputs.JobError`, by its message alone), the signal
-    that killed it, or its exit status. For example
-    ``pippy-split train: rank 1 failed: RuntimeError: Numpy is not available``.
-    """
-    rank, failure = error.get_first_failure()
-    message = failure.message
-    if isinstance(message, Mapping):  # the error file's {"message": "Type: text", "extraInfo": ...}
-        message = message.get("message", "")
-    lines = [ln.strip() for ln in str(message or "").splitlines() if ln.strip()]
-    recorded = failure.error_file_data.get("message") not in (None, "<NONE>")  # an exception, in its file
-    if lines and (recorded or failure.exitcode < 0):  # < 0: killed by a signal, which the message names
-        cause = lines[0].removeprefix(f"{JobError.__name__}: ") + (" ..." if len(lines) > 1 else "")
-    else:  # e.g. SystemExit: the launcher's message would only be a link to its docs
-        cause = f"exit status {failure.exitcode} (its own output above says why)"
-    return f"pippy-split train: rank {rank} failed: {cause}"
-
-
-def rank_traceback(error: Any) -> str:
-    """The failed rank's own traceback, where it raised something the job did not find on purpose (a bug):
-    "" for a :class:`~pippy_split.training.inputs.JobError`, a signal or an exit status."""
-    _, failure = error.get_first_failure()
-    data = failure.error_file_data.get("message")
-    if not isinstance(data, Mapping) or str(data.get("message", "")).startswith(f"{JobError.__name__}: "):
-        return ""
-    extra = data.get("extraInfo")
-    return str(extra.get("py_callstack", "")).rstrip() if isinstance(extra, Mapping) else ""
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m pippy_split.train``; returns the exit status."""
     return run(build_parser().parse_args(argv))
@@ -100,68 +68,90 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(options: argparse.Namespace | TrainConfig) -> int:
     """Train with parsed options (flags, or a :class:`TrainConfig`): run the worker under torchrun,
-    else launch ``cfg.ranks`` local ranks."""
-    from .schedule.orders import ORDERS
+    else launch ``cfg.ranks`` local ranks. Every mistake found is reported in one place (:func:`report`)."""
+    try:
+        return _run(options)
+    except JobError as e:
+        return report("train", e)
 
+
+def _run(options: argparse.Namespace | TrainConfig) -> int:
     try:
         cfg = options if isinstance(options, TrainConfig) else config_from_namespace(options)
-    except (SystemExit, TypeError, ValueError, OSError) as e:
-        print(f"pippy-split train: {e}", file=sys.stderr)
-        return 2
-
-    problem = _check_options(cfg, ORDERS) or check_inputs(cfg)
+    except (TypeError, ValueError, OSError) as e:
+        raise JobError(str(e)) from None
+    problem = _check_options(cfg) or check_inputs(cfg, restarted=restart_count() > 0)
     if problem:
-        print(f"pippy-split train: {problem}", file=sys.stderr)
-        return 2
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise JobError(problem)
+    config_file = None if isinstance(options, TrainConfig) else getattr(options, "config", None)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is a rank
         try:
-            worker(cfg)
-        except JobError as e:  # under torchrun: this rank's one line (torchrun reports the exit status)
-            print(f"pippy-split train: rank {os.environ['RANK']} failed: {e}", file=sys.stderr, flush=True)
-            return 1
+            stopped = worker(cfg)
+        except JobError as e:  # this rank's one line (torchrun reports the exit status)
+            raise RankFailed(f"rank {os.environ['RANK']} failed: {e.line}", e.frames) from None
+        if stopped is not None and int(os.environ["RANK"]) == 0:
+            print(_interrupted_line(cfg, config_file, stopped), file=sys.stderr, flush=True)
         return 0
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    # Ranks are spawned, never forked: the launcher's agent runs its rendezvous store on
-    # threads in this process, and a fork taken while another thread holds a lock can
-    # leave a child blocked forever (seen once in CI). Each rank prepares its own run.
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.ranks, rdzv_backend="c10d",
-                          rdzv_endpoint=f"localhost:{free_port()}", run_id=f"pippy-split-{os.getpid()}",
-                          max_restarts=cfg.max_restarts, monitor_interval=0.1, start_method="spawn")
     try:
-        with _quiet_launcher():
-            elastic_launch(config, worker)(cfg, None)
-    except ChildFailedError as e:
-        stack = rank_traceback(e)  # a bug's own frames; an error the job found is its one line
-        if stack:
-            print(stack, file=sys.stderr)
-        print(failure_line(e), file=sys.stderr, flush=True)
-        return 1
+        launch(launched_worker, (cfg,), ranks=cfg.ranks, name="pippy-split", max_restarts=cfg.max_restarts)
+    except Interrupted as e:
+        print(_interrupted_line(cfg, config_file, newest_step(cfg.checkpoint)), file=sys.stderr, flush=True)
+        return 128 + e.signum
+    print(f"next: pippy-split generate {shlex.quote(cfg.checkpoint)} --prompt {shlex.quote(_example_prompt(cfg))}",
+          flush=True)
     return 0
 
 
-@contextlib.contextmanager
-def _quiet_launcher() -> Iterator[None]:
-    """The launcher's own reports of a failed rank (its traceback through the launcher's frames, and the
-    SIGTERM of the others) are left out: :func:`failure_line` says which rank failed and why. Its warnings
-    about restarting the group (``--max-restarts``) still show."""
-    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic.multiprocessing.api",
-                                              "torch.multiprocessing.spawn")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+def launched_worker(cfg: TrainConfig) -> None:
+    """One rank under this command's launcher: :func:`worker`; a rank that stopped on a signal ends its process
+    at once (its state is saved): the launcher, stopping too, no longer collects what ranks return, and the
+    process would wait for it (torch's spawned ranks also take ``sys.exit(0)`` as a return)."""
+    if worker(cfg) is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
-def _check_options(cfg: TrainConfig, schedules: Any) -> str:
+def _interrupted_line(cfg: TrainConfig, config_file: str | None, step: int | None) -> str:
+    """The one line an interrupted run ends with: where it stopped and the command that continues it."""
+    if step is None:
+        return (f"pippy-split train: interrupted before a state was saved in {cfg.checkpoint}; nothing to resume: "
+                "train it again")
+    return f"pippy-split train: interrupted at step {step}; resume with: {resume_command(cfg, config_file)}"
+
+
+def resume_command(cfg: TrainConfig, config_file: str | None = None) -> str:
+    """The ``pippy-split train`` command that continues ``cfg``'s run: ``--config`` and the options that differ
+    from it (or from the defaults), then ``--resume``.
+
+    Example:
+        >>> resume_command(TrainConfig(steps=40, checkpoint="runs/a b"))
+        "pippy-split train --steps 40 --checkpoint 'runs/a b' --resume"
+    """
+    base_values = load_toml(config_file) if config_file else {}
+    base = TrainConfig(**{**base_values, "model": cfg.model, "data": cfg.data})
+    words = ["--config", config_file] if config_file else []
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        if f.name in ("resume", "simulate_failure") or value == getattr(base, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            words += [flag, str(value)]
+    return " ".join(["pippy-split", "train", *map(shlex.quote, words), "--resume"])
+
+
+def _example_prompt(cfg: TrainConfig) -> str:
+    """A prompt to try the trained model with: a sum for the built-in task, else the start of a line."""
+    return "07+45=" if not cfg.data and not cfg.model else "The"
+
+
+def _check_options(cfg: TrainConfig) -> str:
     """What is wrong with the options, before any rank starts ("" if nothing)."""
-    if cfg.schedule not in schedules:
-        return f"unknown schedule {cfg.schedule!r}; choose from {', '.join(schedules)}"
+    if cfg.schedule not in ORDERS:
+        return f"unknown schedule {cfg.schedule!r}; choose from {', '.join(ORDERS)}"
     if cfg.checkpoint_every < 0 or cfg.max_restarts < 0:
         return "--checkpoint-every and --max-restarts must be >= 0"
     if cfg.grad_accum < 1 or cfg.log_every < 1 or cfg.eval_every < 0 or cfg.steps < 1:
@@ -190,6 +180,32 @@ def _check_options(cfg: TrainConfig, schedules: Any) -> str:
                 "not with --pack or a factory's own batch")
     if cfg.simulate_failure and not re.fullmatch(r"\d+:\d+", cfg.simulate_failure):
         return f"--simulate-failure takes RANK:STEP (e.g. 1:5), got {cfg.simulate_failure!r}"
+    return _stage_count(cfg)
+
+
+def _stage_count(cfg: TrainConfig) -> str:
+    """A ``--split`` the schedule cannot place on the pipeline's ranks, or a built-in model with too few blocks
+    for the schedule's stages: what is wrong and what works ("" if nothing)."""
+    if cfg.plan:  # the plan chooses the split
+        return ""
+    spec, pp = ORDERS[cfg.schedule], cfg.ranks // (cfg.dp * cfg.tp)
+    given = parse_split(cfg.split)
+    if given:
+        n = len(dict.fromkeys(given)) + 1
+        if spec.fits(n, pp):
+            return ""
+        per = spec.default_stages_per_rank()
+        works = [f"{per * pp - 1} split points ({per * pp} stages)"]
+        works += [f"--ranks {r * cfg.dp * cfg.tp} for these {n} stages" for r in range(1, n + 1)
+                  if spec.fits(n, r)][:1]
+        works += [f"--schedule {name}" for name, other in ORDERS.items() if other.fits(n, pp)][:2]
+        return (f"--split {cfg.split} makes {n} stages, which {cfg.schedule} cannot place on {pp} pipeline rank"
+                f"{'s' if pp != 1 else ''} (it needs {spec.stage_rule()}); what works: {'; or '.join(works)}")
+    if cfg.model is None:
+        try:
+            gpt_split(cfg.n_layer or DEFAULT_N_LAYER, pp * spec.default_stages_per_rank(), cfg.schedule)
+        except JobError as e:
+            return e.line
     return ""
 
 

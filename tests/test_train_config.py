@@ -13,6 +13,7 @@ import torch
 import pippy_split as ps
 from pippy_split import zoo
 from pippy_split.training.config import TrainConfig, build_train_parser, field_docs, parse_train_args
+from pippy_split.training.errors import JobError
 from pippy_split.training.optim import average_accumulated, lr_at
 from pippy_split.training.setup import CHECKPOINT_FILE, load_model_file
 
@@ -36,7 +37,7 @@ def test_toml_file_then_flags_then_defaults(tmp_path):
 def test_bad_toml_names_the_key(tmp_path, text, message):
     job = tmp_path / "job.toml"
     job.write_text(text)
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(JobError, match=message):
         parse_train_args(["--config", str(job)])
 
 
@@ -99,7 +100,7 @@ def test_model_file_loads_weights_only_and_refuses_a_code_payload(tmp_path, monk
     bad.mkdir()
     with open(bad / CHECKPOINT_FILE, "wb") as f:
         pickle.dump({"state_dict": {}, "meta": _Payload()}, f)
-    with pytest.raises(SystemExit, match="is not a checkpoint this job wrote .* so it will not be loaded"):
+    with pytest.raises(JobError, match="is not a checkpoint this job wrote .* so it will not be loaded"):
         load_model_file(str(bad))
     assert not (tmp_path / "pwned_by_model_pt").exists()  # refused, not executed
 

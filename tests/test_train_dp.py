@@ -6,10 +6,12 @@ both compare with one plain run."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from pippy_split.training.config import TrainConfig
+from pippy_split.training.config import TrainConfig, load_toml
+from pippy_split.training.errors import JobError
 from pippy_split.training.nd import block_split
 from pippy_split.training.setup import model_source
 from pippy_split.zoo.gpt import TinyGPT
@@ -26,12 +28,26 @@ def test_dp_and_tp_runs_cut_between_blocks_or_refuse_by_name(tmp_path):
     for flags in ({"dp": 2}, {"tp": 2}):
         cfg = TrainConfig(model=f"hf:{tmp_path / 'tiny.json'}", data="unused.txt", **flags)
         assert model_source(cfg, 4)[1] == ["model.layers.1", "model.layers.2", "model.layers.3"]
-    assert model_source(TrainConfig(model=f"hf:{tmp_path / 'tiny.json'}", data="x"), 4)[1] == 4  # plain: balanced
     gpt = TinyGPT(vocab_size=8, d_model=8, n_layer=2, n_head=2, block_size=8)
-    with pytest.raises(SystemExit, match=r"--dp 2 shards whole blocks, so each of the 4 stages needs one: TinyGPT "
+    assert block_split(TrainConfig(), gpt, 4, None) == 4  # a plain run with fewer blocks than stages: balanced
+    gpt = TinyGPT(vocab_size=8, d_model=8, n_layer=2, n_head=2, block_size=8)
+    with pytest.raises(JobError, match=r"--dp 2 shards whole blocks, so each of the 4 stages needs one: TinyGPT "
                                          r"has 2 \(blocks\)"):
         block_split(TrainConfig(dp=2), gpt, 4, None)
-    with pytest.raises(SystemExit, match=r"--dp 2 --tp 2 shards whole blocks \(blocks\.\*\), so the split must fall "
+    with pytest.raises(JobError, match=r"--dp 2 --tp 2 shards whole blocks \(blocks\.\*\), so the split must fall "
                                          r"between blocks; blocks\.1\.mlp is inside one"):
         block_split(TrainConfig(dp=2, tp=2), gpt, 2, ["blocks.1.mlp"])
     assert block_split(TrainConfig(dp=2), gpt, 2, ["blocks.1"]) == ["blocks.1"]
+
+
+def test_the_readme_s_toml_run_cuts_at_block_boundaries_so_it_can_generate():
+    """Issue 39: the job's default split of examples/qwen2_tiny.toml (a plain run, no --dp) falls between the
+    decoder layers, where generation keeps each stage's own KV cache; it used to balance by cost, cutting inside
+    model.layers.3."""
+    pytest.importorskip("transformers")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    values = load_toml(os.path.join(root, "examples", "qwen2_tiny.toml"))
+    values["model"] = "hf:" + os.path.join(root, values["model"][3:])
+    cfg = TrainConfig(**values)
+    assert cfg.dp == cfg.tp == 1 and cfg.split is None
+    assert model_source(cfg, 4)[1] == ["model.layers.1", "model.layers.2", "model.layers.3"]

@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pippy_split.train import main
+from pippy_split.training.config import TrainConfig
+from pippy_split.training.errors import JobError
+from pippy_split.training.setup import prepare
 
 
 def _one_line(capsys, *argv: str) -> str:
@@ -36,8 +39,43 @@ def test_inputs_are_checked_before_any_rank_starts(tmp_path, capsys, monkeypatch
     line = _one_line(capsys, "--steps", "1", "--checkpoint", "a_file/run")
     assert line.startswith("pippy-split train: cannot write the run directory a_file/run: Not a directory"), line
     assert _one_line(capsys, "--resume", "--checkpoint", "fresh") == (
-        "pippy-split train: --resume: fresh/model.pt does not exist (--checkpoint names the directory of the run "
-        "to continue)")
+        "pippy-split train: --resume: fresh holds no complete state to continue (neither model.pt nor train_state/; "
+        "--checkpoint or --run-name names the run)")
+
+
+def test_a_run_directory_holding_a_run_is_not_overwritten(tmp_path, capsys, monkeypatch):
+    """Issue 40: rerunning a run name without --resume used to truncate its metrics.jsonl and train over it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoints" / "mine").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "mine" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    assert _one_line(capsys, "--steps", "1", "--run-name", "mine") == (
+        "pippy-split train: checkpoints/mine already holds a run (metrics.jsonl): continue it with --resume, or "
+        "train a new one under another --run-name (or --checkpoint DIR)")
+    assert (tmp_path / "checkpoints" / "mine" / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
+
+
+def test_stage_counts_the_schedule_cannot_place_are_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    """Issue 40: --ranks 3 --split with 4 stages failed inside a rank after 49 s and left an empty run directory;
+    the default model on 3 ranks was another model (305,792 parameters). Now: refused here, saying what works,
+    with no run directory; and the default TinyGPT is the same on any number of ranks."""
+    monkeypatch.chdir(tmp_path)
+    assert _one_line(capsys, "--ranks", "3", "--split", "blocks.1,blocks.2,blocks.3", "--steps", "1") == (
+        "pippy-split train: --split blocks.1,blocks.2,blocks.3 makes 4 stages, which ZBVZeroBubble cannot place on "
+        "3 pipeline ranks (it needs exactly 2 stages per rank (stages = 2 x ranks)); what works: 5 split points "
+        "(6 stages); or --ranks 2 for these 4 stages")
+    assert _one_line(capsys, "--ranks", "4", "--steps", "1") == (
+        "pippy-split train: the built-in TinyGPT has 4 blocks, so it cuts into at most 6 stages (embeddings, one "
+        "per block, head); ZBVZeroBubble places 8: pass --n-layer 6 or more, fewer --ranks, or a schedule with one "
+        "stage per rank (1F1B)")
+    assert not (tmp_path / "checkpoints").exists()
+    stages = {}
+    for ranks in (2, 3):
+        prep = prepare(TrainConfig(ranks=ranks, seq_len=8), ranks, lambda *a, **k: None)
+        assert sum(s.num_params for s in prep.pipe.stages) == 205_824, ranks
+        stages[ranks] = [list(s.modules) for s in prep.pipe.stages]
+    assert stages == {2: [["tok_emb", "pos_emb", "blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3", "ln_f", "head"]],
+                      3: [["tok_emb", "pos_emb"], ["blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3"],
+                          ["ln_f", "head"]]}  # whole blocks: the run can generate
 
 
 class _RunsCode:
@@ -51,12 +89,12 @@ def test_a_model_pt_holding_pickled_objects_is_refused_as_not_this_job_s(tmp_pat
     from pippy_split.training.setup import load_model_file
 
     torch.save({"state_dict": {}, "meta": _RunsCode()}, tmp_path / "model.pt")
-    with pytest.raises(SystemExit) as refused:
+    with pytest.raises(JobError) as refused:
         load_model_file(str(tmp_path))
-    text = str(refused.value)
+    text = refused.value.line
     assert text == (f"{tmp_path / 'model.pt'} is not a checkpoint this job wrote (it holds print); a "
                     "pickled object could run code when loaded, so it will not be loaded"), text
     assert "weights_only" not in text and "this ran" not in capsys.readouterr().out
     torch.save({"weights": torch.zeros(2)}, tmp_path / "model.pt")
-    with pytest.raises(SystemExit, match=r"is not a checkpoint this job wrote \(no \"state_dict\" of tensors"):
+    with pytest.raises(JobError, match=r"is not a checkpoint this job wrote \(no \"state_dict\" of tensors"):
         load_model_file(str(tmp_path))

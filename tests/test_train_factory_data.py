@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pippy_split.training.config import TrainConfig
+from pippy_split.training.errors import JobError
 from pippy_split.training.setup import prepare
 from pippy_split.training.text import read_documents
 
@@ -90,12 +91,12 @@ def test_a_middle_rank_never_reads_the_data(in_tmp):
 
 
 def test_a_factory_without_a_loss_says_which_fields_to_give(in_tmp):
-    with pytest.raises(SystemExit, match=r"gives no loss_fn and its forward takes no labels="):
+    with pytest.raises(JobError, match=r"gives no loss_fn and its forward takes no labels="):
         prepare(_cfg(in_tmp, model="data_models:bigram"), world=2, log=print)
-    with pytest.raises(SystemExit, match=r"gives no loss_fn and target: .*model, args \(one batch\), loss_fn and "
+    with pytest.raises(JobError, match=r"gives no loss_fn and target: .*model, args \(one batch\), loss_fn and "
                                          r"target.*--data FILE"):
         prepare(_cfg(in_tmp, model="data_models:bigram", data=None), world=2, log=print)
-    with pytest.raises(SystemExit, match="the model is called as model\\(input_ids\\).*has 2 tensors"):
+    with pytest.raises(JobError, match="the model is called as model\\(input_ids\\).*has 2 tensors"):
         prepare(_cfg(in_tmp, model="data_models:two_inputs"), world=2, log=print)
 
 
@@ -105,7 +106,7 @@ def test_jsonl_documents_by_field_and_a_bad_line_named(tmp_path):
     train, held = read_documents(TrainConfig(data=str(path)))
     assert train == [f"doc {i}\n" for i in range(18)] and held == ["doc 18\n", "doc 19\n"]
     path.write_text('{"text": "a"}\n{"body": "b", "id": 2}\n')
-    with pytest.raises(SystemExit, match=r"line 2 has no string field 'text' \(it has: body, id\); .*--data-field"):
+    with pytest.raises(JobError, match=r"line 2 has no string field 'text' \(it has: body, id\); .*--data-field"):
         read_documents(TrainConfig(data=str(path)))
     path.write_text('{"body": "b", "id": 2}\n')
     assert read_documents(TrainConfig(data=str(path), data_field="body")) == (["b\n"], [])
@@ -118,7 +119,7 @@ def test_a_saved_dataset_trains_on_train_and_holds_out_validation(tmp_path):
     splits.save_to_disk(str(tmp_path / "ds"))
     train, held = read_documents(TrainConfig(data=str(tmp_path / "ds")))
     assert train == ["a b\n", "c d\n", "e f\n"] and held == ["held\n"]
-    with pytest.raises(SystemExit, match=r"has no column 'body' \(it has: text\)"):
+    with pytest.raises(JobError, match=r"has no column 'body' \(it has: text\)"):
         read_documents(TrainConfig(data=str(tmp_path / "ds"), data_field="body"))
 
 

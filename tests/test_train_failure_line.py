@@ -45,7 +45,7 @@ def test_an_error_found_in_a_rank_is_one_line(tmp_path):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     r = subprocess.run([sys.executable, "-m", "pippy_split.cli", "train", "--steps", "1", "--samples", "1",
-                        "--split", "blocks.9", "--checkpoint", str(tmp_path / "run")],
+                        "--split", "blocks.1,blocks.2,blocks.9", "--checkpoint", str(tmp_path / "run")],
                        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=150)
     assert r.returncode == 1, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

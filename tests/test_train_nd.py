@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from pippy_split.training.errors import JobError
 from pippy_split.training.nd import fsdp_patterns, tp_plan_for
 from pippy_split.training.setup import load_model_file
 
@@ -100,5 +101,5 @@ def test_tp_plans_are_known_layouts_only():
     gpt = TinyGPT(vocab_size=8, d_model=8, n_layer=2, n_head=2, block_size=8)
     assert sorted(tp_plan_for(gpt)) == ["blocks.*.mlp.fc", "blocks.*.mlp.proj"]
     assert fsdp_patterns(gpt) == ["blocks.*"]
-    with pytest.raises(SystemExit, match="--tp: no tensor-parallel plan for Sequential"):
+    with pytest.raises(JobError, match="--tp: no tensor-parallel plan for Sequential"):
         tp_plan_for(torch.nn.Sequential(torch.nn.Linear(2, 2)))

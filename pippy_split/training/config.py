@@ -22,6 +22,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import JobError
+
 __all__ = ["TrainConfig", "build_train_parser", "parse_train_args", "load_toml"]
 
 
@@ -203,7 +205,7 @@ def load_toml(path: str) -> dict[str, Any]:
         try:
             import tomli as tomllib  # type: ignore[no-redef]
         except ModuleNotFoundError:
-            raise SystemExit("--config needs Python 3.11+ (tomllib) or `pip install tomli`") from None
+            raise JobError("--config needs Python 3.11+ (tomllib) or `pip install tomli`") from None
     with open(path, "rb") as f:
         values = tomllib.load(f)
     values = {k.replace("-", "_"): v for k, v in values.items()}
@@ -212,12 +214,12 @@ def load_toml(path: str) -> dict[str, Any]:
         if key not in known:
             near = difflib.get_close_matches(key, known, n=3)
             hint = f"; did you mean {', '.join(near)}?" if near else ""
-            raise SystemExit(f"{path}: unknown option {key!r}{hint} (options: {', '.join(known)})")
+            raise JobError(f"{path}: unknown option {key!r}{hint} (options: {', '.join(known)})")
         kind, optional = _base_type(str(known[key].type))
         wanted: dict[str, type | tuple[type, ...]] = {"bool": bool, "int": int, "float": (int, float), "str": str}
         want = wanted[kind]
         if not isinstance(value, want) or (kind == "int" and isinstance(value, bool)):
-            raise SystemExit(f"{path}: {key} = {value!r} should be {kind}")
+            raise JobError(f"{path}: {key} = {value!r} should be {kind}")
     return values
 
 

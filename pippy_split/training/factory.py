@@ -32,7 +32,10 @@ from typing import Any, Callable
 
 import torch
 
+from .. import zoo
 from .config import TrainConfig
+from .errors import JobError
+from .hf import causal_lm_loss
 
 __all__ = ["load_factory", "unpack_entry", "vocab_size_of", "takes_labels", "factory_loss"]
 
@@ -47,8 +50,6 @@ def load_factory(spec: str) -> Callable[[], Any]:
         'MLPStack'
     """
     if spec.startswith("zoo:"):
-        from .. import zoo
-
         name = spec[4:]
         return lambda: zoo.get(name)
     if ":" not in spec:
@@ -95,20 +96,18 @@ def vocab_size_of(model: torch.nn.Module) -> int | None:
 
 def factory_loss(cfg: TrainConfig, model: torch.nn.Module, loss_fn: Any, target: Any) -> Callable:
     """The loss to train with: the factory's, or the causal LM loss derived for a model taking ``labels=``
-    on ``--data``; otherwise a SystemExit that says which fields to give."""
-    from .hf import causal_lm_loss
-
+    on ``--data``; otherwise a JobError that says which fields to give."""
     if cfg.data:
         if loss_fn is not None:
             return loss_fn
         if takes_labels(model):
             return causal_lm_loss
-        raise SystemExit(f"--model {cfg.model} --data: {type(model).__name__} gives no loss_fn and its forward takes no "
+        raise JobError(f"--model {cfg.model} --data: {type(model).__name__} gives no loss_fn and its forward takes no "
                          "labels= (so it is not known to be a causal LM); return an object with a loss_fn(output, "
                          "next_tokens) field beside model and args")
     if loss_fn is None or target is None:
         missing = " and ".join(n for n, v in (("loss_fn", loss_fn), ("target", target)) if v is None)
-        raise SystemExit(f"--model {cfg.model} gives no {missing}: without --data the job trains on the factory's own "
+        raise JobError(f"--model {cfg.model} gives no {missing}: without --data the job trains on the factory's own "
                          f"batch, so return an object with the fields {_FIELDS}; or pass --data FILE to train a "
                          "language model on a text (its loss derived when its forward takes labels=)")
     return loss_fn
@@ -119,10 +118,10 @@ def data_example(cfg: TrainConfig, model: torch.nn.Module, args: tuple, kwargs: 
     refuses a factory whose example takes more than the token ids."""
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     if len(tensors) > 1:
-        raise SystemExit(f"--model {cfg.model} --data: the model is called as model(input_ids) on the file's tokens, "
+        raise JobError(f"--model {cfg.model} --data: the model is called as model(input_ids) on the file's tokens, "
                          f"but the factory's example has {len(tensors)} tensors; return (model, (input_ids,)) or the "
                          "model alone")
     if vocab_size_of(model) is None:
-        raise SystemExit(f"--model {cfg.model} --data: cannot tell {type(model).__name__}'s vocabulary (no "
+        raise JobError(f"--model {cfg.model} --data: cannot tell {type(model).__name__}'s vocabulary (no "
                          "config.vocab_size, no nn.Embedding)")
     return torch.zeros(cfg.batch_size // cfg.microbatches, cfg.seq_len, dtype=torch.long)

@@ -24,11 +24,15 @@ from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 
+import pippy_split as ps
+
 from ..checkpoint.files import save_file
+from ..zoo.gpt import generate
 from .config import TrainConfig
 from .corpus import parse_sum, sum_prompt
 from .hf import export_hf, is_hf
-from .setup import CHECKPOINT_FILE, SUM_MAX, Prepared, fresh_model
+from .run_dir import CHECKPOINT_FILE
+from .setup import SUM_MAX, Prepared, fresh_model
 
 if TYPE_CHECKING:
     from ..zoo.gpt import TinyGPT
@@ -44,8 +48,6 @@ def save_model_file(path: str, state_dict: dict, meta: dict) -> str:
 
 def finish(cfg: TrainConfig, prep: Prepared, dcp_dir: str, losses: list[float], world: int,
            log: Callable[..., None]) -> None:
-    import pippy_split as ps
-
     fresh = fresh_model(cfg, prep)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -87,8 +89,6 @@ def _data_description(cfg: TrainConfig, prep: Prepared) -> str:
 
 def sample(cfg: TrainConfig, model: torch.nn.Module, corpus, log: Callable[..., None]) -> None:
     """Greedy samples from ``model`` (the built-in sums are judged right or wrong)."""
-    from ..zoo.gpt import generate
-
     model = cast("TinyGPT", model)  # the built-in model (sampling runs only for it)
     rng = random.Random(cfg.seed + 1234)
     if cfg.data:

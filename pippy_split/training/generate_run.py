@@ -30,8 +30,21 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+import pippy_split as ps
+
+from ..generate import GenerateOptions, GenerationError
+from ..zoo.gpt import TinyGPT
 from .config import TrainConfig
-from .inputs import JobError, as_job_error
+from .errors import JobError, RankFailed, as_job_error, report
+from .factory import vocab_size_of
+from .launch import Interrupted, launch
+from .nd import Layout, block_split, parallelize_stages
+from .prompts import PromptCodec
+from .run_dir import CHECKPOINT_FILE, TRAIN_STATE_DIR, load_model_file, runs_in
+from .setup import fresh_model, gpt_split, model_source, parse_split, stages_per_rank
 
 __all__ = ["GenerateRequest", "make_request", "render", "run", "generate_worker", "generate_rank", "run_config",
            "rebuild_pipe"]
@@ -50,6 +63,8 @@ class GenerateRequest:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    eos_token_id: int | None = None
+    """Where a row stops (the task's end: the built-in sums' newline); None: the model's own EOS."""
 
     def sampling(self) -> dict[str, Any]:
         """The token-choice arguments of ``generate``."""
@@ -95,20 +110,20 @@ def run_config(meta: dict, run_dir: str) -> TrainConfig:
 
 def read_run(run_dir: str) -> dict:
     """``RUN_DIR/model.pt`` (weights and meta), or a :class:`JobError` saying what is missing."""
-    from .loop import TRAIN_STATE_DIR
-    from .setup import CHECKPOINT_FILE, load_model_file
-
     if not os.path.isdir(run_dir):
         raise JobError(f"{run_dir}: no such run directory (the --checkpoint directory of a pippy-split train run)")
+    inside = runs_in(run_dir)
+    if inside:
+        first = os.path.join(run_dir, next(iter(inside)))
+        raise JobError(f"{run_dir} holds runs, not one ({', '.join(inside)}): name one, e.g. pippy-split generate "
+                       f"{first} --prompt TEXT")
     if not os.path.isfile(os.path.join(run_dir, CHECKPOINT_FILE)):
         unfinished = os.path.isdir(os.path.join(run_dir, TRAIN_STATE_DIR))
         why = (f"the run has not finished (train writes {CHECKPOINT_FILE} at its end; its {TRAIN_STATE_DIR}/ is a "
                "checkpoint to continue with train --resume)") if unfinished else "it is not a pippy-split train run"
         raise JobError(f"{run_dir} holds no trained weights ({CHECKPOINT_FILE}): {why}")
-    try:
-        return load_model_file(run_dir)
-    except SystemExit as e:
-        raise JobError(str(e.code)) from None
+    return load_model_file(run_dir, advice="point generate at the directory of a run train finished, or train "
+                           "it again")
 
 
 # --------------------------------------------------------------------------- one rank
@@ -130,10 +145,6 @@ def rebuild_pipe(cfg: TrainConfig, saved: dict, pp: int) -> Rebuilt:
 
     import pippy_split as ps
 
-    from ..zoo.entry import layer_split
-    from ..zoo.gpt import TinyGPT
-    from .nd import block_split
-    from .setup import fresh_model, model_source, parse_split, stages_per_rank
 
     meta = saved["meta"]
     num_stages = pp * stages_per_rank(cfg.schedule)
@@ -141,7 +152,7 @@ def rebuild_pipe(cfg: TrainConfig, saved: dict, pp: int) -> Rebuilt:
     model: torch.nn.Module
     if meta.get("gpt_config"):  # the built-in TinyGPT: its config is recorded; its text is not needed
         model = TinyGPT(**meta["gpt_config"])
-        given = parse_split(cfg.split) or layer_split("blocks", meta["gpt_config"]["n_layer"], num_stages)
+        given = parse_split(cfg.split) or gpt_split(meta["gpt_config"]["n_layer"], num_stages, cfg.schedule)
         split = block_split(cfg, model, num_stages, given)
         args: tuple = (torch.zeros(max(1, cfg.batch_size // cfg.microbatches), cfg.seq_len, dtype=torch.long),)
         kwargs: dict = {}
@@ -169,8 +180,6 @@ def rebuild_pipe(cfg: TrainConfig, saved: dict, pp: int) -> Rebuilt:
 
 
 def _check_vocabulary(model: Any, ids: Any) -> None:
-    from .factory import vocab_size_of
-
     vocab = vocab_size_of(model)
     if vocab is not None and int(ids.max()) >= vocab:
         raise JobError(f"a prompt has token id {int(ids.max())}, beyond the model's vocab_size {vocab}")
@@ -179,12 +188,6 @@ def _check_vocabulary(model: Any, ids: Any) -> None:
 def generate_rank(req: GenerateRequest, rank: int, world: int, device: Any) -> list[list[int]]:
     """This rank's part: rebuild the run's stages on the run's mesh, ``sched.generate``; every rank
     returns each row's new tokens (up to and with its EOS)."""
-    import torch
-
-    import pippy_split as ps
-
-    from .nd import Layout, parallelize_stages
-
     saved = read_run(req.run_dir)
     cfg = run_config(saved["meta"], req.run_dir)
     if world != cfg.ranks:
@@ -195,8 +198,11 @@ def generate_rank(req: GenerateRequest, rank: int, world: int, device: Any) -> l
     parallelize_stages(cfg, sched, built.model, layout)
     ids, mask = torch.tensor(req.input_ids, device=device), torch.tensor(req.attention_mask, device=device)
     _check_vocabulary(built.model, ids)
-    out = sched.generate(ids, attention_mask=mask, **req.sampling())  # the same call and result on every rank
-    eos = getattr(getattr(built.model, "generation_config", None), "eos_token_id", None)
+    eos = req.eos_token_id
+    if eos is None:
+        eos = getattr(getattr(built.model, "generation_config", None), "eos_token_id", None)
+    out = sched.generate(ids, attention_mask=mask, eos_token_id=req.eos_token_id,
+                         **req.sampling())  # the same call and result on every rank
     return [_until_eos(row, eos) for row in out.sequences[:, ids.shape[1]:].tolist()]
 
 
@@ -212,9 +218,6 @@ def _until_eos(tokens: list[int], eos: int | list[int] | None) -> list[int]:
 def generate_worker(req: GenerateRequest) -> list[list[int]]:
     """One rank of ``pippy-split generate`` (under torchrun or the launcher): its process group, then
     :func:`generate_rank`. An error the command found reaches the launcher as its message alone."""
-    import torch
-    import torch.distributed as dist
-
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
@@ -240,10 +243,9 @@ def generate_worker(req: GenerateRequest) -> list[list[int]]:
 def make_request(args: argparse.Namespace) -> tuple[GenerateRequest, Any, int]:
     """The request every rank gets, the run's vocabulary, and how many ranks the run used; a
     :class:`JobError` for anything wrong that shows before a rank starts."""
-    from ..generate import GenerateOptions, GenerationError
-    from .prompts import PromptCodec
-
     run_dir = os.path.abspath(args.run_dir)
+    if not args.prompt:
+        raise JobError("--prompt TEXT is required (repeat it for several prompts)")
     meta = read_run(args.run_dir)["meta"]
     cfg = run_config(meta, run_dir)
     try:  # generate's own checks of the arguments, here before any rank starts
@@ -255,65 +257,118 @@ def make_request(args: argparse.Namespace) -> tuple[GenerateRequest, Any, int]:
         raise JobError("--" + field.replace("_", "-") + text[len(field):] if field else text) from None
     codec = PromptCodec.of_run(cfg, meta)
     ids, mask = codec.batch(list(args.prompt))
+    _check_positions(cfg, meta, ids.shape[1], args.max_new_tokens)
     req = GenerateRequest(run_dir=run_dir, input_ids=ids.tolist(), attention_mask=mask.tolist(),
                           max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=_task_end(cfg, codec))
     return req, codec, cfg.ranks
 
 
-def render(prompts: list[str], completions: list[str], as_json: bool = False) -> str:
-    """What the command prints: each prompt followed by its completion, one per line, or a JSON list.
+def _check_positions(cfg: TrainConfig, meta: dict, prompt_len: int, new_tokens: int) -> None:
+    """A prompt plus its new tokens beyond the model's positions, as the run's config says them (the built-in
+    TinyGPT's ``block_size``, a Hugging Face config's ``max_position_embeddings``): refused here."""
+    limit, name = None, ""
+    if meta.get("gpt_config"):
+        limit, name = meta["gpt_config"].get("block_size"), "TinyGPT's block_size"
+    elif cfg.model and cfg.model.startswith("hf:"):
+        path = cfg.model[3:]
+        path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        try:
+            with open(path, encoding="utf-8") as f:
+                values = json.load(f)
+        except (OSError, ValueError):
+            values = {}
+        key = next((k for k in ("max_position_embeddings", "n_positions") if isinstance(values.get(k), int)), None)
+        limit, name = (values[key], f"{os.path.basename(path)}'s {key}") if key else (None, "")
+    if isinstance(limit, int) and prompt_len + new_tokens > limit:
+        raise JobError(f"the longest prompt is {prompt_len} tokens, and {prompt_len} + --max-new-tokens {new_tokens} = "
+                       f"{prompt_len + new_tokens} positions, beyond the model's {limit} ({name}); shorten the prompt "
+                       f"or ask for at most {max(0, limit - prompt_len)} new tokens")
+
+
+def _task_end(cfg: TrainConfig, codec: Any) -> int | None:
+    """The built-in sums end an answer with a newline: generation stops there (None: the model's own EOS)."""
+    return codec.chars.index("\n") if is_sums(cfg, codec) and "\n" in codec.chars else None
+
+
+def is_sums(cfg: TrainConfig, codec: Any) -> bool:
+    """A run of the built-in TinyGPT on the built-in sums (whose answers are written backwards)."""
+    return codec.kind == "chars" and not cfg.data and not cfg.model
+
+
+def render(prompts: list[str], completions: list[str], as_json: bool = False, reversed_sums: bool = False) -> str:
+    """What the command prints: each prompt followed by its completion, or a JSON list. Completions of one line
+    are one line each; several of more lines are set apart by a blank line. ``reversed_sums``: each answer is
+    also read back the right way round, after a note saying the digits are written backwards.
 
     Example:
         >>> print(render(["1+2=", "3+4="], ["3", "7"]), end="")
         1+2=3
         3+4=7
+        >>> print(render(["07+45="], ["25"], reversed_sums=True), end="")
+        (the model writes an answer's digits backwards, as it trained: 07+45=25 is 7 + 45 = 52)
+        07+45=25    i.e. 7 + 45 = 52
         >>> render(["1+2="], ["3"], as_json=True)
         '[{"prompt": "1+2=", "completion": "3"}]\\n'
     """
     if as_json:
         return json.dumps([{"prompt": p, "completion": c} for p, c in zip(prompts, completions)],
                           ensure_ascii=False) + "\n"
-    return "".join(p + c + "\n" for p, c in zip(prompts, completions))
+    if reversed_sums:
+        note = "(the model writes an answer's digits backwards, as it trained: 07+45=25 is 7 + 45 = 52)\n"
+        return note + "".join(f"{p}{c}{_read_back(p, c)}\n" for p, c in zip(prompts, completions))
+    texts = [p + c.rstrip("\n") for p, c in zip(prompts, completions)]
+    sep = "\n\n" if len(texts) > 1 and any("\n" in t for t in texts) else "\n"
+    return sep.join(texts) + "\n"
 
 
-def _print(args: argparse.Namespace, codec: Any, completions: list[list[int]]) -> None:
-    print(render(list(args.prompt), [codec.decode(c) for c in completions], args.json), end="", flush=True)
+def _read_back(prompt: str, completion: str) -> str:
+    """``    i.e. 7 + 45 = 52`` for a sum prompt and a reversed answer of digits ("" otherwise)."""
+    lhs, _, _ = prompt.partition("=")
+    a, plus, b = lhs.partition("+")
+    answer = completion.strip()
+    if not (plus and a.isdigit() and b.isdigit() and answer.isdigit()):
+        return ""
+    return f"    i.e. {int(a)} + {int(b)} = {int(answer[::-1])}"
+
+
+def _print(args: argparse.Namespace, codec: Any, completions: list[list[int]], sums: bool) -> None:
+    texts = [codec.decode(c).removesuffix("\n") if sums else codec.decode(c) for c in completions]
+    print(render(list(args.prompt), texts, args.json, reversed_sums=sums), end="", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    """``pippy-split generate``: check, launch the run's ranks (or, under torchrun, be one), print rank 0's text."""
+    """``pippy-split generate``: check, launch the run's ranks (or, under torchrun, be one), print rank 0's text.
+    A folder of runs (``checkpoints/``) without ``--prompt``: the runs in it."""
+    runs = runs_in(args.run_dir)
+    if runs and not args.prompt:
+        print(f"runs in {args.run_dir}:")
+        for name, state in runs.items():
+            print(f"  {os.path.join(args.run_dir, name)}  {state}")
+        print(f"generate from one: pippy-split generate {os.path.join(args.run_dir, next(iter(runs)))} --prompt TEXT",
+              flush=True)
+        return 0
     try:
-        req, codec, ranks = make_request(args)
-    except (JobError, SystemExit) as e:
-        print(f"pippy-split generate: {e if isinstance(e, JobError) else e.code}", file=sys.stderr)
-        return 2
+        return _run(args)
+    except JobError as e:
+        return report("generate", e)
+
+
+def _run(args: argparse.Namespace) -> int:
+    req, codec, ranks = make_request(args)
+    sums = is_sums(run_config(read_run(args.run_dir)["meta"], req.run_dir), codec)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         try:
             completions = generate_worker(req)
         except JobError as e:
-            print(f"pippy-split generate: rank {os.environ['RANK']} failed: {e}", file=sys.stderr, flush=True)
-            return 1
+            raise RankFailed(f"rank {os.environ['RANK']} failed: {e.line}", e.frames) from None
         if int(os.environ["RANK"]) == 0:
-            _print(args, codec, completions)
+            _print(args, codec, completions, sums)
         return 0
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from ..testing import free_port
-    from ..train import _quiet_launcher, failure_line, rank_traceback
-
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, rdzv_backend="c10d",
-                          rdzv_endpoint=f"localhost:{free_port()}", run_id=f"pippy-split-generate-{os.getpid()}",
-                          max_restarts=0, monitor_interval=0.1, start_method="spawn")
     try:
-        with _quiet_launcher():
-            results = elastic_launch(config, generate_worker)(req)
-    except ChildFailedError as e:
-        stack = rank_traceback(e)
-        if stack:
-            print(stack, file=sys.stderr)
-        print(failure_line(e).replace("pippy-split train:", "pippy-split generate:", 1), file=sys.stderr, flush=True)
-        return 1
-    _print(args, codec, results[0])
+        results = launch(generate_worker, (req,), ranks=ranks, name="pippy-split-generate", command="generate")
+    except Interrupted as e:
+        print("pippy-split generate: interrupted", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    _print(args, codec, results[0], sums)
     return 0

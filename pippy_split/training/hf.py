@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .config import TrainConfig
+from .errors import JobError
 
 __all__ = ["hf_model", "load_tokenizer", "causal_lm_loss", "export_hf", "is_hf", "SafetensorsStateDict",
            "tied_aliases", "pretrained_dir"]
@@ -36,7 +37,7 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise SystemExit("--model hf:... needs transformers: pip install 'pippy-split[job]' "
+        raise JobError("--model hf:... needs transformers: pip install 'pippy-split[job]' "
                          "(or pip install transformers)") from None
     return transformers
 
@@ -48,11 +49,11 @@ def hf_config(spec: str) -> Any:
     if os.path.isdir(path):
         return t.AutoConfig.from_pretrained(path, local_files_only=True)
     if not os.path.isfile(path):
-        raise SystemExit(f"--model {spec}: {path} is neither a config.json file nor a directory holding one")
+        raise JobError(f"--model {spec}: {path} is neither a config.json file nor a directory holding one")
     with open(path, encoding="utf-8") as f:
         values = json.load(f)
     if "model_type" not in values:
-        raise SystemExit(f"--model {spec}: {path} has no model_type (e.g. \"qwen2\", \"llama\")")
+        raise JobError(f"--model {spec}: {path} has no model_type (e.g. \"qwen2\", \"llama\")")
     return t.AutoConfig.for_model(**values)
 
 
@@ -112,7 +113,7 @@ class SafetensorsStateDict(Mapping):
         else:
             single = os.path.join(directory, "model.safetensors")
             if not os.path.isfile(single):
-                raise SystemExit(f"{directory} has no model.safetensors or model.safetensors.index.json")
+                raise JobError(f"{directory} has no model.safetensors or model.safetensors.index.json")
             from safetensors import safe_open
 
             with safe_open(single, "pt") as f:

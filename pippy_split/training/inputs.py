@@ -20,33 +20,21 @@ import json
 import os
 
 from ..checkpoint.layout import CheckpointError
+from ..zoo import ZOO
 from .config import TrainConfig
+from .errors import JobError, as_job_error, user_frames
+from .factory import load_factory
 from .metrics import make_run_dir
+from .run_dir import CHECKPOINT_FILE, TRAIN_STATE_DIR, held_run_files, load_model_file, newest_step
 
 __all__ = ["check_inputs", "JobError", "as_job_error"]
 
 
-class JobError(Exception):
-    """An error the job found inside a rank (a bad input, a refused split, ...): its message, one line first,
-    is what the user reads; the launcher's side prints no traceback for it."""
-
-
-def as_job_error(e: BaseException) -> JobError | None:
-    """The :class:`JobError` for an error the job or the library raised on purpose: ``SystemExit`` with a
-    message, an error class of ``pippy_split`` (named in the text), an ``OSError``; None for anything else
-    (a bug, whose traceback the user needs)."""
-    if isinstance(e, JobError):
-        return e
-    if isinstance(e, SystemExit):
-        return JobError(e.code) if isinstance(e.code, str) else None
-    if type(e).__module__.startswith("pippy_split.") or isinstance(e, OSError):
-        return JobError(f"{type(e).__name__}: {e}")
-    return None
-
-
-def check_inputs(cfg: TrainConfig) -> str:
-    """What is wrong with the run's files, factory and run directory ("" if nothing); makes the run directory."""
-    for check in (_data, _model, _tokenizer, _run_dir, _resume):
+def check_inputs(cfg: TrainConfig, restarted: bool = False) -> str:
+    """What is wrong with the run's files, factory and run directory ("" if nothing); makes the run directory.
+    ``restarted``: a rank the launcher restarted (its run directory is its own)."""
+    checks = (_data, _model, _tokenizer, _resume) + (() if restarted else (_not_another_run,)) + (_run_dir,)
+    for check in checks:
         problem = check(cfg)
         if problem:
             return problem
@@ -70,8 +58,6 @@ def _model(cfg: TrainConfig) -> str:
     if spec.startswith("hf:"):
         return _hf_config(spec)
     if spec.startswith("zoo:"):
-        from ..zoo import ZOO
-
         name = spec[4:]
         return "" if name in ZOO else f"--model {spec}: no zoo model {name!r} (the zoo has: {', '.join(ZOO)})"
     return _factory(spec)
@@ -79,8 +65,6 @@ def _model(cfg: TrainConfig) -> str:
 
 def _factory(spec: str) -> str:
     """``module:factory`` imports and names an attribute (importing the module runs its top level once here)."""
-    from .factory import load_factory
-
     try:
         factory = load_factory(spec)
     except ValueError as e:
@@ -90,6 +74,9 @@ def _factory(spec: str) -> str:
     except AttributeError:
         module, attr = spec.split(":", 1)
         return f"--model {spec}: module {module} has no {attr}"
+    except Exception as e:  # the user's module raised while it was imported: their frames, then the cause
+        raise JobError(f"--model {spec}: importing {spec.split(':', 1)[0]} raised {type(e).__name__}: {e}"
+                       .splitlines()[0], user_frames(e)) from None
     if not callable(factory):
         return f"--model {spec}: {spec.split(':', 1)[1]} is a {type(factory).__name__}, not a callable factory"
     return ""
@@ -129,21 +116,35 @@ def _run_dir(cfg: TrainConfig) -> str:
     return ""
 
 
-def _resume(cfg: TrainConfig) -> str:
-    from .setup import CHECKPOINT_FILE
+def _not_another_run(cfg: TrainConfig) -> str:
+    """A run directory that already holds a run is continued (``--resume``) or left alone, never overwritten."""
+    held = held_run_files(cfg.checkpoint)
+    if cfg.resume or not held:
+        return ""
+    return (f"{cfg.checkpoint} already holds a run ({', '.join(held)}): continue it with --resume, or train a new "
+            "one under another --run-name (or --checkpoint DIR)")
 
-    path = os.path.join(cfg.checkpoint, CHECKPOINT_FILE)
+
+def _resume(cfg: TrainConfig) -> str:
+    """``--resume`` continues the newest complete state: ``train_state/`` (saved at ``--checkpoint-every``, at
+    the end, or when the run was interrupted) or ``model.pt``."""
     if not cfg.resume:
         return ""
-    if not os.path.isfile(path):
-        return f"--resume: {path} does not exist (--checkpoint names the directory of the run to continue)"
-    from .loop import TRAIN_STATE_DIR, saved_position
-
-    done = (saved_position(os.path.join(cfg.checkpoint, TRAIN_STATE_DIR)) or {}).get("step")
-    if isinstance(done, int) and done >= cfg.steps:
+    model_pt = os.path.join(cfg.checkpoint, CHECKPOINT_FILE)
+    done = newest_step(cfg.checkpoint)
+    if done is None and not os.path.isfile(model_pt):
+        return (f"--resume: {cfg.checkpoint} holds no complete state to continue (neither {CHECKPOINT_FILE} nor "
+                f"{TRAIN_STATE_DIR}/; --checkpoint or --run-name names the run)")
+    if done is not None and done >= cfg.steps:
         return (f"--resume: the run in {cfg.checkpoint} has trained {done} steps and --steps {cfg.steps} is the "
                 f"total, not more steps: pass --steps above {done} to train on")
-    return _unreadable("--resume", path)
+    if os.path.isfile(model_pt):
+        problem = _unreadable("--resume", model_pt)
+        if problem:
+            return problem
+        load_model_file(cfg.checkpoint, advice=f"move it away: --resume then continues from {TRAIN_STATE_DIR}/ "
+                        "where it is complete, else train the run again")
+    return ""
 
 
 def _unreadable(flag: str, path: str) -> str:

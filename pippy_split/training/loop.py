@@ -16,31 +16,30 @@ from __future__ import annotations
 import os
 import signal
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 import pippy_split as ps
 
 from ..schedule.simulate import simulate
 from .batches import count_tokens, heldout_batch, to_device, train_batch
 from .config import TrainConfig
+from .errors import as_job_error
 from .finish import finish
-from .inputs import as_job_error
-from .metrics import METRICS_FILE, RunLog, make_run_dir, peak_memory_mib
+from .metrics import RunLog, make_run_dir, peak_memory_mib
 from .nd import Layout, parallelize_stages
 from .optim import average_accumulated, lr_at, make_optimizer
 from .planned import planned_config
+from .run_dir import METRICS_FILE, TRAIN_STATE_DIR, saved_position
 from .setup import SUM_MAX, Prepared, pack_budget, prepare
+from .stop import StopRequest
 
-__all__ = ["worker", "train_rank", "RunState", "TRAIN_STATE_DIR"]
-
-TRAIN_STATE_DIR = "train_state"  # pippy_split.checkpoint of the stages + AdamW, beside model.pt
+__all__ = ["worker", "train_rank", "RunState", "TRAIN_STATE_DIR", "saved_position"]
 
 
 @dataclass
@@ -57,12 +56,14 @@ class RunState:
                 "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "steps": cfg.steps, "seed": cfg.seed}
 
 
-def worker(cfg: TrainConfig, prepared: Prepared | None = None) -> None:
-    """One rank of the training run (call under torchrun or the elastic launcher).
+def worker(cfg: TrainConfig, prepared: Prepared | None = None) -> int | None:
+    """One rank of the training run (call under torchrun or the elastic launcher): None when it trained to
+    the end, else the step after which SIGINT or SIGTERM stopped it (its state saved for ``--resume``).
 
     ``prepared``: a :func:`~pippy_split.training.setup.prepare` result made
     elsewhere (tests); None to prepare here.
     """
+    stop = StopRequest().install()  # first: a Ctrl-C while this rank starts is a stop at the first boundary
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
@@ -73,7 +74,7 @@ def worker(cfg: TrainConfig, prepared: Prepared | None = None) -> None:
         torch.set_num_threads(1)
     _init_group("nccl" if use_cuda else "gloo")
     try:
-        train_rank(cfg, prepared, dist.get_rank(), dist.get_world_size(), device)
+        return train_rank(cfg, prepared, dist.get_rank(), dist.get_world_size(), device, stop)
     except BaseException as e:
         found = as_job_error(e)  # an error the job found on purpose: its message, without the traceback
         if found is None or found is e:
@@ -84,8 +85,9 @@ def worker(cfg: TrainConfig, prepared: Prepared | None = None) -> None:
 
 
 def train_rank(cfg: TrainConfig, prepared: Prepared | None, rank: int, world: int,
-               device: torch.device) -> None:
-    """Build this rank's stages, train ``cfg.steps`` steps (resuming if restarted), save, finish."""
+               device: torch.device, stop: StopRequest | None = None) -> int | None:
+    """Build this rank's stages, train ``cfg.steps`` steps (resuming if restarted), save, finish; stopped by
+    ``stop`` at a step boundary: save, and return that step (None: it trained to the end)."""
     console = job_console()
     log = console.print if rank == 0 else (lambda *a, **k: None)
     if rank == 0:  # first, while the other ranks trace: a directory in the way fails here, named, before any collective
@@ -99,11 +101,15 @@ def train_rank(cfg: TrainConfig, prepared: Prepared | None, rank: int, world: in
     dcp_dir = os.path.join(cfg.checkpoint, TRAIN_STATE_DIR)
     state = _start(cfg, sched, opt, dcp_dir, log)
     bubble = _banner(cfg, prep, layout, device, log)
-    _loop(cfg, prep, sched, opt, state, rank, device, console, dcp_dir, bubble, layout)
+    stopped = _loop(cfg, prep, sched, opt, state, rank, device, console, dcp_dir, bubble, layout,
+                    stop or StopRequest())
     # every rank writes its stages and optimizer state (DCP, original FQNs) for --resume
     ps.checkpoint.save(dcp_dir, sched, opt, extra=state.extra(cfg))
+    if stopped:
+        return state.step
     if rank == 0:
         finish(cfg, prep, dcp_dir, state.losses, layout.pp, log)
+    return None
 
 
 def job_console(file: Any = None) -> Console:
@@ -162,7 +168,7 @@ def _start(cfg: TrainConfig, sched: Any, opt: torch.optim.Optimizer, dcp_dir: st
         state.data_gen.set_state(extra["data_rng"])
         log(f"[green]restart {restart_count()}: resumed[/] from step {state.step} ({dcp_dir})")
         return state
-    if cfg.resume and os.path.isdir(dcp_dir):
+    if cfg.resume and saved_position(dcp_dir) is not None:  # the newest complete state (model.pt's is older)
         # Weights came from model.pt before pipelining; this restores AdamW's state too,
         # whatever stage layout wrote it (the checkpoint is keyed by original FQNs), and where
         # the run stopped: its step (so the LR schedule and metrics.jsonl go on), data order and losses.
@@ -177,18 +183,6 @@ def _start(cfg: TrainConfig, sched: Any, opt: torch.optim.Optimizer, dcp_dir: st
     if cfg.checkpoint_every:  # a restart before the first N steps finds this, not an older run's
         ps.checkpoint.save(dcp_dir, sched, opt, extra=state.extra(cfg))
     return state
-
-
-def saved_position(dcp_dir: str) -> dict | None:
-    """The ``extra`` a run saved with its stages (step, data order, losses, steps, seed, run id), read
-    without a process group or the model; None where there is no complete checkpoint."""
-    if not os.path.isfile(os.path.join(dcp_dir, ".metadata")):
-        return None
-    probe = torch.nn.Module()  # no keys: reads only ``extra``
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # every key of the checkpoint is "unexpected" to the probe
-        extra = ps.checkpoint.load(dcp_dir, probe, strict=False, no_dist=True)
-    return extra if isinstance(extra, dict) else None
 
 
 def _ours(cfg: TrainConfig, dcp_dir: str) -> bool:
@@ -230,11 +224,14 @@ def _maybe_fail(cfg: TrainConfig, rank: int, step: int) -> None:
 
 
 def _loop(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimizer, state: RunState,
-          rank: int, device: torch.device, console: Any, dcp_dir: str, bubble: float, layout: Layout) -> None:
+          rank: int, device: torch.device, console: Any, dcp_dir: str, bubble: float, layout: Layout,
+          stop: StopRequest) -> bool:
+    """Train to ``cfg.steps``; True where every rank agreed to stop early (SIGINT / SIGTERM)."""
     plain = not console.is_terminal  # a file, SLURM, CI: lines every --log-every steps instead of a bar
     progress = Progress(TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                        TextColumn("bubble {task.fields[bubble]}"), TimeElapsedColumn(),
+                        TextColumn("bubble {task.fields[bubble]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                        TimeRemainingColumn(),
                         console=console, disable=rank != 0 or plain)
     run_log = RunLog(cfg.checkpoint, log_every=cfg.log_every, tensorboard=cfg.tensorboard, plain=plain,
                      print_fn=lambda text: console.print(text, highlight=False),
@@ -246,11 +243,14 @@ def _loop(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimiz
     if cfg.eval_every and not evaluates and rank == 0:
         console.print("--eval-every: no held-out data (--data under 10 documents, or a factory's own batch): "
                       "not evaluating")
-    tokens, t0 = 0, time.perf_counter()
+    tokens, t0, first_step, stopped = 0, time.perf_counter(), state.step, False
     with progress:
         task = progress.add_task("train", total=cfg.steps, completed=state.step, loss="-", tps="-",
                                  bubble=f"{bubble:.1%}")
         while state.step < cfg.steps:
+            if stop.agreed(device):  # every rank stops after the same step
+                stopped = True
+                break
             _maybe_fail(cfg, rank, state.step)
             lr = lr_at(cfg, state.step)
             loss, grad_norm, step_tokens = _train_step(cfg, prep, sched, opt, state, lr, device, layout)
@@ -269,9 +269,11 @@ def _loop(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimiz
                 ps.checkpoint.save(dcp_dir, sched, opt, extra=state.extra(cfg))
     if run_log is not None:
         run_log.close()
-    if rank == 0 and state.losses:
-        console.print(f"first loss {state.losses[0]:.4f}   last loss {state.losses[-1]:.4f}   ({cfg.steps} steps, "
-                      f"{time.perf_counter() - t0:.1f} s; per step: {os.path.join(cfg.checkpoint, METRICS_FILE)})")
+    if rank == 0 and state.losses and not stopped:  # the steps this run made (a resumed run: since it resumed)
+        console.print(f"first loss {state.losses[0]:.4f}   last loss {state.losses[-1]:.4f}   "
+                      f"({state.step - first_step} steps, {time.perf_counter() - t0:.1f} s; per step: "
+                      f"{os.path.join(cfg.checkpoint, METRICS_FILE)})")
+    return stopped
 
 
 def _train_step(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimizer, state: RunState, lr: float,

@@ -31,10 +31,9 @@ import torch
 
 from ..checkpoint.files import check_ancestors, failure_reason
 from ..checkpoint.layout import CheckpointError
+from .run_dir import METRICS_FILE
 
 __all__ = ["RunLog", "METRICS_FILE", "peak_memory_mib"]
-
-METRICS_FILE = "metrics.jsonl"
 
 
 def peak_memory_mib(device: torch.device) -> float:

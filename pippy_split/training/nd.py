@@ -37,6 +37,7 @@ import pippy_split as ps
 
 from ..zoo.entry import layer_split
 from .config import TrainConfig
+from .errors import JobError
 
 __all__ = ["Layout", "fsdp_patterns", "tp_plan_for", "parallelize_stages", "block_split"]
 
@@ -72,7 +73,7 @@ class Layout:
         if cfg.dp == 1 and cfg.tp == 1:
             return cls.plain(world, rank)
         if world % (cfg.dp * cfg.tp):
-            raise SystemExit(f"{world} ranks cannot hold --dp {cfg.dp} x --tp {cfg.tp} (the world must be a multiple)")
+            raise JobError(f"{world} ranks cannot hold --dp {cfg.dp} x --tp {cfg.tp} (the world must be a multiple)")
         pp = world // (cfg.dp * cfg.tp)
         mesh = init_device_mesh(device.type, (cfg.dp, pp, cfg.tp), mesh_dim_names=("dp", "pp", "tp"))
         return cls(pp=pp, dp=cfg.dp, tp=cfg.tp, pp_rank=mesh.get_local_rank("pp"),
@@ -104,34 +105,40 @@ def _block_list(model: torch.nn.Module) -> str | None:
 
 
 def block_split(cfg: TrainConfig, model: torch.nn.Module, num_stages: int, given: Any) -> Any:
-    """The split of a ``--dp``/``--tp`` run: FSDP2 and TP apply to whole blocks, so every cut falls between blocks.
+    """The run's split: every cut falls between blocks, so FSDP2 and TP apply to whole blocks (``--dp``/``--tp``)
+    and the run can generate (each stage keeps the KV cache of its own blocks).
 
-    ``given`` (the user's ``--split`` or a factory's FQNs) is kept when no cut enters a block, else refused
-    by name; without one (or with a stage count) the blocks are dealt out evenly, where a plain run balances
-    by cost and may cut inside blocks. A run without ``--dp``/``--tp`` gets ``given`` or ``num_stages`` (balanced).
+    ``given`` (the user's ``--split`` or a factory's FQNs) is kept (under ``--dp``/``--tp`` only where no cut
+    enters a block, else refused by name); without one the blocks (the model's largest ``nn.ModuleList``) are
+    dealt out evenly. A plain run of a model with fewer blocks than stages (or none) is balanced by cost
+    (``num_stages``), which may cut inside blocks.
 
     Example:
         >>> from pippy_split.zoo.gpt import TinyGPT
         >>> gpt = TinyGPT(vocab_size=8, d_model=8, n_layer=4, n_head=2, block_size=8)
         >>> block_split(TrainConfig(dp=2), gpt, 2, None), block_split(TrainConfig(), gpt, 2, None)
-        (['blocks.2'], 2)
+        (['blocks.2'], ['blocks.2'])
+        >>> block_split(TrainConfig(), gpt, 8, None)  # more stages than blocks: balanced by cost
+        8
     """
-    if cfg.dp == 1 and cfg.tp == 1:
-        return given or num_stages
     blocks = _block_list(model)
+    n = len(cast(torch.nn.ModuleList, model.get_submodule(blocks))) if blocks is not None else 0
+    if cfg.dp == 1 and cfg.tp == 1:
+        if given:
+            return given
+        return layer_split(blocks, n, num_stages) if blocks is not None and n >= num_stages else num_stages
     flags = f"--dp {cfg.dp}" if cfg.tp == 1 else f"--tp {cfg.tp}" if cfg.dp == 1 else f"--dp {cfg.dp} --tp {cfg.tp}"
     if isinstance(given, (list, tuple, dict)) and given:  # FQNs (a dict's keys: FQN -> SplitPoint)
         inside = [c for c in given if blocks is not None and re.match(rf"{re.escape(blocks)}\.\d+\.", str(c))]
         if inside:
-            raise SystemExit(f"{flags} shards whole blocks ({blocks}.*), so the split must fall between blocks; "
-                             f"{', '.join(map(str, inside))} is inside one: split at blocks (e.g. "
-                             f"{blocks}.1) or leave --split out")
+            raise JobError(f"{flags} shards whole blocks ({blocks}.*), so the split must fall between blocks; "
+                           f"{', '.join(map(str, inside))} is inside one: split at blocks (e.g. "
+                           f"{blocks}.1) or leave --split out")
         return given
-    n = len(cast(torch.nn.ModuleList, model.get_submodule(blocks))) if blocks is not None else 0
     if n < num_stages:
-        raise SystemExit(f"{flags} shards whole blocks, so each of the {num_stages} stages needs one: "
-                         f"{type(model).__name__} has {n} ({blocks or 'no nn.ModuleList of blocks'}); use fewer "
-                         "ranks, or a schedule with one stage per rank (1F1B)")
+        raise JobError(f"{flags} shards whole blocks, so each of the {num_stages} stages needs one: "
+                       f"{type(model).__name__} has {n} ({blocks or 'no nn.ModuleList of blocks'}); use fewer "
+                       "ranks, or a schedule with one stage per rank (1F1B)")
     assert blocks is not None
     return layer_split(blocks, n, num_stages)
 
@@ -149,7 +156,7 @@ def fsdp_patterns(model: torch.nn.Module) -> list[str] | None:
 
 
 def tp_plan_for(model: torch.nn.Module) -> dict[str, Any]:
-    """The tensor-parallel plan for the model's blocks (see the module docstring); SystemExit for a model
+    """The tensor-parallel plan for the model's blocks (see the module docstring); a JobError for a model
     with none of the known layouts."""
     blocks = _block_list(model)
     names = {n for n, _ in model.named_modules()}
@@ -158,7 +165,7 @@ def tp_plan_for(model: torch.nn.Module) -> dict[str, Any]:
             plan: dict[str, Any] = {f"{blocks}.*.{m}": ColwiseParallel() for m in colwise}
             plan.update({f"{blocks}.*.{m}": RowwiseParallel() for m in rowwise})
             return plan
-    raise SystemExit(f"--tp: no tensor-parallel plan for {type(model).__name__}: the job knows Llama-family blocks "
+    raise JobError(f"--tp: no tensor-parallel plan for {type(model).__name__}: the job knows Llama-family blocks "
                      "(q_proj/k_proj/v_proj/o_proj, gate_proj/up_proj/down_proj) and the built-in TinyGPT; build "
                      "other models' plans in Python with ps.parallelize(sched, tp_mesh=..., tp_plan=...)")
 
@@ -169,7 +176,7 @@ def check_tp_heads(model: torch.nn.Module, tp: int) -> None:
     for field in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, field, None)
         if isinstance(heads, int) and heads % tp:
-            raise SystemExit(f"--tp {tp}: {field} = {heads} does not split over {tp} ranks; choose a --tp dividing it")
+            raise JobError(f"--tp {tp}: {field} = {heads} does not split over {tp} ranks; choose a --tp dividing it")
 
 
 def parallelize_stages(cfg: TrainConfig, sched: Any, model: torch.nn.Module, layout: Layout) -> None:

@@ -23,6 +23,7 @@ import torch
 import pippy_split as ps
 
 from .config import TrainConfig
+from .errors import JobError
 from .setup import model_source, stages_per_rank
 
 __all__ = ["planned_config", "config_of_candidate"]
@@ -40,7 +41,7 @@ def planned_config(cfg: TrainConfig, world: int, log: Callable[..., None]) -> Tr
     assert cfg.plan is not None
     prep, _, ex_args, ex_kwargs = model_source(cfg, world * stages_per_rank(cfg.schedule))
     if any(p.is_meta for p in prep.model.parameters()):
-        raise SystemExit("--plan profiles the model, which a pretrained directory builds on meta (each rank fills "
+        raise JobError("--plan profiles the model, which a pretrained directory builds on meta (each rank fills "
                          "only its stages): plan on the config alone (hf:config.json), then train with the split "
                          "it prints")
     target = torch.zeros_like(ex_args[0]) if prep.vocab_size is not None or prep.gpt_cfg is not None else \
@@ -49,7 +50,7 @@ def planned_config(cfg: TrainConfig, world: int, log: Callable[..., None]) -> Tr
                    memory_budget=cfg.plan, loss_fn=prep.loss_fn, global_batch=prep.batch_size)
     named = [c for c in plan.fitting if c.split.cut_fqns and None not in c.split.cut_fqns]
     if not named:
-        raise SystemExit(f"--plan {cfg.plan}: no fitting candidate cuts where modules begin (--split takes module "
+        raise JobError(f"--plan {cfg.plan}: no fitting candidate cuts where modules begin (--split takes module "
                          f"FQNs); the plan's best is {plan.best}. Build it in Python: plan.best.build_schedule()")
     choice = named[0]
     if plan.too_noisy:

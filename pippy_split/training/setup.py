@@ -9,8 +9,6 @@ the launcher's spawned ranks.
 from __future__ import annotations
 
 import os
-import pickle
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -24,9 +22,11 @@ from ..zoo.entry import layer_split
 from ..zoo.gpt import TinyGPT, lm_loss
 from .config import TrainConfig
 from .corpus import CharCorpus, addition_corpus
+from .errors import JobError, call_user
 from .factory import data_example, factory_loss, load_factory, unpack_entry, vocab_size_of
 from .hf import SafetensorsStateDict, causal_lm_loss, hf_model, is_hf, pretrained_dir, tied_aliases
 from .nd import block_split
+from .run_dir import CHECKPOINT_FILE, load_model_file
 from .text import read_documents, token_corpora
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["Prepared", "prepare", "load_factory", "unpack_entry", "parse_split", "data_ranks", "SUM_MAX", "CHECKPOINT_FILE"]
 
 SUM_MAX = 99  # operands of the built-in sums: 0..SUM_MAX
-CHECKPOINT_FILE = "model.pt"
+DEFAULT_N_LAYER = 4  # the built-in TinyGPT's blocks unless --n-layer says otherwise
 
 
 @dataclass
@@ -81,11 +81,31 @@ def stages_per_rank(schedule: str) -> int:
     return ORDERS[schedule].default_stages_per_rank()
 
 
-def gpt_config(cfg: TrainConfig, vocab_size: int, num_stages: int) -> dict:
-    n_layer = cfg.n_layer or max(4, num_stages)
+def gpt_config(cfg: TrainConfig, vocab_size: int) -> dict:
+    """The built-in TinyGPT's config: the same whatever the ranks and schedule (``--n-layer``, default 4)."""
+    n_layer = cfg.n_layer or DEFAULT_N_LAYER
     longest = pack_budget(cfg) if getattr(cfg, "pack", False) else cfg.seq_len
     return dict(vocab_size=vocab_size, d_model=cfg.d_model, n_layer=n_layer, n_head=4,
                 block_size=max(64, longest))
+
+
+def gpt_split(n_layer: int, num_stages: int, schedule: str = "") -> list[str]:
+    """The built-in TinyGPT's default cuts, all at module boundaries (so the run can generate): its blocks dealt
+    out evenly, or, with more stages than blocks, a stage per block with the embeddings and then the head on
+    their own; a :class:`JobError` saying what works beyond that.
+
+    Example:
+        >>> gpt_split(4, 4), gpt_split(4, 6)
+        (['blocks.1', 'blocks.2', 'blocks.3'], ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3', 'ln_f'])
+    """
+    if num_stages <= n_layer:
+        return layer_split("blocks", n_layer, num_stages)
+    if num_stages <= n_layer + 2:
+        return [f"blocks.{i}" for i in range(n_layer)] + (["ln_f"] if num_stages == n_layer + 2 else [])
+    raise JobError(f"the built-in TinyGPT has {n_layer} blocks, so it cuts into at most {n_layer + 2} stages "
+                   f"(embeddings, one per block, head); {schedule or 'the schedule'} places {num_stages}: pass "
+                   f"--n-layer {num_stages - 2} or more, fewer --ranks, or a schedule with one stage per rank "
+                   "(1F1B)")
 
 
 def corpus_of(cfg: TrainConfig, chars: str = "") -> Any:
@@ -118,24 +138,6 @@ def _split_text(cfg: TrainConfig) -> tuple[str, str]:
     return "".join(train), "".join(held)
 
 
-def load_model_file(path: str) -> dict:
-    """``<path>/model.pt``: ``{"state_dict": {FQN: tensor}, "meta": {...plain values}}``, read with
-    ``weights_only=True`` (tensors and plain containers only: a crafted file cannot run code). A file that
-    holds anything else is refused, saying so: it is not one this job wrote, and it is not loaded."""
-    file = os.path.join(path, CHECKPOINT_FILE)
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # torch's text would advise weights_only=False: never, for this file
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        holds = f" (it holds {found.group(1)})" if found else " (it holds pickled objects, not only tensors and plain values)"
-        raise SystemExit(f"{file} is not a checkpoint this job wrote{holds}; a pickled object could run code "
-                         "when loaded, so it will not be loaded") from None
-    if not (isinstance(state, dict) and isinstance(state.get("state_dict"), dict)):
-        raise SystemExit(f"{file} is not a checkpoint this job wrote (no \"state_dict\" of tensors by FQN); it "
-                         "will not be loaded")
-    return state
-
-
 def fresh_model(cfg: TrainConfig, prep: Prepared) -> torch.nn.Module:
     """A new unsplit model of the run's kind (what ``model.pt`` is loaded into)."""
     if is_hf(cfg):
@@ -144,7 +146,7 @@ def fresh_model(cfg: TrainConfig, prep: Prepared) -> torch.nn.Module:
         return TinyGPT(**prep.gpt_cfg)
     torch.manual_seed(cfg.seed)
     assert cfg.model is not None
-    return unpack_entry(load_factory(cfg.model)())[0]
+    return unpack_entry(call_user(load_factory(cfg.model), f"--model {cfg.model}"))[0]
 
 
 def prepare(cfg: TrainConfig, world: int, log: Callable[..., None], rank: int | None = None) -> Prepared:
@@ -155,8 +157,10 @@ def prepare(cfg: TrainConfig, world: int, log: Callable[..., None], rank: int | 
     num_stages = world * stages_per_rank(cfg.schedule)
     M, B = cfg.microbatches, cfg.batch_size
     if B % M:
-        raise SystemExit(f"--batch-size {B} is not divisible by --microbatches {M}")
-    resume_state = load_model_file(cfg.checkpoint) if cfg.resume else None
+        raise JobError(f"--batch-size {B} is not divisible by --microbatches {M}")
+    # --resume: model.pt where the run finished once (its record; train_state/, newer or as new, then loads over it)
+    has_model = os.path.isfile(os.path.join(cfg.checkpoint, CHECKPOINT_FILE))
+    resume_state = load_model_file(cfg.checkpoint) if cfg.resume and has_model else None
     prep, split_spec, ex_args, ex_kwargs = model_source(cfg, num_stages, resume_state)
     if resume_state is not None and prep.state_dict is not None:  # a meta model: the stages read model.pt
         prep.state_dict = resume_state["state_dict"]
@@ -164,13 +168,13 @@ def prepare(cfg: TrainConfig, world: int, log: Callable[..., None], rank: int | 
     elif resume_state is not None:
         missing, unexpected = prep.model.load_state_dict(resume_state["state_dict"], strict=False)
         if missing or unexpected:
-            raise SystemExit(f"checkpoint {cfg.checkpoint} does not match the model: "
+            raise JobError(f"checkpoint {cfg.checkpoint} does not match the model: "
                              f"missing {missing}, unexpected {unexpected}")
         log(f"[green]resumed[/] from {os.path.join(cfg.checkpoint, CHECKPOINT_FILE)}")
     prep.world = world
     prep.pipe = ps.pipeline(prep.model, split_spec, ex_args, ex_kwargs, dynamic_shapes=prep.dynamic_shapes)
     if prep.pipe.num_stages % world:
-        raise SystemExit(f"{prep.pipe.num_stages} stages cannot be spread over {world} ranks")
+        raise JobError(f"{prep.pipe.num_stages} stages cannot be spread over {world} ranks")
     if prep.vocab_size is not None:  # a token model on --data: the text is read where it is used
         prep.reads_data = rank is None or rank in data_ranks(prep.pipe, cfg.schedule, world)
         if prep.reads_data:
@@ -205,13 +209,13 @@ def data_ranks(pipe: Pipe, schedule: str, world: int) -> set[int]:
 def _builtin(cfg: TrainConfig, num_stages: int, resume_state: dict | None) -> tuple:
     saved_chars = resume_state["meta"].get("chars", "") if resume_state else ""
     corpus = corpus_of(cfg, chars=saved_chars)
-    gpt_cfg = gpt_config(cfg, corpus.vocab_size, num_stages)
+    gpt_cfg = gpt_config(cfg, corpus.vocab_size)
     if resume_state and resume_state["meta"].get("gpt_config"):
         gpt_cfg = resume_state["meta"]["gpt_config"]
     torch.manual_seed(cfg.seed)
     model = TinyGPT(**gpt_cfg)
     split_spec = block_split(cfg, model, num_stages,
-                             parse_split(cfg.split) or layer_split("blocks", gpt_cfg["n_layer"], num_stages))
+                             parse_split(cfg.split) or gpt_split(gpt_cfg["n_layer"], num_stages, cfg.schedule))
     B, M = cfg.batch_size, cfg.microbatches
     x0, _ = corpus.batch(B, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1))
     prep = Prepared(world=0, corpus=corpus, gpt_cfg=gpt_cfg, model=model, loss_fn=lm_loss, args=(), kwargs={},
@@ -231,7 +235,7 @@ def _packed(cfg: TrainConfig, prep: Prepared, split_spec: Any) -> tuple:
     a summed loss over predicted characters divided by their count in the step (``loss_count``)."""
     lines = [ln + "\n" for ln in prep.corpus.text.splitlines() if ln.strip()]
     if not lines:
-        raise SystemExit(f"--pack: {cfg.data} has no non-empty lines to pack")
+        raise JobError(f"--pack: {cfg.data} has no non-empty lines to pack")
     prep.documents = [prep.corpus.encode(ln) for ln in lines]
     if prep.heldout is not None:
         prep.heldout_documents = [prep.heldout.encode(ln + "\n") for ln in prep.heldout.text.splitlines()
@@ -267,7 +271,7 @@ def _factory(cfg: TrainConfig, num_stages: int) -> tuple:
     """--model module:factory (:mod:`.factory`): its own batch, or a language model on --data's tokens."""
     assert cfg.model is not None
     torch.manual_seed(cfg.seed)
-    model, args, kwargs, spec, loss_fn, target = unpack_entry(load_factory(cfg.model)())
+    model, args, kwargs, spec, loss_fn, target = unpack_entry(call_user(load_factory(cfg.model), f"--model {cfg.model}"))
     split_spec = block_split(cfg, model, num_stages, parse_split(cfg.split) or spec)
     example = data_example(cfg, model, args, kwargs) if cfg.data else None
     loss = factory_loss(cfg, model, loss_fn, target)
@@ -279,11 +283,11 @@ def _factory(cfg: TrainConfig, num_stages: int) -> tuple:
                         target=None, batch_size=cfg.batch_size, vocab_size=vocab_size_of(model))
         return prep, split_spec, (example,), {}
     if not args:
-        raise SystemExit(f"--model {cfg.model} returns a module without an example batch: pass --data FILE, or "
+        raise JobError(f"--model {cfg.model} returns a module without an example batch: pass --data FILE, or "
                          "return (model, args) with loss_fn and target")
     B, M = args[0].shape[0], cfg.microbatches
     if B % M:
-        raise SystemExit(f"the factory's batch ({B}) is not divisible by --microbatches {M}")
+        raise JobError(f"the factory's batch ({B}) is not divisible by --microbatches {M}")
     ex_args = tuple(a[: B // M] if isinstance(a, torch.Tensor) else a for a in args)
     prep = Prepared(world=0, corpus=None, gpt_cfg=None, model=model, loss_fn=loss, args=args, kwargs=kwargs,
                     target=target, batch_size=B)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .config import TrainConfig
+from .errors import JobError
 
 __all__ = ["read_documents", "documents_of_lines", "held_out_tail", "TokenCorpus", "tokenize", "token_corpora"]
 
@@ -57,7 +58,7 @@ def read_documents(cfg: TrainConfig) -> tuple[list[str], list[str]]:
     if os.path.isdir(path):
         return _dataset_documents(path, cfg.data_field)
     if not os.path.isfile(path):
-        raise SystemExit(f"--data {path}: no such file or directory (a text file, a .jsonl file, or a "
+        raise JobError(f"--data {path}: no such file or directory (a text file, a .jsonl file, or a "
                          "directory saved by datasets' save_to_disk)")
     with open(path, encoding="utf-8") as f:
         if path.endswith(".jsonl"):
@@ -71,10 +72,10 @@ def _jsonl_field(line: str, name: str, path: str, n: int) -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise SystemExit(f"--data {path}: line {n} is not JSON ({e.msg})") from None
+        raise JobError(f"--data {path}: line {n} is not JSON ({e.msg})") from None
     if not isinstance(record, dict) or not isinstance(record.get(name), str):
         keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-        raise SystemExit(f"--data {path}: line {n} has no string field {name!r} (it has: {keys}); "
+        raise JobError(f"--data {path}: line {n} has no string field {name!r} (it has: {keys}); "
                          "choose the field with --data-field")
     return record[name]
 
@@ -83,15 +84,15 @@ def _dataset_documents(path: str, name: str) -> tuple[list[str], list[str]]:
     try:
         import datasets
     except ImportError:
-        raise SystemExit(f"--data {path} is a directory: reading a saved dataset needs `datasets` "
+        raise JobError(f"--data {path} is a directory: reading a saved dataset needs `datasets` "
                          "(pip install 'pippy-split[job]')") from None
     try:
         loaded: Any = datasets.load_from_disk(path)
     except FileNotFoundError as e:
-        raise SystemExit(f"--data {path}: not a dataset saved by datasets' save_to_disk ({e})") from None
+        raise JobError(f"--data {path}: not a dataset saved by datasets' save_to_disk ({e})") from None
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
-            raise SystemExit(f"--data {path}: its splits are {', '.join(loaded)}; training reads the 'train' split")
+            raise JobError(f"--data {path}: its splits are {', '.join(loaded)}; training reads the 'train' split")
         held_name = next((s for s in _HELD_OUT_SPLITS if s in loaded), None)
         train = documents_of_lines(_column(loaded["train"], name, path))
         if held_name is None:
@@ -102,7 +103,7 @@ def _dataset_documents(path: str, name: str) -> tuple[list[str], list[str]]:
 
 def _column(dataset: Any, name: str, path: str) -> list[str]:
     if name not in dataset.column_names:
-        raise SystemExit(f"--data {path} has no column {name!r} (it has: {', '.join(dataset.column_names)}); "
+        raise JobError(f"--data {path} has no column {name!r} (it has: {', '.join(dataset.column_names)}); "
                          "choose it with --data-field")
     return list(dataset[name])
 
@@ -135,7 +136,7 @@ def tokenize(cfg: TrainConfig, text: str, vocab_size: int) -> torch.Tensor:
     out = torch.tensor(ids, dtype=torch.int64)
     if len(out) and int(out.max()) >= vocab_size:
         how = "its tokenizer" if cfg.tokenizer else "UTF-8 bytes (ids up to 255; pass --tokenizer DIR)"
-        raise SystemExit(f"--data {cfg.data} tokenized by {how} has id {int(out.max())}, beyond the model's "
+        raise JobError(f"--data {cfg.data} tokenized by {how} has id {int(out.max())}, beyond the model's "
                          f"vocab_size {vocab_size}")
     return out
 
