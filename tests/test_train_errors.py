@@ -3,6 +3,8 @@ status 2), and a refused model.pt says what it is."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pippy_split.train import main
@@ -98,3 +100,34 @@ def test_a_model_pt_holding_pickled_objects_is_refused_as_not_this_job_s(tmp_pat
     torch.save({"weights": torch.zeros(2)}, tmp_path / "model.pt")
     with pytest.raises(JobError, match=r"is not a checkpoint this job wrote \(no \"state_dict\" of tensors"):
         load_model_file(str(tmp_path))
+
+
+_RAISING_FACTORY = '''
+import torch
+
+
+def _layers(width):
+    raise ValueError(f"width {width} is not a layer size")
+
+
+def build():
+    return torch.nn.Sequential(_layers(8)), (torch.randn(4, 8),)
+'''
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_an_exception_in_the_users_factory_shows_their_frames_and_one_line(tmp_path):
+    """Issue 40: it reached the user as 21 lines with the launcher's and the library's frames."""
+    from .test_cli import _cli
+
+    (tmp_path / "mymodels.py").write_text(_RAISING_FACTORY)
+    r = _cli("train", "--model", "mymodels:build", "--ranks", "1", "--schedule", "1F1B", "--steps", "1",
+             "--checkpoint", "run", cwd=tmp_path)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 1 and lines, r.stderr
+    assert lines[-1] == ("pippy-split train: rank 0 failed: --model mymodels:build raised ValueError: width 8 is not "
+                         "a layer size"), r.stderr
+    files = re.findall(r'File "([^"]+)"', r.stderr)
+    assert files and all(f.endswith("mymodels.py") for f in files), r.stderr  # build, then _layers: theirs only
+    assert "site-packages" not in r.stderr and "pippy_split/" not in r.stderr and "elastic" not in r.stderr, r.stderr

@@ -51,7 +51,7 @@ def load_model_file(path: str, advice: str = "train the run again") -> dict:
         holds = f"it holds {found.group(1)}" if found else "it holds pickled objects, not only tensors and plain values"
         raise JobError(f"{file} is not a checkpoint this job wrote ({holds}); a pickled object could run code when "
                        "loaded, so it will not be loaded") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, KeyError, ValueError):
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, KeyError, ValueError):
         raise JobError(f"{incomplete} (it cannot be read back: cut short, or other bytes); {advice}") from None
     if not (isinstance(state, dict) and isinstance(state.get("state_dict"), dict)):
         raise JobError(f"{file} is not a checkpoint this job wrote (no \"state_dict\" of tensors by FQN); it "
