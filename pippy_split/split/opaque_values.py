@@ -32,7 +32,9 @@ def _flattens(leaf: Any) -> bool:
 
 def opaque_calls(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[set[str], set[str]]:
     """``(modules taking, modules returning)`` a value export cannot flatten into tensors and
-    scalars (an HF cache), found by one forward on fake tensors (no compute, no memory)."""
+    scalars (an HF cache), found by one forward on fake tensors (no compute, no memory). A
+    module whose output cannot show a constant in the value's place (:func:`outputs_hidden`)
+    counts as taking one: its call keeps no signature."""
     takes: set[str] = set()
     gives: set[str] = set()
     handles = []
@@ -46,7 +48,7 @@ def opaque_calls(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[set
 
         def post(m: Any, a: Any, kw: Any, out: Any, _n: str = name) -> None:
             if not all(_flattens(leaf) for leaf in pytree.tree_leaves(out)):
-                gives.add(_n)
+                (gives if _shown(out) is not None else takes).add(_n)
 
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post, with_kwargs=True))
@@ -92,6 +94,15 @@ _SHOWN = 0
 int: export's signatures take no string, and a container such as an HF ModelOutput drops None)."""
 
 
+def _shown(out: Any) -> tuple[Any, list[Any], Any, set[int]] | None:
+    """``(out with _SHOWN in place of each opaque leaf, out's leaves, its spec, their indices)``,
+    or None where that changes its structure (a container that drops some values)."""
+    leaves, spec = pytree.tree_flatten(out)
+    opaque = {i for i, leaf in enumerate(leaves) if not _flattens(leaf)}
+    shown = pytree.tree_unflatten([_SHOWN if i in opaque else x for i, x in enumerate(leaves)], spec)
+    return (shown, leaves, spec, opaque) if len(pytree.tree_leaves(shown)) == len(leaves) else None
+
+
 class _Hider:
     """One module's opaque outputs hidden from the hooks after its first forward hook: at
     each call its pre-hook appends a hook that puts them back after every other hook."""
@@ -106,11 +117,10 @@ class _Hider:
         self.restores.append(module.register_forward_hook(self.restore))
 
     def hide(self, _module: torch.nn.Module, _args: Any, out: Any) -> Any:
-        leaves, spec = pytree.tree_flatten(out)
-        opaque = {i for i, leaf in enumerate(leaves) if not _flattens(leaf)}
-        shown = pytree.tree_unflatten([_SHOWN if i in opaque else x for i, x in enumerate(leaves)], spec)
-        if len(pytree.tree_leaves(shown)) != len(leaves):
+        hidden = _shown(out)
+        if hidden is None:  # opaque_calls keeps no signature for such a call: not reached
             raise TypeError(f"{type(out).__name__} changes its structure with a constant in place of an opaque output")
+        shown, leaves, spec, opaque = hidden
         self.saved.append((leaves, spec, opaque))
         return shown
 
