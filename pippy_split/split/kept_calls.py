@@ -62,7 +62,7 @@ class _Export:
 
 def export_keeping_calls(model: torch.nn.Module, root: torch.nn.Module, args: tuple, kwargs: dict, *,
                          dynamic_shapes: Any, strict: bool, effects: ForwardEffects,
-                         cuts: Sequence[str] | None) -> ExportedProgram:
+                         cuts: Sequence[str] | None, keep_calls: bool = True) -> ExportedProgram:
     """Export ``root`` (the tracing wrapper around ``model``) keeping every module's call
     signature (``cuts`` None), or only those that cuts at ``cuts`` need (:func:`calls_to_keep`),
     as far as export can keep them (see the module docstring). ``effects``: what the
@@ -72,6 +72,8 @@ def export_keeping_calls(model: torch.nn.Module, root: torch.nn.Module, args: tu
     other than through its outputs (:func:`leaky_calls`: no stage can call it whole), the calls
     inside are kept too and the model exported again."""
     export = _Export(model, root, args, kwargs, dynamic_shapes, strict)
+    if not keep_calls:  # one plain export (keep_calls=False: the caller runs the stages as traced ops)
+        return export(())
     if cuts is None:
         return _keep(export, [name for name, _ in model.named_modules() if name], effects)
     keep = calls_to_keep(model, cuts)
@@ -164,7 +166,7 @@ def _plain(export: _Export, reason: str, plain: ExportedProgram | None = None) -
     warnings.warn(f"{type(export.model).__name__}: torch.export could not keep its modules' call signatures "
                   f"({reason}); its stages run the traced ops only, so hooks, fully_shard per block, "
                   "parallelize_module and other module wrappers applied to a stage's submodules do not take effect",
-                  stacklevel=5)
+                  stacklevel=7)  # the caller of pipeline()
     return ep
 
 
