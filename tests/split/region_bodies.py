@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 
 import pippy_split as ps
 
@@ -111,3 +113,25 @@ def step_1f1b(rank: int, world: int) -> dict:
             "same": st.module.get_submodule(f"layers.{block}") is model.layers[block],
             "grads": {n: p.grad.clone() for n, p in model.named_parameters() if n in names},
             "counters": {n: b.clone() for n, b in st.module.named_buffers()}}
+
+
+def step_per_block_fsdp(rank: int, world: int) -> dict:
+    """1F1B over 2 stages with ``ps.parallelize`` sharding every block (``layers.*``) on its
+    own with FSDP2 over a data-parallel mesh dimension of one rank: the pattern names modules
+    the stages call (before: glue, refused by name)."""
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
+    model, x, y = case()
+    pipe = ps.pipeline(model, world, (x[:MB],))
+    sched = ps.build_schedule(pipe, "1F1B", N_MB, loss_fn=loss_fn, group=mesh["pp"])
+    ps.parallelize(sched, dp_mesh=mesh["dp"], fsdp=["layers.*"])
+    (st,) = sched.stages
+    sharded = sorted(n for n, m in st.module.named_modules() if isinstance(m, FSDPModule))
+    sched.step(x, target=y)
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+             for n, p in st.module.named_parameters() if p.grad is not None}
+    return {"loss": float(sched.loss), "sharded": sharded, "grads": grads}
+
+
+def both_steps(rank: int, world: int) -> dict:
+    """:func:`step_1f1b` then :func:`step_per_block_fsdp`, in one spawn of the ranks."""
+    return {"plain": step_1f1b(rank, world), "fsdp": step_per_block_fsdp(rank, world)}

@@ -47,14 +47,19 @@ def test_modules_called_inside_a_region_keep_no_signature_and_those_around_it_do
     assert not any(k.startswith("layers.0.feed_forward.experts") for k in kept)  # called inside the autocast region
 
 
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """Both rank bodies in one spawn of 2 gloo ranks."""
+    return run_ranks(rb.both_steps, 2, timeout=240)
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_1f1b_on_two_ranks_is_exact_with_the_users_blocks_called():
+def test_1f1b_on_two_ranks_is_exact_with_the_users_blocks_called(two_ranks):
     want_loss, want_grads, want_counters = rb.reference()
-    results = run_ranks(rb.step_1f1b, 2, timeout=240)
     grads: dict[str, torch.Tensor] = {}
     counters: dict[str, torch.Tensor] = {}
-    for rank, r in enumerate(results):
+    for rank, r in enumerate(r["plain"] for r in two_ranks):
         assert abs(r["loss"] - want_loss) < 1e-6
         assert r["same"] and r["fired"] == rb.N_MB, (rank, r["same"], r["fired"])  # a hook fires once per microbatch
         assert [f"layers.{2 * rank}", f"layers.{2 * rank + 1}"] == [c for c in r["calls"] if c.startswith("layers.")]
@@ -65,6 +70,22 @@ def test_1f1b_on_two_ranks_is_exact_with_the_users_blocks_called():
         torch.testing.assert_close(grads[n], g, atol=1e-6, rtol=1e-5, msg=n)
     for n, c in want_counters.items():  # the routers' load counters: every microbatch counted once
         torch.testing.assert_close(counters[n], c, atol=0, rtol=0, msg=n)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_per_block_fsdp2_applies_to_blocks_with_regions(two_ranks):
+    """``ps.parallelize(fsdp=["layers.*"])`` shards each block on its own (before: the pattern
+    named glue and was refused); 1F1B stays exact."""
+    want_loss, want_grads, _ = rb.reference()
+    grads: dict[str, torch.Tensor] = {}
+    for rank, r in enumerate(r["fsdp"] for r in two_ranks):
+        assert abs(r["loss"] - want_loss) < 1e-6
+        assert {f"layers.{2 * rank}", f"layers.{2 * rank + 1}"} <= set(r["sharded"]), r["sharded"]
+        grads.update(r["grads"])
+    assert set(grads) == set(want_grads)
+    for n, g in want_grads.items():
+        torch.testing.assert_close(grads[n], g, atol=1e-6, rtol=1e-5, msg=n)
 
 
 def test_torchtitan_deepseek_v3_keeps_its_module_calls():
@@ -92,3 +113,4 @@ def test_torchtitan_deepseek_v3_keeps_its_module_calls():
     assert fired == [1]
     with torch.no_grad():
         torch.testing.assert_close(got, model(tokens), atol=1e-6, rtol=1e-5)
+
