@@ -36,7 +36,9 @@ def trace_again(pipe: Pipe, root: torch.nn.Module, args: tuple, kwargs: dict | N
     if plan is None or pipe._model is None:
         raise SplitError("this Pipe does not know how it was traced (it was not built by pipeline()), so it "
                          "cannot be traced again; build it with pippy_split.pipeline()")
-    traced = trace_model(root, tuple(args), dict(kwargs or {}), dynamic_shapes=dynamic_shapes)
+    # One plain export: the program runs as traced ops (no hooks, wrappers or per-module calls
+    # are needed to decode), and keeping calls would cost a failed export on the cache objects
+    traced = trace_model(root, tuple(args), dict(kwargs or {}), dynamic_shapes=dynamic_shapes, keep_calls=False)
     ops = [n for n in traced.graph.nodes if n.op == "call_function"]
     new_plan = plan_from_cuts(ops, translate_cuts(plan.ops, plan.cuts, ops))
     if new_plan.num_stages != pipe.num_stages:

@@ -177,7 +177,7 @@ def _aliases(model: torch.nn.Module) -> dict[str, list[str]]:
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, strict: bool,
-            cuts: Sequence[str] | None) -> tuple[ExportedProgram, ForwardEffects]:
+            cuts: Sequence[str] | None, keep_calls: bool = True) -> tuple[ExportedProgram, ForwardEffects]:
     """The model exported through its tracing root, with what its forward did in Python."""
     root = _root_for(model)
     try:
@@ -185,11 +185,11 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: A
             with watch_forward(model) as effects:
                 fake_forward(model, args, kwargs)
             ep = export_keeping_calls(model, root, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict,
-                                      effects=effects, cuts=cuts)
+                                      effects=effects, cuts=cuts, keep_calls=keep_calls)
         else:
             with watch_forward(model) as effects:
                 ep = export_keeping_calls(model, root, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict,
-                                          effects=effects, cuts=cuts)
+                                          effects=effects, cuts=cuts, keep_calls=keep_calls)
     except Exception as e:  # export raises many types; all mean "cannot trace"
         raise _trace_error(model, e, strict) from e
     return ep, effects
@@ -219,12 +219,14 @@ def trace_model(
     dynamic_shapes: Any = None,
     strict: bool = False,
     cuts: Sequence[str] | None = None,
+    keep_calls: bool = True,
 ) -> Traced:
     """Export ``model`` on the example inputs; raise :class:`TraceError` with export's reason.
 
     ``cuts``: the module FQNs the split will cut at, where known before tracing; the trace
     then keeps only the call signatures the stages need (``kept_calls.calls_to_keep``:
-    export's cost grows with them). None keeps every module's.
+    export's cost grows with them). None keeps every module's. ``keep_calls=False`` keeps none
+    (one plain export: stages of traced ops only, as generation's decode step runs them).
 
     Example:
         >>> traced = trace_model(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), (torch.randn(2, 4),))
@@ -234,7 +236,7 @@ def trace_model(
     from ..stage.model_io import input_check  # what a call must match; checked where steps run it
 
     args, kwargs = tuple(args), dict(kwargs or {})
-    ep, effects = _export(model, args, kwargs, dynamic_shapes, strict, cuts)
+    ep, effects = _export(model, args, kwargs, dynamic_shapes, strict, cuts, keep_calls)
     params, buffers, constants, non_persistent, user_inputs = _graph_inputs(ep)
     try:
         sig = inspect.signature(model.forward)

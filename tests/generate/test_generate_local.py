@@ -118,3 +118,18 @@ def test_a_cut_between_a_cache_update_and_its_attention_generates() -> None:
     n = ref.shape[1] - ids.shape[1]
     live = _live(ref[:, ids.shape[1]:], model.generation_config.eos_token_id)
     torch.testing.assert_close(out.logprobs[:, :n][live], ref_logprobs[live], atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(600)
+def test_the_decode_step_is_traced_with_one_export(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode program runs as traced ops, so its trace keeps no module call signature: one
+    plain ``torch.export`` (keeping them cost a failed export first, on the cache objects the
+    model's modules pass each other, and a third of the first call's time)."""
+    model, spec = hf_model("llama")
+    ids, mask = prompts(True)
+    pipe = ps.pipeline(model, spec, (ids[:2],))
+    calls = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: calls.append(k) or real(*a, **k))
+    pipe.generate(ids, attention_mask=mask, max_new_tokens=1)
+    assert len(calls) == 1 and not calls[0].get("preserve_module_call_signature"), calls
