@@ -1,4 +1,4 @@
-"""The `pippy-split` command: `train`, `generate`, `inspect`, `simulate`, `plan`.
+"""The `pippy-split` command line: `train`, `generate`, `plot`, `inspect`, `simulate`, `plan`.
 
 Where this sits: on top of the flow split → Pipe → stage → schedule → runtime.
 `simulate` only needs the schedule layer's orders and simulator; `inspect`
@@ -6,13 +6,16 @@ traces and splits a model into a Pipe and prints it; `plan` profiles a model and
 ranks split x schedule x microbatches x checkpointing under a memory budget
 (:mod:`pippy_split.plan`); `train` hands over to :mod:`pippy_split.train`, which runs
 the whole flow on local ranks; `generate` to :mod:`pippy_split.training.generate_run`, which
-samples from a train run on the stages and ranks it trained with.
+samples from a train run on the stages and ranks it trained with; `plot` charts a run's
+loss and throughput. What `simulate`, `inspect` and `plot` do lives in
+:mod:`pippy_split.commands`, one module a command; this module parses and dispatches.
 
     pippy-split simulate --schedule ZBVZeroBubble --ranks 4 --microbatches 8 --compare
     pippy-split inspect zoo:tiny_unet --json
     pippy-split plan zoo:tiny_gpt --ranks 4 --memory 2GB --svg plan.svg
     pippy-split train --steps 100
     pippy-split generate checkpoints/tiny_gpt --prompt "07+45=" --max-new-tokens 3
+    pippy-split plot checkpoints/tiny_gpt
 
 Importing this module imports no torch: ``--help``, ``--version`` and ``train --help`` answer
 at once, and each command imports what it runs.
@@ -21,37 +24,17 @@ at once, and each command imports what it runs.
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 # torch probes for numpy once per process and warns "Failed to initialize NumPy" where it is
 # not installed (torch does not depend on it, and neither do these commands). Ignored here,
 # in the command's process, and in the ranks `train` spawns, which import this module first.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-if TYPE_CHECKING:
-    from .split.pipe import Pipe
-
-__all__ = ["main", "build_parser", "parse_costs", "simulate_cmd", "inspect_cmd", "plan_cmd", "pipe_to_json", "failure_line",
-           "split_hint"]
-
-
-def parse_costs(text: str | None) -> dict[str, float] | None:
-    """``"F=1,I=1,W=1"`` -> ``{"F": 1.0, "I": 1.0, "W": 1.0}`` (keys among F, B, I, W)."""
-    if not text:
-        return None
-    costs: dict[str, float] = {}
-    for part in text.split(","):
-        if not part.strip():
-            continue
-        key, sep, value = part.partition("=")
-        key = key.strip().upper()
-        if not sep or key not in ("F", "B", "I", "W"):
-            raise ValueError(f"bad cost {part!r}: expected KIND=NUMBER with KIND among F, B, I, W")
-        costs[key] = float(value)
-    return costs
+__all__ = ["main", "build_parser", "plan_cmd", "plan_cluster_cmd"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,165 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None,
                      help="with --do-sample: the same seed draws the same tokens, whatever the ranks")
     gen.add_argument("--json", action="store_true", help="print a JSON list of {prompt, completion} instead of text")
+
+    pt = sub.add_parser("plot", help="chart a train run's loss and tokens/s per step as RUN_DIR/metrics.svg")
+    pt.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory, holding metrics.jsonl")
     return p
 
 
-# --------------------------------------------------------------------------- simulate
+# Names that moved to pippy_split.commands, still importable from here (imported when asked for: no torch
+# at import time).
+_MOVED = {"parse_costs": "simulate", "simulate_cmd": "simulate", "pipe_to_json": "inspect",
+          "failure_line": "inspect", "split_hint": "inspect", "inspect_cmd": "inspect"}
 
 
-def _simulate_one(name: str, ranks: int, microbatches: int, spr: int | None, costs: dict | None):
-    from .schedule import get_schedule_class, simulate
-
-    cls = get_schedule_class(name)
-    return simulate(cls.compute_order(ranks, microbatches, spr), costs)
-
-
-def _compare_spr(spec: Any, requested: int | None) -> int:
-    """Stages per rank a --compare row uses: the requested count where the family takes
-    it, else the family's fixed count, else at least 2 (as tutorial 03 compares them:
-    a looped family run with one stage per rank is just GPipe or 1F1B)."""
-    if requested is not None and (spec.stages_per_rank is None or requested == spec.stages_per_rank) \
-            and requested >= spec.min_stages_per_rank:
-        return requested
-    return spec.stages_per_rank or max(spec.min_stages_per_rank, 2)
-
-
-def _per_stage(costs: dict | None, spr: int) -> dict[str, float]:
-    """The same model cut into ``spr`` stages per rank: each action does 1/spr of the work."""
-    base = {"F": 1.0, "I": 1.0, "W": 1.0, **(costs or {})}
-    return {k: v / spr for k, v in base.items()}
-
-
-def simulate_cmd(args: argparse.Namespace, console: Any) -> int:
-    from rich import box
-    from rich.table import Table
-
-    from .schedule.orders import ORDERS
-    from .schedule.render import render_rich, render_svg
-
-    costs = parse_costs(args.costs)
-    if args.schedule not in ORDERS:
-        console.print(f"[red]unknown schedule {args.schedule!r}[/]; choose from {', '.join(ORDERS)}")
-        return 2
-    spr, top_costs, note = args.stages_per_rank, costs, ""
-    if args.compare:  # the run shown on top is its row of the table below
-        spr = _compare_spr(ORDERS[args.schedule], args.stages_per_rank)
-        top_costs = _per_stage(costs, spr)
-        note = f", {spr} stages/rank, costs / {spr}" if spr > 1 else ""
-    try:
-        sim = _simulate_one(args.schedule, args.ranks, args.microbatches, spr, top_costs)
-    except (ValueError, TypeError) as e:
-        console.print(f"[red]{args.schedule} rejects ranks={args.ranks}, microbatches={args.microbatches}"
-                      f"{'' if spr is None else f', stages-per-rank={spr}'}:[/] {e}")
-        return 2
-    title = f"{args.schedule}: {args.ranks} ranks, {args.microbatches} microbatches"
-    console.print(f"[bold]{title}[/]{note}")
-    console.print(render_rich(sim, wrap=True))  # bands of labelled actions, not squeezed letters
-    console.print(f"makespan {sim.makespan:g}   bubble fraction {sim.bubble_fraction:.1%}")
-    console.print("peak activations per rank: "
-                  + ", ".join(f"rank {r}: {n}" for r, n in sorted(sim.peak_activations.items())))
-    if args.svg:
-        render_svg(sim, args.svg, title=title)
-        console.print(f"SVG timeline written to {args.svg}")
-    if args.compare:
-        table = Table(title=f"All schedules, {args.ranks} ranks, {args.microbatches} microbatches",
-                      caption="st/rank: stages per rank; costs / st/rank, so every row is the same model; "
-                              "peak act: microbatches held, per rank",
-                      box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1), pad_edge=False)
-        for col in ("schedule", "place", "st/rank", "I/W", "makespan", "bubble", "peak act"):
-            table.add_column(col, justify="left" if col in ("schedule", "place", "peak act") else "right", no_wrap=True)
-        for name, spec in ORDERS.items():
-            row_spr = _compare_spr(spec, args.stages_per_rank)
-            split = "yes" if spec.split_backward else "no"
-            try:
-                s = _simulate_one(name, args.ranks, args.microbatches, row_spr, _per_stage(costs, row_spr))
-            except (ValueError, TypeError) as e:
-                table.add_row(name, spec.placement, str(row_spr), split, "-", "-", f"[yellow]skipped: {e}[/]")
-                continue
-            peaks = [s.peak_activations[r] for r in sorted(s.peak_activations)]
-            table.add_row(name, spec.placement, str(row_spr), split, f"{s.makespan:g}", f"{s.bubble_fraction:.1%}",
-                          " ".join(map(str, peaks)))
-        console.print(table)
-    return 0
-
-
-# --------------------------------------------------------------------------- inspect
-
-
-def _shape_json(shape: tuple) -> list:
-    return [d if isinstance(d, int) else str(d) for d in shape]
-
-
-def pipe_to_json(pipe: Pipe) -> dict:
-    """Stages, edges and shared parameters of a Pipe as JSON-ready data."""
-    stages = [{"index": s.index, "modules": list(s.modules), "num_params": s.num_params,
-               "param_bytes": s.param_bytes, "flops": int(s.flops), "params": list(s.param_fqns)}
-              for s in pipe.stages]
-    edges = [{"src": "input" if e.from_input else e.src_stage, "src_output": e.src_output, "dst": e.dst_stage,
-              "dst_input": e.dst_input, "name": e.name, "label": e.label, "shape": _shape_json(e.spec.shape),
-              "dtype": str(e.spec.dtype).replace("torch.", ""), "grad": bool(e.spec.carries_grad),
-              "skip": bool(e.is_skip)} for e in pipe.edges]
-    shared = {fqn: [{"stage": st, "names": list(names)} for st, names in uses]
-              for fqn, uses in pipe.shared_parameters.items()}
-    return {"model": pipe.model_name, "num_stages": pipe.num_stages, "stages": stages, "edges": edges,
-            "shared_parameters": shared}
-
-
-def failure_line(command: str, error: BaseException) -> str:
-    """The one line a command prints for an error it expects (a split that cannot be made, a
-    model export cannot trace) instead of a traceback.
-
-    Example:
-        >>> failure_line("inspect", ValueError("split_spec names 'x'"))
-        "pippy-split inspect failed: ValueError: split_spec names 'x'"
-    """
-    return f"pippy-split {command} failed: {type(error).__name__}: {error}"
-
-
-def split_hint(model: Any) -> str:
-    """What to pass to split a model that nothing split (no split spec, no ``pipe_split()``),
-    naming one of its repeated blocks as the example where it has a ``ModuleList``/``Sequential``."""
-    from torch import nn
-
-    example = "layers.4"
-    for name, module in model.named_modules():
-        children = [child for child, _ in module.named_children()]
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) >= 2:
-            example = f"{name}.{children[len(children) // 2]}" if name else children[len(children) // 2]
-            break
-    return (f"hint: nothing splits {type(model).__name__}, so it is 1 stage; split it with --split FQN[,FQN...] "
-            f"(a stage begins at each named submodule, e.g. --split {example}) or --stages N (N stages "
-            "balanced by cost)")
-
-
-def inspect_cmd(args: argparse.Namespace, console: Any) -> int:
-    """``pippy-split inspect``: split a model and print its Pipe (tables or ``--json``); an
-    error of the split is one line and exit status 1."""
-    from .split import SplitError, TraceError, pipeline
-    from .train import load_factory, parse_split, unpack_entry
-
-    try:
-        factory = load_factory(args.target)
-        model, margs, mkwargs, spec, _, _ = unpack_entry(factory())
-    except (ImportError, AttributeError, KeyError, ValueError, TypeError) as e:
-        console.print(f"[red]cannot load {args.target!r}:[/] {e}")
-        return 2
-    if args.split:
-        spec = parse_split(args.split)
-    elif args.stages:
-        spec = args.stages
-    try:
-        pipe = pipeline(model, spec, margs, mkwargs)
-    except (SplitError, TraceError) as e:
-        print(failure_line("inspect", e), file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(pipe_to_json(pipe), indent=2))
-    else:
-        console.print(pipe)
-    if spec is None and pipe.num_stages == 1:
-        print(split_hint(model), file=sys.stderr if args.json else sys.stdout)
-    return 0
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return getattr(importlib.import_module(f"pippy_split.commands.{_MOVED[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------- plan
@@ -385,13 +225,21 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
     if args.command == "simulate":
+        from .commands.simulate import simulate_cmd
+
         try:
             return simulate_cmd(args, console)
         except ValueError as e:  # bad --costs
             console.print(f"[red]{e}[/]")
             return 2
     if args.command == "inspect":
+        from .commands.inspect import inspect_cmd
+
         return inspect_cmd(args, console)
+    if args.command == "plot":
+        from .commands.plot import plot_cmd
+
+        return plot_cmd(args)
     if args.command == "plan" and args.cluster:
         return plan_cluster_cmd(args)
     if args.command == "plan":

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pippy_split import checkpoint as ps_checkpoint
-from pippy_split.cli import parse_costs
+from pippy_split.commands.simulate import parse_costs
 from pippy_split.training.corpus import CharCorpus, addition_corpus, parse_sum
 
 

@@ -130,3 +130,19 @@ def test_inspect_without_a_split_hints_how_to_split(tmp_path, monkeypatch, capsy
     assert main(["inspect", "my_models:stack", "--stages", "2"]) == 0
     assert "hint" not in capsys.readouterr().out
     sys.modules.pop("my_models", None)
+
+
+def test_plot_charts_a_run_s_metrics_as_svg_without_matplotlib(tmp_path, capsys):
+    """Issue 40: a loss and throughput chart a person can open, on demand for a run directory."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0 / s, "tokens_per_s": 50.0 * s})
+                                               + "\n" for s in range(1, 6)) + '{"step": 5, "eval_loss": 0.9}\n{"ste')
+    assert main(["plot", str(run)]) == 0
+    assert capsys.readouterr().out == f"loss and tokens/s per step, charted: {run / 'metrics.svg'}\n"
+    svg = (run / "metrics.svg").read_text()
+    assert svg.startswith("<svg") and svg.count("<polyline") == 2 and svg.count("<circle") == 1  # held-out: a dot
+    assert main(["plot", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"pippy-split plot: {tmp_path} holds no metrics.jsonl (the directory of a "
+                                       "pippy-split train run)\n")
+    assert "matplotlib" not in sys.modules

@@ -164,7 +164,8 @@ def _simulate_at_80(*argv: str) -> str:
 
     from rich.console import Console
 
-    from pippy_split.cli import build_parser, simulate_cmd
+    from pippy_split.cli import build_parser
+    from pippy_split.commands.simulate import simulate_cmd
 
     console = Console(file=io.StringIO(), width=80, color_system=None)
     assert simulate_cmd(build_parser().parse_args(["simulate", *argv]), console) == 0

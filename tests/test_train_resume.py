@@ -41,7 +41,10 @@ def _same_weights(a, b) -> None:
 def whole(tmp_path_factory):
     """One uninterrupted run of ``_STEPS`` steps."""
     where = tmp_path_factory.mktemp("whole")
-    _ok(_cli("train", *_RUN, "--checkpoint", "whole", cwd=where))
+    out = _ok(_cli("train", *_RUN, "--checkpoint", "whole", cwd=where))
+    assert f"loss and tokens/s per step, charted: {os.path.join('whole', 'metrics.svg')}" in out, out
+    assert out.rstrip().splitlines()[-1] == "next: pippy-split generate whole --prompt 07+45=", out  # what to run next
+    assert (where / "whole" / "metrics.svg").read_text().count("<polyline") == 2
     return where / "whole"
 
 

@@ -28,6 +28,7 @@ import pippy_split as ps
 
 from ..schedule.simulate import simulate
 from .batches import count_tokens, heldout_batch, to_device, train_batch
+from .chart import write_chart
 from .config import TrainConfig
 from .errors import as_job_error
 from .finish import finish
@@ -269,6 +270,8 @@ def _loop(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimiz
                 ps.checkpoint.save(dcp_dir, sched, opt, extra=state.extra(cfg))
     if run_log is not None:
         run_log.close()
+        if state.losses and not stopped:
+            console.print(f"loss and tokens/s per step, charted: {write_chart(cfg.checkpoint)}", highlight=False)
     if rank == 0 and state.losses and not stopped:  # the steps this run made (a resumed run: since it resumed)
         console.print(f"first loss {state.losses[0]:.4f}   last loss {state.losses[-1]:.4f}   "
                       f"({state.step - first_step} steps, {time.perf_counter() - t0:.1f} s; per step: "
