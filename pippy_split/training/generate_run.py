@@ -141,11 +141,6 @@ def rebuild_pipe(cfg: TrainConfig, saved: dict, pp: int) -> Rebuilt:
     """The run's model with its trained weights, split as the run split it (``pp`` pipeline ranks): the model
     and split as :func:`~pippy_split.training.setup.model_source` makes them for ``train``, the weights loaded
     as ``train --resume`` loads ``model.pt``. A split that differs from the one the run recorded is refused."""
-    import torch
-
-    import pippy_split as ps
-
-
     meta = saved["meta"]
     num_stages = pp * stages_per_rank(cfg.schedule)
     dynamic = None

@@ -27,7 +27,8 @@ import torch
 
 from .config import TrainConfig
 from .corpus import CharCorpus
-from .inputs import JobError
+from .errors import JobError
+from .hf import load_tokenizer
 
 __all__ = ["PromptCodec"]
 
@@ -54,8 +55,6 @@ class PromptCodec:
                            "vocabulary to read a prompt with; generate samples from runs on --data text (hf: or "
                            "module:factory models) and from the built-in TinyGPT")
         if cfg.tokenizer:
-            from .hf import load_tokenizer
-
             return cls("tokenizer", tokenizer=load_tokenizer(cfg.tokenizer))
         return cls("bytes")
 

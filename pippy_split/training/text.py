@@ -32,6 +32,7 @@ import torch
 
 from .config import TrainConfig
 from .errors import JobError
+from .hf import load_tokenizer
 
 __all__ = ["read_documents", "documents_of_lines", "held_out_tail", "TokenCorpus", "tokenize", "token_corpora"]
 
@@ -128,8 +129,6 @@ def tokenize(cfg: TrainConfig, text: str, vocab_size: int) -> torch.Tensor:
     """``text``'s ids by ``--tokenizer`` (a local directory) or its UTF-8 bytes, checked against the model's
     vocabulary."""
     if cfg.tokenizer:
-        from .hf import load_tokenizer
-
         ids = load_tokenizer(cfg.tokenizer)(text, add_special_tokens=False)["input_ids"]
     else:
         ids = list(text.encode("utf-8"))
