@@ -50,6 +50,13 @@ def test_hf_config_trains_on_text_resumes_and_exports_what_transformers_loads(tm
     out = _ok(_cli("train", "--config", "job.toml", "--steps", "22", "--resume", "--eval-every", "0",
                    cwd=tmp_path, timeout=400))
     assert "resumed at step 20 of 22" in out
+    # the job's default split cuts between the decoder layers, so the run generates (issue 39: it cut inside
+    # model.layers.3, and generate refused the run after 56 s)
+    assert load_model_file(str(run_dir))["meta"]["split"][1:] == [["model.layers.1"], ["model.layers.2"],
+                                                                  ["model.layers.3", "model.norm", "lm_head"]]
+    got = json.loads(_ok(_cli("generate", str(run_dir), "--prompt", "the 3th line", "--max-new-tokens", "4", "--json",
+                              cwd=tmp_path, timeout=400)))
+    assert got[0]["prompt"] == "the 3th line" and 1 <= len(got[0]["completion"].encode()) <= 4 * 4, got
 
 
 def test_a_pretrained_directory_fills_each_stage_from_its_own_tensors_only(tmp_path):
