@@ -18,7 +18,9 @@ imports nothing of torchtitan: its objects are read by the names the Trainer use
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any, Callable, cast
 
 import torch
@@ -92,7 +94,11 @@ def pipeline_llm(model: torch.nn.Module, *, parallel_dims: Any, training: Any, p
     split_spec: Any = num_stages
     if parallelism.module_fqns_per_model_part is not None:
         split_spec = [part[0] for part in parallelism.module_fqns_per_model_part[1:]]
-    pipe = pipeline(model, split_spec, (example,))
+    with _autocast_as_on(torch.device(device)):
+        pipe = pipeline(model, split_spec, (example,))
+        cuts = _block_starts(pipe, model) if isinstance(split_spec, int) else None
+        if cuts is not None:  # a balanced cut entered a block: torchtitan's parallelize_fn works per block
+            pipe = pipeline(model, cuts, (example,))
     pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
     placement = cls.stage_placement(pipe.num_stages, pp_size)
     stages = []
@@ -155,11 +161,14 @@ class _InitWeights:
 def _torchtitan_face(part: torch.nn.Module, model: torch.nn.Module) -> None:
     """Make a stage module answer what torchtitan reads of a model part: each top-level child of
     the model (``None`` where another stage holds it), a ``layers`` container of the model's own
-    class (a ``ModuleDict`` keeps ``.items()``) holding the stage's blocks, the model's
-    ``enable_weight_tying``, and ``init_weights``."""
+    class (a ``ModuleDict`` keeps ``.items()``) holding the stage's blocks, the model's public plain
+    attributes the stage module lacks (``enable_weight_tying``, ``config``, DeepSeek-V3's
+    ``mtp_layers = None``), and ``init_weights``."""
     for name, child in model.named_children():
         held = part._modules.get(name)
-        if held is None:
+        if held is None and isinstance(child, (torch.nn.ModuleDict, torch.nn.ModuleList)):
+            part._modules[name] = type(child)()  # as torchtitan's own split leaves it: empty, still iterable
+        elif held is None:
             object.__setattr__(part, name, None)
         elif isinstance(child, torch.nn.ModuleDict) and not isinstance(held, torch.nn.ModuleDict):
             container = type(child)()
@@ -170,8 +179,62 @@ def _torchtitan_face(part: torch.nn.Module, model: torch.nn.Module) -> None:
             for key, b in held.named_buffers(recurse=False):
                 container.register_buffer(key, b, persistent=key not in held._non_persistent_buffers_set)
             part._modules[name] = container
-    object.__setattr__(part, "enable_weight_tying", bool(getattr(model, "enable_weight_tying", False)))
+    for name, value in vars(model).items():  # plain attributes torchtitan reads (enable_weight_tying, mtp_layers=None)
+        if not name.startswith("_") and name != "training" and not hasattr(part, name):
+            object.__setattr__(part, name, value)
     object.__setattr__(part, "init_weights", _InitWeights(part, model))
+
+
+class _AutocastOn(torch.autocast):
+    """``torch.autocast`` for a trace of a model on ``meta`` that will run on ``device``:
+    ``device_type="meta"`` (what ``x.device.type`` reads there) becomes ``device``'s type."""
+
+    target = "cpu"
+
+    def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(self.target if device_type == "meta" else device_type, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _autocast_as_on(device: torch.device) -> Iterator[None]:
+    """For the trace: a forward that enters ``torch.autocast(device_type=x.device.type)`` (DeepSeek-V3's
+    and Qwen3's MoE routers) asks for ``"meta"`` on the Trainer's meta model, which torch refuses;
+    it enters the autocast it will enter on ``device``, where the stages run."""
+    saved = torch.autocast, torch.amp.autocast, _AutocastOn.target
+    _AutocastOn.target = device.type
+    torch.autocast = torch.amp.autocast = _AutocastOn  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torch.autocast, torch.amp.autocast, _AutocastOn.target = saved  # type: ignore[misc]
+
+
+def _block_starts(pipe: Any, model: torch.nn.Module) -> list[str] | None:
+    """Where each stage after the first begins, moved to the start of the block of ``model.layers`` a
+    balanced cut entered; None when every cut lies between blocks (or the model has no ``layers``)."""
+    try:
+        layers = model.get_submodule("layers")
+    except AttributeError:
+        return None
+    blocks = [f"layers.{key}" for key, _ in layers.named_children()]
+    starts, entered = [], False
+    for i in range(1, pipe.num_stages):
+        module = pipe.get_stage_module(i)
+        held = [b for b in blocks if _holds(module, b)]
+        if not held:
+            return None
+        starts.append(held[0])
+        entered |= module.get_submodule(held[0]) is not model.get_submodule(held[0])
+    ordered = all(blocks.index(a) < blocks.index(b) for a, b in zip(starts, starts[1:]))
+    return starts if entered and ordered else None
+
+
+def _holds(module: torch.nn.Module, fqn: str) -> bool:
+    try:
+        module.get_submodule(fqn)
+    except AttributeError:
+        return False
+    return True
 
 
 def _stage_count(parallelism: Any, per_rank: int, model: torch.nn.Module) -> int:

@@ -15,7 +15,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip insta
                                          "and, on CPU, pip install --no-deps triton==3.8.0)")
 
 import pippy_split as ps  # noqa: E402
-from pippy_split.split.errors import TraceError  # noqa: E402
+from pippy_split.integrations.torchtitan import _autocast_as_on, _block_starts  # noqa: E402
 from pippy_split.testing import run_ranks  # noqa: E402
 
 from .bodies import case_results, cases_body, reference, reference_model, trainer_replay  # noqa: E402
@@ -29,6 +29,8 @@ TWO = [  # (model, route, schedule)
     ("qwen3", "pipeline_llm", "Interleaved1F1B"),
     ("llama3", "compat", "1F1B"),
     ("qwen3", "compat", "ZBVZeroBubble"),
+    ("deepseek_v3", "pipeline_llm", "1F1B"),
+    ("deepseek_v3", "pipeline_llm", "ZBVZeroBubble"),
     ("deepseek_v3", "compat", "1F1B"),
     ("deepseek_v3", "compat", "ZBVZeroBubble"),
     ("llama3", "pipeline_llm", "ZBVZeroBubble", 1, 4, True),  # torchtitan's full AC through its parallelize_fn
@@ -101,12 +103,15 @@ def test_full_ac_wrapped_the_blocks(two_ranks) -> None:
     assert all(r["checkpointed"] for r in results)
 
 
-@pytest.mark.xfail(strict=False, raises=TraceError,
-                   reason="DeepSeek-V3's MoE router enters torch.autocast(device_type=x.device.type): on the meta "
-                          "model the Trainer builds that is autocast('meta'), which torch refuses, so "
-                          "pippy_split's pipeline_llm cannot trace it; the compat route (torchtitan's FQN split) works")
-def test_deepseek_v3_meta_model_traces_for_pipeline_llm() -> None:
+
+def test_deepseek_v3_on_meta_is_cut_between_blocks_by_pipeline_llm() -> None:
+    """Its MoE router enters torch.autocast(device_type=x.device.type), "meta" on the Trainer's
+    model: pipeline_llm traces it as on the device it will run on; the balanced cut, which
+    entered layers.1, moves to the block's start (torchtitan's parallelize_fn works per block)."""
     with torch.device("meta"):
         model = config("deepseek_v3").build()
-    pipe = ps.pipeline(model, 2, (torch.zeros(1, 8, dtype=torch.long),))
-    assert pipe.num_stages == 2
+    with _autocast_as_on(torch.device("cpu")):
+        pipe = ps.pipeline(model, 2, (torch.zeros(1, 8, dtype=torch.long),))
+        starts = _block_starts(pipe, model)
+    assert starts == ["layers.1"]
+    assert torch.autocast is torch.amp.autocast_mode.autocast  # put back
