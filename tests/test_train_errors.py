@@ -45,6 +45,23 @@ def test_inputs_are_checked_before_any_rank_starts(tmp_path, capsys, monkeypatch
         "--checkpoint or --run-name names the run)")
 
 
+def test_a_random_or_cut_model_pt_is_named_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    """Issue 40: random bytes read as "pickled objects that could run code", a cut file as a 26-line traceback."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "whole").mkdir()
+    torch.save({"state_dict": {"w": torch.zeros(4096)}, "meta": {}}, tmp_path / "whole" / "model.pt")
+    data = (tmp_path / "whole" / "model.pt").read_bytes()
+    for name, damaged in (("random", bytes(range(256)) * 16), ("cut", data[: len(data) // 2])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.pt").write_bytes(damaged)
+        assert _one_line(capsys, "--resume", "--steps", "5", "--checkpoint", name) == (
+            f"pippy-split train: {name}/model.pt is not a complete checkpoint this job wrote (it cannot be read "
+            "back: cut short, or other bytes); move it away: --resume then continues from train_state/ where it is "
+            "complete, else train the run again")
+
+
 def test_a_run_directory_holding_a_run_is_not_overwritten(tmp_path, capsys, monkeypatch):
     """Issue 40: rerunning a run name without --resume used to truncate its metrics.jsonl and train over it."""
     monkeypatch.chdir(tmp_path)

@@ -303,6 +303,11 @@ def render(prompts: list[str], completions: list[str], as_json: bool = False, re
         >>> print(render(["07+45="], ["25"], reversed_sums=True), end="")
         (the model writes an answer's digits backwards, as it trained: 07+45=25 is 7 + 45 = 52)
         07+45=25    i.e. 7 + 45 = 52
+        >>> print(render(["Once", "Then"], [" upon\\na time", " more"]), end="")  # lines of text: set apart
+        Once upon
+        a time
+        <BLANKLINE>
+        Then more
         >>> render(["1+2="], ["3"], as_json=True)
         '[{"prompt": "1+2=", "completion": "3"}]\\n'
     """
