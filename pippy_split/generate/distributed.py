@@ -17,7 +17,9 @@ gives every rank the sequences.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ from ..schedule.decode_order import (
     validate_decode,
 )
 from ..split.module_calls import parent_of
-from ..stage.transport import P2P, P2POp
+from ..stage.transport import P2P, Batch, P2POp
 from .agreement import agreed_call
 from .errors import GenerationError
 from .gathered import unsharded_stages
@@ -43,7 +45,55 @@ from .result import Generation
 from .stage_step import StageDecoder
 from .stand_ins import is_stand_in
 
-__all__ = ["generate_on_schedule", "bind_live"]
+__all__ = ["generate_on_schedule", "bind_live", "pack", "unpack", "packed_size"]
+
+_ALIGN = 16  # bytes: each value of a packed message starts at a multiple (any dtype's view is aligned)
+_SENDS_IN_FLIGHT = 8  # batches whose sends are waited for later (their buffers live until then)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def packed_size(layout: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """Bytes of a message of values of these ``(shape, dtype)`` packed by :func:`pack`."""
+    return sum(n + (-n % _ALIGN) for n in (_nbytes(shape, dtype) for shape, dtype in layout))
+
+
+def pack(values: list[torch.Tensor]) -> torch.Tensor:
+    """``values`` as one flat ``uint8`` buffer, each row-major and padded to :data:`_ALIGN` bytes:
+    one message (one rendezvous on the transport) instead of one per value.
+
+    Example:
+        >>> x, m = torch.arange(3.0), torch.tensor([True, False])
+        >>> y, n = unpack(pack([x, m]), [((3,), torch.float32), ((2,), torch.bool)])
+        >>> y.tolist(), n.tolist()
+        ([0.0, 1.0, 2.0], [True, False])
+    """
+    parts = []
+    for v in values:
+        v = v.detach()
+        if v.is_complex():
+            v = torch.view_as_real(v)
+        flat = v.contiguous().reshape(-1).view(torch.uint8)
+        parts.append(flat)
+        if flat.numel() % _ALIGN:
+            parts.append(flat.new_zeros(-flat.numel() % _ALIGN))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def unpack(buffer: torch.Tensor, layout: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """The values :func:`pack` put in ``buffer``, each a view of it with its ``(shape, dtype)``."""
+    out, offset = [], 0
+    for shape, dtype in layout:
+        n = _nbytes(shape, dtype)
+        raw = buffer[offset:offset + n]
+        if dtype.is_complex:
+            out.append(torch.view_as_complex(raw.view(dtype.to_real()).view(*shape, 2)))
+        else:
+            out.append(raw.view(dtype).view(shape))
+        offset += n + (-n % _ALIGN)
+    return out
 
 
 def bind_live(decode_module: torch.nn.Module, live: torch.nn.Module, stage: int = 0) -> None:
@@ -99,7 +149,9 @@ class _Run:
         self.values: dict[tuple[int, int], dict[tuple[int, int], Any]] = {}  # (lane, round) -> (stage, out)
         self.tokens: dict[tuple[int, int], torch.Tensor] = {}  # (lane, round) -> tokens chosen at round - 1
         self.edges = program.messages()
+        self._edge_lists: dict[tuple[int, int], list[Any]] = {}
         self.last = program.num_stages - 1
+        self.sends: deque[Batch] = deque()  # posted batches with sends not yet waited for
 
     def stops_at(self, lane: int) -> int:
         """The first round of ``lane`` that does not run (as far as this rank knows yet)."""
@@ -125,10 +177,23 @@ class _Run:
             self.values.pop((lane, t), None)  # the round is done on this rank's last stage
 
     def _edges(self, src: int, dst: int) -> list[Any]:
-        return [e for e in self.edges if e.src_stage == src and e.dst_stage == dst]
+        key = (src, dst)
+        edges = self._edge_lists.get(key)
+        if edges is None:
+            edges = self._edge_lists[key] = [e for e in self.edges if e.src_stage == src and e.dst_stage == dst]
+        return edges
+
+    def _layout(self, src: int, dst: int, b: int, t: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Each value's (shape, dtype) in stage ``src``'s message to ``dst`` for ``b`` slots at round ``t``."""
+        new = self.prompt_len if t == 0 else 1
+        past = 0 if t == 0 else self.prompt_len + t - 1
+        bindings = self.program.bindings(b, new, past)
+        return [(e.spec.concrete_shape(bindings), e.spec.dtype) for e in self._edges(src, dst)]
 
     def ops(self, a: DecodeAction) -> list[tuple[P2POp, Any]]:
-        """The transport ops of one comm action, each with where a received tensor goes."""
+        """The transport ops of one comm action, each with where a received tensor goes: one
+        op per message (a stage's values to another stage go packed in one buffer, one
+        rendezvous per message, not one per value)."""
         peer = self.sched.placement[a.peer]
         lane, t = a.lane, a.round
         b = self.lanes[lane].slots
@@ -141,23 +206,20 @@ class _Run:
             return [(op, ("t", lane, t))]
         if a.kind == "SEND":
             produced = self.values[(lane, t)]
-            return [(P2P.send_op(produced[(a.stage, e.src_output)], peer, f"stage {a.stage} sending lane {lane} "
-                                 f"round {t} to stage {a.peer}"), None) for e in self._edges(a.stage, a.peer)]
-        new = self.prompt_len if t == 0 else 1
-        past = 0 if t == 0 else self.prompt_len + t - 1
-        bindings = self.program.bindings(b, new, past)
-        out = []
-        for e in self._edges(a.peer, a.stage):
-            op, _ = P2P.recv_op(e.spec.concrete_shape(bindings), e.spec.dtype, self.device, peer,
-                                f"stage {a.stage} waiting for {e.display_name} of lane {lane} round {t} from stage "
-                                f"{a.peer} on rank {peer}")
-            out.append((op, ("h", lane, t, e.src_stage, e.src_output)))
-        return out
+            values = [produced[(a.stage, e.src_output)] for e in self._edges(a.stage, a.peer)]
+            return [(P2P.send_op(pack(values), peer, f"stage {a.stage} sending lane {lane} round {t} to stage "
+                                 f"{a.peer}"), None)]
+        layout = self._layout(a.peer, a.stage, b, t)
+        op, _ = P2P.recv_op((packed_size(layout),), torch.uint8, self.device, peer,
+                            f"stage {a.stage} waiting for the values of lane {lane} round {t} from stage {a.peer} "
+                            f"on rank {peer}")
+        return [(op, ("h", lane, t, a.peer, a.stage, layout))]
 
     def exchange(self, p2p: P2P, batch: list[DecodeAction]) -> None:
+        """Post ``batch``'s messages in order and wait for its receives; its sends are waited
+        later (:meth:`settle`), so a rank does not wait for its receiver before computing on."""
         ops = [pair for a in batch for pair in self.ops(a)]
         posted = p2p.post([op for op, _ in ops])
-        p2p.wait(posted)
         for op, where in ops:
             if where is None:
                 continue
@@ -165,7 +227,20 @@ class _Run:
             if where[0] == "t":
                 self.lanes[where[1]].advance(where[2] - 1, value)
             else:
-                self.values.setdefault((where[1], where[2]), {})[(where[3], where[4])] = value
+                _, lane, t, src, dst, layout = where
+                produced = self.values.setdefault((lane, t), {})
+                for e, v in zip(self._edges(src, dst), unpack(value, layout)):
+                    produced[(src, e.src_output)] = v
+        if any(op.send for op, _ in ops):
+            self.sends.append(posted)
+        while len(self.sends) > _SENDS_IN_FLIGHT:
+            p2p.wait(self.sends.popleft())
+
+    def settle(self, p2p: P2P | None) -> None:
+        """Wait for every send still in flight (the run leaves no work outstanding)."""
+        while self.sends:
+            assert p2p is not None
+            p2p.wait(self.sends.popleft())
 
 
 def _run_actions(run: _Run, actions: list[DecodeAction], p2p: P2P | None, record: list | None) -> None:
@@ -193,6 +268,7 @@ def _run_actions(run: _Run, actions: list[DecodeAction], p2p: P2P | None, record
         if batch:
             assert p2p is not None, "one rank has no messages"
             run.exchange(p2p, batch)
+    run.settle(p2p)
     if record is not None:
         record.append(("run", -1, -1, -1, begin, time.perf_counter()))
 

@@ -13,7 +13,10 @@ import torch
 
 import pippy_split as ps
 from pippy_split.generate import GenerationError
-from pippy_split.generate.lanes import Lane
+from pippy_split.generate.distributed import generate_on_schedule, lowered_decode, pack, packed_size, unpack
+from pippy_split.generate.lanes import Lane, make_lanes
+from pippy_split.generate.options import GenerateOptions
+from pippy_split.generate.program import decode_program
 from pippy_split.schedule.decode_order import (
     DecodeAction,
     _run_batches,
@@ -24,9 +27,10 @@ from pippy_split.schedule.decode_order import (
     validate_decode,
 )
 from pippy_split.schedule.placement import stage_to_rank
+from pippy_split.stage.transport import P2P
 from pippy_split.testing import run_ranks
 
-from .gen_bodies import case_results, cases_body, generate_body, layers_for, reference
+from .gen_bodies import build, case_results, cases_body, generate_body, layers_for, reference
 from .models import hf_model, hf_reference, prompts
 
 N_NEW = 8
@@ -212,3 +216,55 @@ def test_a_long_lane_never_outruns_learned_positions() -> None:
     out = pipe.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=0, lanes=1,
                         slots=2)
     assert torch.equal(out.sequences[:, : ref.shape[1]], ref)
+
+
+def test_a_packed_message_gives_back_every_value() -> None:
+    """A stage's values travel as one buffer: any dtype (bool masks of odd sizes, complex rotary
+    frequencies, int64), any shape, each value read back exactly, at an aligned offset."""
+    g = torch.Generator().manual_seed(0)
+    values = [torch.rand(3, 1, 1, 7, generator=g) > 0.5, torch.randn(2, 5, dtype=torch.complex64, generator=g),
+              torch.randint(0, 9, (3,), generator=g), torch.randn(3, 1, 5, generator=g).transpose(0, 2),
+              torch.empty(0, 4), torch.tensor(2.5, dtype=torch.float64)]
+    layout = [(tuple(v.shape), v.dtype) for v in values]
+    buffer = pack(values)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == packed_size(layout)
+    for v, back in zip(values, unpack(buffer.clone(), layout)):
+        assert back.dtype == v.dtype and torch.equal(back, v)
+
+
+def _messages_body(rank: int, world: int) -> dict:
+    """Generate on a 4-stage looped tiny GPT (its stages send several values each) with a
+    transport that counts what is posted; the order this rank ran, from the same call."""
+    _, pipe, sched = build("tiny_gpt", "Interleaved1F1B", 4)
+    ids, mask = prompts(True, batch=5)
+    ids = ids % 64
+    p2p = P2P(sched.group, timeout=120.0)
+    batches: list[int] = []
+    post = p2p.post
+    p2p.post = lambda ops: (batches.append(len(ops)), post(ops))[1]  # type: ignore[method-assign]
+    kwargs = {"max_new_tokens": 4, "lanes": 2, "eos_token_id": None}
+    generate_on_schedule(sched, p2p, None, ids, attention_mask=mask, **kwargs)
+    program = decode_program(pipe)
+    lanes = make_lanes(ids, mask, 2, None, GenerateOptions(max_new_tokens=4))
+    lowered, _ = lowered_decode(dict(sched.placement), program, lanes)
+    runs, comm, in_run = 0, 0, False
+    for a in lowered[rank]:
+        comm += a.kind != "D"
+        runs += a.kind != "D" and not in_run
+        in_run = a.kind != "D"
+    values = max(len([e for e in program.messages() if e.src_stage == s and e.dst_stage == s + 1])
+                 for s in range(program.num_stages - 1))
+    return {"posted_ops": sum(batches), "batches": len(batches), "comm_actions": comm, "comm_runs": runs,
+            "values_per_hop": values}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_one_transport_op_per_message() -> None:
+    """Each message of the lowered decode order is one transport op, however many values a stage
+    sends (they travel packed): with several values per hop, one op each would cost a
+    rendezvous per value per lane and round; and each run of comm actions is one posted batch."""
+    for r in run_ranks(_messages_body, 2, timeout=240):
+        assert r["values_per_hop"] > 1  # the case needs stages that send several values
+        assert r["posted_ops"] == r["comm_actions"]
+        assert r["batches"] == r["comm_runs"]
