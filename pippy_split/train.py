@@ -33,6 +33,7 @@ The parts live in :mod:`pippy_split.training` (setup, loop, finish).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -97,6 +98,10 @@ def _run(options: argparse.Namespace | TrainConfig) -> int:
     except Interrupted as e:
         print(_interrupted_line(cfg, config_file, newest_step(cfg.checkpoint)), file=sys.stderr, flush=True)
         return 128 + e.signum
+    except RankFailed:
+        with contextlib.suppress(OSError):  # a run that failed before writing anything leaves no directory
+            os.rmdir(cfg.checkpoint)
+        raise
     print(f"next: pippy-split generate {shlex.quote(cfg.checkpoint)} --prompt {shlex.quote(_example_prompt(cfg))}",
           flush=True)
     return 0

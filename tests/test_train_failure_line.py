@@ -52,6 +52,7 @@ def test_an_error_found_in_a_rank_is_one_line(tmp_path):
     assert len(lines) == 1, r.stderr
     assert re.fullmatch(r"pippy-split train: rank \d failed: SplitError: split_spec names 'blocks.9', which is not "
                         r"a submodule of TinyGPT.*", lines[0]), r.stderr
+    assert not (tmp_path / "run").exists()  # nothing written: no empty run directory left behind
 
 
 def test_a_bug_in_a_rank_shows_that_rank_s_traceback_and_the_line(tmp_path):
