@@ -63,6 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stages", type=int, default=None, help="balance this many stages automatically")
     i.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
+    _add_plan(sub)
+
+    t = sub.add_parser("train", help="train a model pipelined over local ranks (default: a tiny GPT learning sums)")
+    build_train_parser(t)
+
+    _add_generate(sub)
+
+    pt = sub.add_parser("plot", help="chart a train run's loss and tokens/s per step as RUN_DIR/metrics.svg")
+    pt.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory, holding metrics.jsonl")
+    return p
+
+
+def _add_plan(sub: Any) -> None:
+    """``plan``'s flags: the measured planner on a model, or ``--cluster`` on paper."""
     pl = sub.add_parser("plan", help="rank split x schedule x microbatches x checkpointing under a memory budget")
     pl.add_argument("target", nargs="?", help="module:factory (returns a ZooEntry or (model, args[, kwargs])) or "
                     "zoo:NAME (not with --cluster)")
@@ -91,9 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds the measurement may spend repeating steps until the timings settle "
                          "(default 20; a busy machine needs more)")
 
-    t = sub.add_parser("train", help="train a model pipelined over local ranks (default: a tiny GPT learning sums)")
-    build_train_parser(t)
 
+def _add_generate(sub: Any) -> None:
+    """``generate``'s flags: the run, the prompts, how to choose tokens."""
     gen = sub.add_parser("generate", help="sample from a train run on the stages and ranks it trained with")
     gen.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (train's --checkpoint), holding model.pt")
     gen.add_argument("--prompt", action="append", default=[],
@@ -108,10 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None,
                      help="with --do-sample: the same seed draws the same tokens, whatever the ranks")
     gen.add_argument("--json", action="store_true", help="print a JSON list of {prompt, completion} instead of text")
-
-    pt = sub.add_parser("plot", help="chart a train run's loss and tokens/s per step as RUN_DIR/metrics.svg")
-    pt.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory, holding metrics.jsonl")
-    return p
 
 
 # Names that moved to pippy_split.commands, still importable from here (imported when asked for: no torch
