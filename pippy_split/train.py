@@ -102,8 +102,9 @@ def _run(options: argparse.Namespace | TrainConfig) -> int:
         with contextlib.suppress(OSError):  # a run that failed before writing anything leaves no directory
             os.rmdir(cfg.checkpoint)
         raise
-    print(f"next: pippy-split generate {shlex.quote(cfg.checkpoint)} --prompt {shlex.quote(_example_prompt(cfg))}",
-          flush=True)
+    if not cfg.model or cfg.data:  # a run on text (a factory's own batch has no vocabulary to prompt with)
+        print(f"next: pippy-split generate {shlex.quote(cfg.checkpoint)} --prompt "
+              f"{shlex.quote(_example_prompt(cfg))}", flush=True)
     return 0
 
 
@@ -149,8 +150,8 @@ def resume_command(cfg: TrainConfig, config_file: str | None = None) -> str:
 
 
 def _example_prompt(cfg: TrainConfig) -> str:
-    """A prompt to try the trained model with: a sum for the built-in task, else the start of a line."""
-    return "07+45=" if not cfg.data and not cfg.model else "The"
+    """A prompt to try the trained model with: a sum for the built-in task, else a placeholder for the user's text."""
+    return "07+45=" if not cfg.data and not cfg.model else "TEXT TO CONTINUE"
 
 
 def _check_options(cfg: TrainConfig) -> str:
