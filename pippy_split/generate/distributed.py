@@ -8,7 +8,8 @@ optimizer updates: no copy; FSDP2 / TP shards are made whole for the call by
 (:mod:`pippy_split.schedule.decode_order`: built, lowered, validated), then runs its own
 actions: ``D`` through a :class:`~.stage_step.StageDecoder` (the lane's KV cache stays on
 the stage), each maximal run of ``SEND``/``RECV`` as one batch on the pipeline's
-order-matched transport, skipping the rounds of a lane that has nothing left. The last
+order-matched transport (one op per message: a stage's values go packed in one buffer;
+receives waited at once, sends later), skipping the rounds of a lane that has nothing left. The last
 stage chooses the tokens (:class:`~.lanes.Progress`) and sends them to every other rank,
 where :class:`~.lanes.Lane` follows which row holds which slot; at the end one broadcast
 gives every rank the sequences.
