@@ -194,7 +194,7 @@ def test_a_run_on_fsdp2_replicas_generates_on_its_mesh(tmp_path):
     pipe = ps.pipeline(model.eval(), _split_of(meta), (torch.zeros(2, 16, dtype=torch.long),))
     ids = torch.tensor([[meta["chars"].index(c) for c in "07+45="]])
     new = pipe.generate(ids, max_new_tokens=4).sequences[0, 6:].tolist()
-    assert got[0]["completion"] == "".join(meta["chars"][i] for i in new)
+    assert got[0]["completion"] == "".join(meta["chars"][i] for i in new).split("\n")[0]  # the answer ends there
 
 
 def test_a_folder_of_runs_lists_them(sums, capsys, monkeypatch):
