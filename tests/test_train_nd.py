@@ -29,8 +29,10 @@ def _run(tmp_path, name: str, *flags: str) -> tuple[list[dict], dict]:
 def _assert_same_training(a: tuple[list[dict], dict], b: tuple[list[dict], dict]) -> None:
     (steps_a, weights_a), (steps_b, weights_b) = a, b
     for x, y in zip(steps_a, steps_b, strict=True):
+        # The norm of every gradient (about 3 here) sums squares reduced in another order under FSDP2's
+        # reduce-scatter: fp32 rounding grows with its size, so it is compared relative to it (observed 4.5e-6)
         assert x["loss"] == pytest.approx(y["loss"], abs=1e-5) and x["grad_norm"] == pytest.approx(y["grad_norm"],
-                                                                                                   abs=1e-5)
+                                                                                                   rel=1e-5, abs=1e-5)
     weights_a, weights_b = ({k: v for k, v in w.items() if k != "_out"} for w in (weights_a, weights_b))
     assert weights_a.keys() == weights_b.keys()
     for k in weights_a:
