@@ -27,8 +27,13 @@ from typing import Any
 import torch
 
 from .errors import GenerationError
+from .recurrent import FixedState, cache_tensors, filled_cache, grows, has_kv_layers, recurrent_cache
 
-__all__ = ["DecodeRoot", "DecodeSignature", "KVCache", "decode_signature", "kv_layout"]
+__all__ = ["DecodeRoot", "DecodeSignature", "KVCache", "decode_signature", "kv_layout", "LayoutEntry"]
+
+LayoutEntry = tuple[int, int] | FixedState
+"""One cache tensor's sizes: ``(heads, head_dim)`` of keys or values ``(B, heads, P, head_dim)``,
+or a :class:`~.recurrent.FixedState` (a recurrent layer's conv or SSM state)."""
 
 
 class KVCache:
@@ -82,6 +87,9 @@ class DecodeSignature:
     router_logits: bool
     """It takes ``output_router_logits=`` (a MoE's load-balancing loss, passed False: decoding never
     needs it, and its loss reads the whole mask beside the new tokens' router logits)."""
+    recurrent: bool = False
+    """Some of its layers keep a recurrent state in the Hugging Face cache (Mamba, Jamba, Zamba):
+    the prefill and a step are two programs (:mod:`.phased`)."""
 
 
 def _recurrent_layers(model: torch.nn.Module) -> list[int]:
@@ -97,6 +105,11 @@ def _recurrent_layers(model: torch.nn.Module) -> list[int]:
     except Exception:  # a config the cache cannot read: its layers are plain KV layers
         return []
     return [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+RECURRENT_SUPPORTED = frozenset({"MambaForCausalLM", "JambaForCausalLM", "ZambaForCausalLM"})
+"""The models with a recurrent state whose decode is checked equal to Hugging Face generate
+(``tests/generate/test_generate_recurrent.py``); any other is refused by name."""
 
 
 def decode_signature(model: torch.nn.Module) -> DecodeSignature:
@@ -120,7 +133,7 @@ def decode_signature(model: torch.nn.Module) -> DecodeSignature:
              "past_key_values.update(keys, values, layer_idx) and attend over what it returns")
     if "state" in params and not any(n in params for n in ("cache", "past_key_values")):
         raise GenerationError(f"{name} keeps a recurrent state (forward(state=)) instead of a KV cache; pippy_split "
-                              f"decodes with a KV cache per stage and cannot carry that state yet. {works}")
+                              f"cannot carry a state passed as state= yet. {works_recurrent} {works}")
     cache_arg = next((n for n in ("cache", "past_key_values") if n in params), None)
     if cache_arg is None:
         raise GenerationError(f"{name}.forward cannot take a KV cache (it has no cache= or past_key_values= "
@@ -130,17 +143,19 @@ def decode_signature(model: torch.nn.Module) -> DecodeSignature:
         raise GenerationError(f"{name}.forward takes {cache_arg}= but not attention_mask=; generation passes the "
                               f"mask of the left-padded prompts and the cache. {works}")
     recurrent = _recurrent_layers(model)
-    if recurrent:
+    if recurrent and type(model).__name__ not in RECURRENT_SUPPORTED:
         raise GenerationError(f"{name}'s layers {recurrent} keep a recurrent state (Mamba / linear-attention "
                               "conv and SSM states) instead of keys and values; pippy_split decodes with a KV cache "
-                              f"per stage and cannot carry that state yet (its unsplit generate can). {works}")
+                              f"per stage and cannot carry that state yet (its unsplit generate can). {works_recurrent} {works}")
     return DecodeSignature(cache_arg, "position_ids" in params, "logits_to_keep" in params,
-                           "use_cache" in params, "output_router_logits" in params)
+                           "use_cache" in params, "output_router_logits" in params, bool(recurrent))
 
 
-def _filled_cache(model: torch.nn.Module, past: list[torch.Tensor]) -> Any:
+def _filled_cache(model: torch.nn.Module, past: list[torch.Tensor], recurrent: bool = False) -> Any:
     """The model's kind of cache holding ``past``, set without any op: the first op that reads
     layer ``j``'s past is that layer's own ``update`` (in the stage holding the layer)."""
+    if recurrent:
+        return filled_cache(model, past)
     pairs = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
     if not _is_hf(model):
         ours = KVCache()
@@ -160,6 +175,8 @@ def _filled_cache(model: torch.nn.Module, past: list[torch.Tensor]) -> Any:
 def _cache_tensors(cache: Any) -> list[torch.Tensor]:
     if isinstance(cache, KVCache):
         return cache.layer_tensors()
+    if any(not hasattr(layer, "keys") for layer in cache.layers):
+        return cache_tensors(cache)
     return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
@@ -200,9 +217,12 @@ class DecodeRoot(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 past: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        cache = _filled_cache(self._user_model, past)
         sig = self.signature
-        kwargs: dict[str, Any] = {"attention_mask": attention_mask, sig.cache_arg: cache}
+        cache = _filled_cache(self._user_model, past, sig.recurrent)
+        mask: torch.Tensor | None = attention_mask
+        if sig.recurrent and past and not has_kv_layers(cache):
+            mask = None  # as Hugging Face generate steps a model without attention (Mamba): no padding in a step
+        kwargs: dict[str, Any] = {"attention_mask": mask, sig.cache_arg: cache}
         if sig.positions:
             kwargs["position_ids"] = position_ids
         if sig.keep_last:
@@ -216,10 +236,10 @@ class DecodeRoot(torch.nn.Module):
         return logits[:, -1], _cache_tensors(cache)
 
 
-def kv_layout(model: torch.nn.Module, device: torch.device | str) -> list[tuple[int, int]]:
+def kv_layout(model: torch.nn.Module, device: torch.device | str) -> list[LayoutEntry]:
     """``(heads, head_dim)`` of each cache tensor the model keeps (keys and values of each
-    attention layer, in order), from one step of two tokens (on ``meta`` when the model's
-    tensors are)."""
+    attention layer, in order; a :class:`~.recurrent.FixedState` for a recurrent layer's
+    state), from one step of two tokens (on ``meta`` when the model's tensors are)."""
     root = DecodeRoot(model)
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     with torch.no_grad():
@@ -227,4 +247,8 @@ def kv_layout(model: torch.nn.Module, device: torch.device | str) -> list[tuple[
     if not kv:
         raise GenerationError(f"{type(model).__name__} called cache.update for no layer: it keeps no KV cache, "
                               "so it cannot generate step by step")
+    cache = recurrent_cache(model) if root.signature.recurrent else None
+    if cache is not None:
+        return [(int(t.shape[1]), int(t.shape[3])) if g else FixedState(tuple(int(n) for n in t.shape[1:]))
+                for t, g in zip(kv, grows(cache))]
     return [(int(t.shape[1]), int(t.shape[3])) for t in kv]

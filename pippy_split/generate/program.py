@@ -21,11 +21,12 @@ from typing import Any, Sequence
 import torch
 
 from ..split.spec import MODEL_INPUT, InputKind, StageInput, gather_inputs
-from .decode_model import DecodeRoot, kv_layout
+from .decode_model import DecodeRoot, LayoutEntry, kv_layout
 from .errors import GenerationError
+from .recurrent import FixedState
 from .stand_ins import meta_stood_in
 
-__all__ = ["DecodeProgram", "StagePlan", "decode_program", "N_STEP_INPUTS"]
+__all__ = ["DecodeProgram", "StagePlan", "decode_program", "example_step", "past_shape", "N_STEP_INPUTS"]
 
 N_STEP_INPUTS = 3  # input_ids, attention_mask, position_ids; the cache tensors follow
 
@@ -53,9 +54,11 @@ class StagePlan:
 class DecodeProgram:
     """The decode Pipe with each stage's :class:`StagePlan` and the cache layout."""
 
-    def __init__(self, pipe: Any, layout: list[tuple[int, int]]) -> None:
+    def __init__(self, pipe: Any, layout: list[LayoutEntry], *, fresh: bool = False) -> None:
         self.pipe = pipe
         self.layout = layout
+        self.fresh = fresh
+        """The program starts from an empty cache and reads no past (a recurrent model's prefill)."""
         self.num_stages: int = pipe.num_stages
         self.plans = _stage_plans(pipe, len(layout))
         last_outputs = len(pipe.stages[-1].output_names)
@@ -100,8 +103,7 @@ class DecodeProgram:
             if i < N_STEP_INPUTS:
                 out[src.symbol] = sizes[i][src.dim]
             else:
-                h, d = self.layout[i - N_STEP_INPUTS]
-                out[src.symbol] = (batch, h, past, d)[src.dim]
+                out[src.symbol] = past_shape(self.layout[i - N_STEP_INPUTS], batch, past)[src.dim]
         return out
 
     def links(self) -> dict[int, set[int]]:
@@ -121,6 +123,19 @@ class DecodeProgram:
     def token_readers(self) -> set[int]:
         """The stages that read ``input_ids``."""
         return {p.index for p in self.plans if 0 in p.step_inputs.values()}
+
+
+def past_shape(entry: LayoutEntry, batch: int, past: int) -> tuple[int, ...]:
+    """The shape of a cache tensor before a step of ``batch`` rows after ``past`` tokens.
+
+    Example:
+        >>> past_shape((4, 8), 2, 5), past_shape(FixedState((64, 4)), 2, 5)
+        ((2, 4, 5, 8), (2, 64, 4))
+    """
+    if isinstance(entry, FixedState):
+        return entry.full_shape(batch)
+    h, d = entry
+    return (batch, h, past, d)
 
 
 def _model_input_of(slot: StageInput) -> int | None:
@@ -185,14 +200,20 @@ def _stage_plans(pipe: Any, n_kv: int) -> list[StagePlan]:
     return plans
 
 
-def _example(layout: list[tuple[int, int]], device: torch.device | str, dtype: torch.dtype
-             ) -> tuple[tuple, dict]:
-    b, t, p = 2, 3, 4  # distinct sizes above 1: export keeps each dim general
+def example_step(layout: list[LayoutEntry], device: torch.device | str, dtype: torch.dtype, *, t: int = 3,
+                 p: int = 4) -> tuple[tuple, dict]:
+    """A decode step's arguments to trace on: ``t`` new tokens after ``p`` (no past at all where
+    ``p`` is 0: a recurrent model's prefill), with the dynamic shapes to trace them with."""
+    b = 2  # distinct sizes above 1: export keeps each dim general
     ids = torch.zeros(b, t, dtype=torch.long, device=device)
     mask = torch.ones(b, p + t, dtype=torch.long, device=device)
     pos = torch.arange(p, p + t, device=device).expand(b, t).contiguous()
-    past = [torch.zeros(b, h, p, d, device=device, dtype=dtype) for h, d in layout]
-    return (ids, mask, pos, past), {}
+    past = [torch.zeros(past_shape(e, b, p), device=device, dtype=dtype) for e in layout] if p else []
+    dyn = torch.export.Dim.DYNAMIC
+    new = {0: dyn, 1: dyn} if t > 1 else {0: dyn}  # a step of one token is traced as such
+    shapes = {"input_ids": new, "attention_mask": {0: dyn, 1: dyn}, "position_ids": new,
+              "past": [{0: dyn} if isinstance(e, FixedState) else {0: dyn, 2: dyn} for e in (layout if p else [])]}
+    return (ids, mask, pos, past), shapes
 
 
 def decode_program(pipe: Any) -> DecodeProgram:
@@ -214,11 +235,12 @@ def decode_program(pipe: Any) -> DecodeProgram:
     dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
     with meta_stood_in(model, device):
         layout = kv_layout(model, device)
-        args, kwargs = _example(layout, device, dtype)
-        dyn = torch.export.Dim.DYNAMIC
-        shapes = {"input_ids": {0: dyn, 1: dyn}, "attention_mask": {0: dyn, 1: dyn},
-                  "position_ids": {0: dyn, 1: dyn}, "past": [{0: dyn, 2: dyn} for _ in layout]}
-        decode_pipe = trace_again(pipe, root, args, kwargs, dynamic_shapes=shapes)
-    program = DecodeProgram(decode_pipe, layout)
+        if root.signature.recurrent:  # a prefill and a step: two programs (phased.py)
+            from .phased import phased_program
+
+            program: Any = phased_program(pipe, root, layout, device, dtype)
+        else:
+            args, shapes = example_step(layout, device, dtype)
+            program = DecodeProgram(trace_again(pipe, root, args, {}, dynamic_shapes=shapes), layout)
     pipe.derived["decode_program"] = program
     return program

@@ -1,9 +1,13 @@
-"""One stage's part of one lane's step, with the stage's KV cache (generate, per action).
+"""One stage's part of one lane's step, with the stage's cache (generate, per action).
 
 :class:`StageDecoder` runs stage ``s`` of the decode program for a lane: it gathers the
 stage's arguments (the step inputs it reads, values other stages sent, its own past for
 each layer it holds), runs the stage module, keeps the new cache and returns the outputs
 other stages read. The cache of a lane lives here, keyed by lane, and never leaves.
+
+A recurrent model's program is a :class:`~.phased.PhasedProgram`: the decoder runs its
+prefill program where the lane has no cache yet and its step program after, and a slot that
+took a new prompt (continuous batching) starts that row from a zero state.
 """
 
 from __future__ import annotations
@@ -12,46 +16,76 @@ from typing import Any
 
 import torch
 
-from .program import DecodeProgram
+from .phased import PhasedProgram, share_tensors
+from .program import DecodeProgram, past_shape
+from .recurrent import FixedState, state_rows_reset
 
 __all__ = ["StageDecoder"]
 
 
 class StageDecoder:
-    """Stage ``s``'s decode step over lanes, with each lane's KV cache."""
+    """Stage ``s``'s decode step over lanes, with each lane's cache.
 
-    def __init__(self, program: DecodeProgram, s: int, module: torch.nn.Module, device: torch.device,
-                 dtype: torch.dtype) -> None:
+    Example (``pipe.generate`` runs every stage so, one after the other):
+        >>> decoders = [StageDecoder(program, s, program.stage_module(s), device, dtype)  # doctest: +SKIP
+        ...             for s in range(program.num_stages)]
+        >>> outs = decoders[0].run(lane, step, produced)  # doctest: +SKIP
+    """
+
+    def __init__(self, program: DecodeProgram | PhasedProgram, s: int, module: torch.nn.Module,
+                 device: torch.device, dtype: torch.dtype) -> None:
         self.program = program
         self.s = s
-        self.plan = program.plans[s]
         self.module = module
         self.device = device
         self.dtype = dtype
-        self.cache: dict[int, dict[int, torch.Tensor]] = {}  # lane -> cache tensor index -> (b, H, P, D)
+        self.cache: dict[int, dict[int, torch.Tensor]] = {}  # lane -> cache tensor index -> tensor
+        self.plan = program.step.plans[s] if isinstance(program, PhasedProgram) else program.plans[s]
+        self._bound: set[int] = set()  # the phased programs whose stage module shares ``module``'s tensors
 
     def reset(self) -> None:
         self.cache.clear()
 
-    def _past(self, lane: int, batch: int, past_len: int) -> dict[int, torch.Tensor]:
+    def _module(self, program: DecodeProgram) -> torch.nn.Module:
+        """``program``'s stage module, sharing the tensors the driver bound ``self.module`` to."""
+        if not isinstance(self.program, PhasedProgram):
+            return self.module
+        module = program.stage_module(self.s)
+        if module is not self.module and id(program) not in self._bound:
+            share_tensors(module, self.module)
+            self._bound.add(id(program))
+        return module
+
+    def _past(self, program: DecodeProgram, lane: int, mask: torch.Tensor, past_len: int) -> dict[int, torch.Tensor]:
+        batch = int(mask.shape[0])
+        plan = program.plans[self.s]
         kv = self.cache.get(lane)
+        if program.fresh:  # a recurrent model's prefill: it reads no past
+            return {}
         if kv is None:  # prefill: an empty past
-            kv = {j: torch.zeros(batch, h, 0, d, device=self.device, dtype=self.dtype)
-                  for j, (h, d) in enumerate(self.program.layout) if j in self.plan.kv}
-        out = dict(kv)
-        for j in self.plan.kv_shapes.values():  # another stage's cache, read for its sizes only
-            h, d = self.program.layout[j]
-            out[j] = torch.empty((), device=self.device, dtype=self.dtype).expand(batch, h, past_len, d)
+            kv = {j: torch.zeros(past_shape(e, batch, 0), device=self.device, dtype=self.dtype)
+                  for j, e in enumerate(program.layout) if j in plan.kv}
+        out = {j: (state_rows_reset(t, mask) if isinstance(program.layout[j], FixedState) else t)
+               for j, t in kv.items()}
+        for j in plan.kv_shapes.values():  # another stage's cache, read for its sizes only
+            shape = past_shape(program.layout[j], batch, past_len)
+            out[j] = torch.empty((), device=self.device, dtype=self.dtype).expand(*shape)
         return out
 
     def run(self, lane: int, step: list[Any], produced: dict[tuple[int, int], Any]) -> tuple[Any, ...]:
         """Run the stage for ``lane`` on ``step`` (ids, mask, positions; ids may be None where
         this stage does not read them) and the values in ``produced``; returns its outputs."""
         mask, ids_or_pos = step[1], step[2]
-        batch, past_len = int(mask.shape[0]), int(mask.shape[1]) - int(ids_or_pos.shape[1])
-        kv = self._past(lane, batch, past_len)
-        args = self.program.gather(self.s, step, dict(produced), kv)
+        new = int(ids_or_pos.shape[1])
+        past_len = int(mask.shape[1]) - new
+        phased = self.program if isinstance(self.program, PhasedProgram) else None
+        program = self.program if phased is None else phased.program(phased.phase(past_len), new)
+        kv = self._past(program, lane, mask, past_len)
+        inputs = dict(produced) if phased is None else phased.real_produced(phased.phase(past_len), new, produced)
+        args = program.gather(self.s, step, inputs, kv)
         with torch.no_grad():
-            outs = self.module(*args)
-        self.cache[lane] = {j: outs[o] for j, o in self.plan.kv_outputs.items()}
+            outs = self._module(program)(*args)
+        self.cache[lane] = {j: outs[o] for j, o in program.plans[self.s].kv_outputs.items()}
+        if phased is not None:
+            return phased.virtual_outputs(self.s, phased.phase(past_len), new, outs)
         return tuple(outs)
