@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import pippy_split as ps
-from pippy_split.generate.distributed import generate_on_schedule, lowered_decode
+from pippy_split.generate.distributed import lowered_decode
 from pippy_split.generate.lanes import make_lanes
 from pippy_split.generate.options import GenerateOptions
 from pippy_split.generate.program import decode_program
@@ -70,7 +70,7 @@ def rank_body(rank: int, world: int, d: int, layers: int, batch: int, length: in
     out: dict[str, Any] = {}
     hf_model = model(d, layers) if rank == 0 else None
     for lanes in lanes_list:
-        generate_on_schedule(sched, None, None, ids, max_new_tokens=2, lanes=lanes)  # warm up: traces the decode step
+        sched.generate(ids, max_new_tokens=2, lanes=lanes)  # warm up: traces the decode step
     if hf_model is not None:
         hf_generate(hf_model, ids, 2)
     walls: dict[Any, list[float]] = {lanes: [] for lanes in lanes_list}
@@ -80,14 +80,11 @@ def rank_body(rank: int, world: int, d: int, layers: int, batch: int, length: in
     hf_walls, probes = [], []
     for _ in range(REPS):  # the configurations take turns (HF's too), so a busy machine slows them alike
         for lanes in lanes_list:
-            record: list = []
-            cpu = time.process_time()
-            generate_on_schedule(sched, None, None, ids, max_new_tokens=new, lanes=lanes, record=record,
-                                 eos_token_id=None)
-            cpu = time.process_time() - cpu
-            run = next(r for r in record if r[0] == "run")
-            wall = run[5] - run[4]
-            computes = [r[5] - r[4] for r in record if r[0] == "D"]
+            cpu, start = time.process_time(), time.perf_counter()
+            with sched.timed_actions() as times:  # every D action, timed by the runtime's observer
+                sched.generate(ids, max_new_tokens=new, lanes=lanes, eos_token_id=None)
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            computes = [t.seconds for t in times]
             walls[lanes].append(wall)
             cpus[lanes].append(cpu / wall)
             busy[lanes].append(sum(computes) / wall)

@@ -8,13 +8,21 @@ slots (what it feeds, which waiting row takes a finished row's slot) and what th
 produced, :mod:`.sampling` the token choice, :mod:`.local` the one-process driver and
 :mod:`.distributed` the driver on the schedule's ranks. The decode order itself is data
 of the schedule layer (:mod:`pippy_split.schedule.decode_order`: built, lowered,
-validated, simulated by ``ps.simulate``).
+validated, simulated by ``ps.simulate``, run by the training runtime's ``Interpreter``).
+``Pipe`` and ``PipelineSchedule`` sit below this package, so it hands them its drivers
+(:mod:`pippy_split.split.generation_slot`).
 """
 
 from __future__ import annotations
 
+from ..split.generation_slot import provide
+from .distributed import generate_on_schedule
 from .errors import GenerationError
+from .local import generate_in_process
 from .options import GenerateOptions
 from .result import Generation
+
+provide("pipe", generate_in_process)  # Pipe.generate and PipelineSchedule.generate call these
+provide("schedule", generate_on_schedule)
 
 __all__ = ["Generation", "GenerateOptions", "GenerationError"]

@@ -1,42 +1,36 @@
-"""``sched.generate``: the decode order run on the schedule's ranks (generate's runtime).
+"""``sched.generate``: the decode order run on the schedule's ranks by the training runtime.
 
-Every rank gets the same call. It checks the arguments (:mod:`.checks`), takes the Pipe's
-decode program (:mod:`.program`, traced once per Pipe on each rank) and binds each of its
-stages to the live tensors of this rank's training stage (the same parameter objects the
-optimizer updates: no copy; FSDP2 / TP shards are made whole for the call by
-:mod:`.gathered`), builds the decode order for the schedule's placement
-(:mod:`pippy_split.schedule.decode_order`: built, lowered, validated), then runs its own
-actions: ``D`` through a :class:`~.stage_step.StageDecoder` (the lane's KV cache stays on
-the stage), each maximal run of ``SEND``/``RECV`` as one batch on the pipeline's
-order-matched transport (one op per message: a stage's values go packed in one buffer;
-receives waited at once, sends later), skipping the rounds of a lane that has nothing left. The last
-stage chooses the tokens (:class:`~.lanes.Progress`) and sends them to every other rank,
-where :class:`~.lanes.Lane` follows which row holds which slot; at the end one broadcast
-gives every rank the sequences.
+Every rank gets the same call. It agrees on the arguments with every rank (:mod:`.agreement`),
+takes the Pipe's decode program (:mod:`.program`, traced once per Pipe on each rank) and
+binds each of its stages to the live tensors of this rank's training stage (the same
+parameter objects the optimizer updates: no copy; FSDP2 / TP shards are made whole for the
+call by :mod:`.gathered`), builds the decode order for the schedule's placement
+(:mod:`pippy_split.schedule.decode_order`: built, lowered, validated), and hands it to the
+schedule's own :class:`~pippy_split.schedule.runtime.Interpreter` with a
+:class:`DecodeRun`, the session that computes each ``D`` through a
+:class:`~.stage_step.StageDecoder` (the lane's KV cache stays on the stage), packs a stage's
+values into one message, and says which rounds a lane no longer runs. The last stage chooses
+the tokens (:class:`~.lanes.Progress`) and sends them to every other rank, where
+:class:`~.lanes.Lane` follows which row holds which slot; at the end one broadcast gives
+every rank the sequences.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import time
-from collections import deque
-from typing import Any
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..schedule.actions import Action, ActionKind
 from ..schedule.agree import FailureChannel
-from ..schedule.decode_order import (
-    DecodeAction,
-    content_round,
-    decision_lag,
-    decode_order,
-    lower_decode,
-    validate_decode,
-)
+from ..schedule.decode_order import content_round, decision_lag, decode_order, lower_decode, validate_decode
+from ..schedule.runtime import Interpreter
 from ..split.module_calls import parent_of
-from ..stage.transport import P2P, Batch, P2POp
+from ..stage.groups import PipelineGroup
+from ..stage.stage import PipelineStage
 from .agreement import agreed_call
 from .errors import GenerationError
 from .gathered import unsharded_stages
@@ -46,10 +40,9 @@ from .result import Generation
 from .stage_step import StageDecoder
 from .stand_ins import is_stand_in
 
-__all__ = ["generate_on_schedule", "bind_live", "pack", "unpack", "packed_size"]
+__all__ = ["generate_on_schedule", "bind_live", "pack", "unpack", "packed_size", "DecodeRun", "lowered_decode"]
 
 _ALIGN = 16  # bytes: each value of a packed message starts at a multiple (any dtype's view is aligned)
-_SENDS_IN_FLIGHT = 8  # batches whose sends are waited for later (their buffers live until then)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -130,7 +123,17 @@ def bind_live(decode_module: torch.nn.Module, live: torch.nn.Module, stage: int 
                               "hold every tensor their layers read")
 
 
-def _pipe_of(sched: Any) -> Any:
+class ScheduleView(Protocol):
+    """What generation reads of a schedule (``PipelineSchedule``; the schedule layer is below this one)."""
+
+    stages: Sequence[PipelineStage]
+    placement: Mapping[int, int]
+    rank: int
+    world: int
+    pipeline_group: PipelineGroup
+
+
+def _pipe_of(sched: ScheduleView) -> Any:
     pipe = getattr(sched.stages[0], "pipe", None)
     if pipe is None or not hasattr(pipe, "derived"):
         raise GenerationError(f"{type(sched).__name__}.generate needs stages built from a Pipe "
@@ -139,20 +142,21 @@ def _pipe_of(sched: Any) -> Any:
     return pipe
 
 
-class _Run:
-    """One generate() call on this rank: the lanes, the values in flight and the tokens."""
+class DecodeRun:
+    """One ``generate`` call on this rank, as the runtime's
+    :class:`~pippy_split.schedule.decode_exchange.DecodeSession`: the lanes, the values in
+    flight and the tokens."""
 
-    def __init__(self, sched: Any, program: DecodeProgram, lanes: list[Lane], decoders: dict[int, StageDecoder],
+    def __init__(self, program: DecodeProgram, lanes: list[Lane], decoders: dict[int, StageDecoder],
                  progress: Progress | None, lag: int, device: torch.device) -> None:
-        self.sched, self.program, self.lanes = sched, program, lanes
-        self.decoders, self.progress, self.lag, self.device = decoders, progress, lag, device
+        self.program, self.lanes, self.decoders = program, lanes, decoders
+        self.progress, self.lag, self.device = progress, lag, device
         self.prompt_len = lanes[0].prompt.shape[1]
         self.values: dict[tuple[int, int], dict[tuple[int, int], Any]] = {}  # (lane, round) -> (stage, out)
         self.tokens: dict[tuple[int, int], torch.Tensor] = {}  # (lane, round) -> tokens chosen at round - 1
         self.edges = program.messages()
         self._edge_lists: dict[tuple[int, int], list[Any]] = {}
         self.last = program.num_stages - 1
-        self.sends: deque[Batch] = deque()  # posted batches with sends not yet waited for
 
     def stops_at(self, lane: int) -> int:
         """The first round of ``lane`` that does not run (as far as this rank knows yet)."""
@@ -161,11 +165,11 @@ class _Run:
             return state.rounds
         return min(state.rounds, state.idle_after + self.lag)
 
-    def skipped(self, a: DecodeAction) -> bool:
+    def skipped(self, a: Action) -> bool:
         return content_round(a) >= self.stops_at(a.lane)
 
-    def compute(self, a: DecodeAction) -> None:
-        lane, t = a.lane, a.round
+    def compute(self, a: Action) -> None:
+        lane, t = a.lane, _round(a)
         step = self.lanes[lane].inputs(t).as_list()
         produced = self.values.setdefault((lane, t), {})
         outs = self.decoders[a.stage].run(lane, step, produced)
@@ -177,6 +181,30 @@ class _Run:
             self.tokens[(lane, t + 1)] = tokens
             self.values.pop((lane, t), None)  # the round is done on this rank's last stage
 
+    def payload(self, a: Action) -> torch.Tensor:
+        if a.kind is ActionKind.SEND_T:
+            return self.tokens[(a.lane, _round(a))]
+        assert a.peer is not None
+        produced = self.values[(a.lane, _round(a))]
+        return pack([produced[(a.stage, e.src_output)] for e in self._edges(a.stage, a.peer)])
+
+    def landing(self, a: Action) -> tuple[tuple[int, ...], torch.dtype]:
+        if a.kind is ActionKind.RECV_T:
+            return (self.lanes[a.lane].slots,), torch.long
+        assert a.peer is not None
+        return (packed_size(self._layout(a.peer, a.stage, a.lane, _round(a))),), torch.uint8
+
+    def deliver(self, a: Action, value: torch.Tensor) -> None:
+        t = _round(a)
+        if a.kind is ActionKind.RECV_T:
+            self.lanes[a.lane].advance(t - 1, value)
+            return
+        assert a.peer is not None
+        produced = self.values.setdefault((a.lane, t), {})
+        layout = self._layout(a.peer, a.stage, a.lane, t)
+        for e, v in zip(self._edges(a.peer, a.stage), unpack(value, layout)):
+            produced[(a.peer, e.src_output)] = v
+
     def _edges(self, src: int, dst: int) -> list[Any]:
         key = (src, dst)
         edges = self._edge_lists.get(key)
@@ -184,98 +212,21 @@ class _Run:
             edges = self._edge_lists[key] = [e for e in self.edges if e.src_stage == src and e.dst_stage == dst]
         return edges
 
-    def _layout(self, src: int, dst: int, b: int, t: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """Each value's (shape, dtype) in stage ``src``'s message to ``dst`` for ``b`` slots at round ``t``."""
+    def _layout(self, src: int, dst: int, lane: int, t: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Each value's (shape, dtype) in stage ``src``'s message to ``dst`` for ``lane`` at round ``t``."""
         new = self.prompt_len if t == 0 else 1
         past = 0 if t == 0 else self.prompt_len + t - 1
-        bindings = self.program.bindings(b, new, past)
+        bindings = self.program.bindings(self.lanes[lane].slots, new, past)
         return [(e.spec.concrete_shape(bindings), e.spec.dtype) for e in self._edges(src, dst)]
 
-    def ops(self, a: DecodeAction) -> list[tuple[P2POp, Any]]:
-        """The transport ops of one comm action, each with where a received tensor goes: one
-        op per message (a stage's values to another stage go packed in one buffer, one
-        rendezvous per message, not one per value)."""
-        peer = self.sched.placement[a.peer]
-        lane, t = a.lane, a.round
-        b = self.lanes[lane].slots
-        if a.what == "t":
-            if a.kind == "SEND":
-                return [(P2P.send_op(self.tokens[(lane, t)], peer, f"stage {a.stage} sending tokens of lane "
-                                     f"{lane} round {t} to stage {a.peer}"), None)]
-            op, _ = P2P.recv_op((b,), torch.long, self.device, peer, f"stage {a.stage} waiting for the tokens of "
-                                f"lane {lane} round {t} from stage {a.peer} on rank {peer}")
-            return [(op, ("t", lane, t))]
-        if a.kind == "SEND":
-            produced = self.values[(lane, t)]
-            values = [produced[(a.stage, e.src_output)] for e in self._edges(a.stage, a.peer)]
-            return [(P2P.send_op(pack(values), peer, f"stage {a.stage} sending lane {lane} round {t} to stage "
-                                 f"{a.peer}"), None)]
-        layout = self._layout(a.peer, a.stage, b, t)
-        op, _ = P2P.recv_op((packed_size(layout),), torch.uint8, self.device, peer,
-                            f"stage {a.stage} waiting for the values of lane {lane} round {t} from stage {a.peer} "
-                            f"on rank {peer}")
-        return [(op, ("h", lane, t, a.peer, a.stage, layout))]
 
-    def exchange(self, p2p: P2P, batch: list[DecodeAction]) -> None:
-        """Post ``batch``'s messages in order and wait for its receives; its sends are waited
-        later (:meth:`settle`), so a rank does not wait for its receiver before computing on."""
-        ops = [pair for a in batch for pair in self.ops(a)]
-        posted = p2p.post([op for op, _ in ops])
-        for op, where in ops:
-            if where is None:
-                continue
-            value = p2p.wait_recv(op)
-            if where[0] == "t":
-                self.lanes[where[1]].advance(where[2] - 1, value)
-            else:
-                _, lane, t, src, dst, layout = where
-                produced = self.values.setdefault((lane, t), {})
-                for e, v in zip(self._edges(src, dst), unpack(value, layout)):
-                    produced[(src, e.src_output)] = v
-        if any(op.send for op, _ in ops):
-            self.sends.append(posted)
-        while len(self.sends) > _SENDS_IN_FLIGHT:
-            p2p.wait(self.sends.popleft())
-
-    def settle(self, p2p: P2P | None) -> None:
-        """Wait for every send still in flight (the run leaves no work outstanding)."""
-        while self.sends:
-            assert p2p is not None
-            p2p.wait(self.sends.popleft())
-
-
-def _run_actions(run: _Run, actions: list[DecodeAction], p2p: P2P | None, record: list | None) -> None:
-    """This rank's part of the lowered decode order: computes one by one, each run of comm
-    actions as one batch; the rounds a lane no longer runs are skipped (every rank knows which
-    before it reaches them: :func:`~pippy_split.schedule.decode_order.decision_lag`)."""
-    begin = time.perf_counter()
-    i = 0
-    while i < len(actions):
-        if actions[i].kind == "D":
-            a = actions[i]
-            i += 1
-            if run.skipped(a):
-                continue
-            start = time.perf_counter()
-            run.compute(a)
-            if record is not None:
-                record.append(("D", a.stage, a.lane, a.round, start, time.perf_counter()))
-            continue
-        j = i
-        while j < len(actions) and actions[j].kind != "D":
-            j += 1
-        batch = [a for a in actions[i:j] if not run.skipped(a)]
-        i = j
-        if batch:
-            assert p2p is not None, "one rank has no messages"
-            run.exchange(p2p, batch)
-    run.settle(p2p)
-    if record is not None:
-        record.append(("run", -1, -1, -1, begin, time.perf_counter()))
+def _round(a: Action) -> int:
+    assert a.round is not None, f"{a} is not a decode action"
+    return a.round
 
 
 def lowered_decode(placement: dict[int, int], program: DecodeProgram, lanes: list[Lane]
-                   ) -> tuple[dict[int, list[DecodeAction]], int]:
+                   ) -> tuple[dict[int, list[Action]], int]:
     """The decode order for ``lanes`` on ``placement``, lowered and validated, and its
     :func:`~pippy_split.schedule.decode_order.decision_lag`. Every rank but the last stage's
     learns each round's tokens (at its lowest stage), so each can follow the lanes' slots."""
@@ -289,22 +240,21 @@ def lowered_decode(placement: dict[int, int], program: DecodeProgram, lanes: lis
     return lowered, decision_lag(lowered, placement)
 
 
-def generate_on_schedule(sched: Any, transport: P2P | None, failures: FailureChannel | None, input_ids: torch.Tensor,
-                         *, record: list | None = None, **kwargs: Any) -> Generation:
-    """See :meth:`pippy_split.schedule.PipelineSchedule.generate`: ``sched``'s stages, with its
-    point-to-point ``transport`` (None on one rank) and its ``failures`` channel (a rank failing
-    mid-generation stops every rank, as in ``step()``). ``record``, where given, gets
-    ``(what, stage, lane, round, start, end)`` (``time.perf_counter()``) for each compute (what
-    ``"D"``) and for the whole run (what ``"run"``): the benchmark's busy fractions."""
+def generate_on_schedule(sched: ScheduleView, runtime: Interpreter, failures: FailureChannel | None,
+                         input_ids: torch.Tensor, **kwargs: Any) -> Generation:
+    """See :meth:`pippy_split.schedule.PipelineSchedule.generate`: ``sched``'s stages, run by
+    its ``runtime`` (the one :class:`~pippy_split.schedule.runtime.Interpreter` its steps run
+    on, with its transport) and its ``failures`` channel (a rank failing mid-generation stops
+    every rank, as in ``step()``)."""
     pipe = _pipe_of(sched)
     call = agreed_call(pipe, sched.pipeline_group, input_ids, kwargs)  # every rank, before any message
     # FSDP2 / TP stages: their DTensors whole for this call, freed after it (gathered.py)
     with unsharded_stages(sched.stages, pipe):
-        return _generate(sched, pipe, call, input_ids, record, transport, failures)
+        return _generate(sched, pipe, call, input_ids, runtime, failures)
 
 
-def _generate(sched: Any, pipe: Any, call: Any, input_ids: torch.Tensor, record: list | None,
-              transport: P2P | None, failures: FailureChannel | None) -> Generation:
+def _generate(sched: ScheduleView, pipe: Any, call: Any, input_ids: torch.Tensor, runtime: Interpreter,
+              failures: FailureChannel | None) -> Generation:
     program = decode_program(pipe)
     opts = call.options
     device = sched.stages[0].device
@@ -319,23 +269,29 @@ def _generate(sched: Any, pipe: Any, call: Any, input_ids: torch.Tensor, record:
         decoders[st.stage_index] = StageDecoder(program, st.stage_index, module, device, call.dtype)
     last_rank = placement[program.num_stages - 1]
     progress = Progress(prompt, opts) if last_rank == sched.rank else None
-    run = _Run(sched, program, lanes, decoders, progress, lag, device)
-    # The schedule's own transport and failure channel: a rank that fails mid-generation posts
-    # its cause and every other rank stops with PipelineAborted naming it, as in step().
-    p2p = transport if sched.world > 1 else None
-    if p2p is None and sched.world > 1:
-        p2p = P2P(sched.group, timeout=300.0)
+    run = DecodeRun(program, lanes, decoders, progress, lag, device)
+    # A rank that fails mid-generation posts its cause and every other rank stops with
+    # PipelineAborted naming it, as in step().
     with failures.guard("generate()") if failures is not None else contextlib.nullcontext() as guard:
         if guard is not None:
             guard.communicating("in generate()")
-        _run_actions(run, lowered.get(sched.rank, []), p2p, record)
-        for d in decoders.values():
-            d.reset()  # the lanes' caches are freed at the end of the call
-        sequences = progress.sequences if progress is not None else torch.empty(
-            prompt.shape[0], prompt.shape[1] + opts.max_new_tokens, dtype=torch.long, device=device)
-        logprobs = progress.logprobs if progress is not None else torch.empty(
-            prompt.shape[0], opts.max_new_tokens, dtype=torch.float32, device=device)
-        if sched.world > 1:
-            dist.broadcast(sequences, group=sched.group, group_src=last_rank)
-            dist.broadcast(logprobs, group=sched.group, group_src=last_rank)
+        try:
+            runtime.decode(lowered.get(sched.rank, []), run)
+        finally:
+            for d in decoders.values():
+                d.reset()  # the lanes' caches are freed at the end of the call
+        return _shared_result(sched, progress, prompt, opts, last_rank, device)
+
+
+def _shared_result(sched: ScheduleView, progress: Progress | None, prompt: torch.Tensor, opts: Any, last_rank: int,
+                   device: torch.device) -> Generation:
+    """The last stage's sequences (and log-probabilities) on every rank: one broadcast each."""
+    sequences = progress.sequences if progress is not None else torch.empty(
+        prompt.shape[0], prompt.shape[1] + opts.max_new_tokens, dtype=torch.long, device=device)
+    logprobs = progress.logprobs if progress is not None else torch.empty(
+        prompt.shape[0], opts.max_new_tokens, dtype=torch.float32, device=device)
+    if sched.world > 1:
+        group = sched.pipeline_group.group
+        dist.broadcast(sequences, group=group, group_src=last_rank)
+        dist.broadcast(logprobs, group=group, group_src=last_rank)
     return Generation(sequences, logprobs if opts.return_logprobs else None)

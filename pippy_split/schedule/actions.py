@@ -54,6 +54,11 @@ class ActionKind(str, enum.Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    D = "D"  # decode: one stage's step for a lane at a round (generation)
+    SEND_D = "SEND_D"  # decode: a stage's values for another stage
+    RECV_D = "RECV_D"
+    SEND_T = "SEND_T"  # decode: the tokens the last stage chose, for a stage reading input ids
+    RECV_T = "RECV_T"
 
     @property
     def is_compute(self) -> bool:
@@ -63,11 +68,18 @@ class ActionKind(str, enum.Enum):
     def is_comm(self) -> bool:
         return not self.is_compute
 
+    @property
+    def is_decode(self) -> bool:
+        """A kind of the decode program (``generate``): D and its messages."""
+        return self in _DECODE_KINDS
+
     def __str__(self) -> str:
         return self.value
 
 
-_COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
+_COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.D})
+_DECODE_KINDS = frozenset({ActionKind.D, ActionKind.SEND_D, ActionKind.RECV_D, ActionKind.SEND_T, ActionKind.RECV_T})
+_SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.SEND_D, ActionKind.SEND_T})
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,17 +87,22 @@ class Action:
     """One step of one rank: ``kind`` of microbatch ``mb`` on ``stage``.
 
     ``peer`` (comm actions only) is the stage at the other end of the message;
-    ``None`` means every remote peer of ``stage`` in that direction.
+    ``None`` means every remote peer of ``stage`` in that direction. Decode actions
+    (``generate``'s program) name a lane in ``mb`` and a ``round`` (0 the prefill, then
+    one token per round); their text is ``{stage}{kind}{lane}.{round}``.
 
     Example:
         >>> str(Action(3, ActionKind.RECV_F, 0, peer=0))
         '3RECV_F0<0'
+        >>> str(Action(1, ActionKind.SEND_T, 0, peer=0, round=5))
+        '1SEND_T0.5>0'
     """
 
     stage: int
     kind: ActionKind
     mb: int
     peer: int | None = None
+    round: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, ActionKind):
@@ -98,13 +115,25 @@ class Action:
             if self.peer < 0 or self.peer == self.stage:
                 raise ValueError(f"{self.stage}{self.kind.value}{self.mb}: peer stage must be another stage >= 0, "
                                  f"got {self.peer}")
+        if (self.round is not None) != self.kind.is_decode or (self.round is not None and self.round < 0):
+            raise ValueError(f"{self.stage}{self.kind.value}{self.mb}: decode actions (and only they) have a round "
+                             f">= 0, got round={self.round}")
+        if self.kind.is_decode and self.kind.is_comm and self.peer is None:
+            raise ValueError(f"{self.stage}{self.kind.value}{self.mb}.{self.round}: a decode message names its peer stage")
 
     @property
     def is_send(self) -> bool:
-        return self.kind is ActionKind.SEND_F or self.kind is ActionKind.SEND_B
+        return self.kind in _SEND_KINDS
+
+    @property
+    def lane(self) -> int:
+        """A decode action's lane (its ``mb``)."""
+        return self.mb
 
     def __str__(self) -> str:
         text = f"{self.stage}{self.kind.value}{self.mb}"
+        if self.round is not None:
+            text += f".{self.round}"
         if self.peer is None:
             return text
         return f"{text}{'>' if self.is_send else '<'}{self.peer}"
@@ -114,7 +143,8 @@ class Action:
 
 
 
-_ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:([<>])(\d+))?\s*$")
+_ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|SEND_D|RECV_D|SEND_T|RECV_T|F|B|I|W|D)(\d+)"
+                        r"(?:\.(\d+))?(?:([<>])(\d+))?\s*$")
 
 # {rank: [Action | None, ...]}: None is an idle step (a bubble).
 Order = dict[int, list["Action | None"]]
@@ -135,13 +165,14 @@ def parse_action(text: str) -> Action:
             "stage: '0SEND_F3>3', '3RECV_F3<0')"
         )
     kind = ActionKind(m.group(2))
-    if m.group(4) is None:
-        return Action(int(m.group(1)), kind, int(m.group(3)))
-    arrow = ">" if kind in (ActionKind.SEND_F, ActionKind.SEND_B) else "<"
-    if kind.is_compute or m.group(4) != arrow:
+    round_ = None if m.group(4) is None else int(m.group(4))
+    if m.group(5) is None:
+        return Action(int(m.group(1)), kind, int(m.group(3)), round=round_)
+    arrow = ">" if kind in _SEND_KINDS else "<"
+    if kind.is_compute or m.group(5) != arrow:
         raise ValueError(f"cannot parse action {text!r}: only a SEND names its peer with '>' and only a RECV with "
                          f"'<' (e.g. '0SEND_F3>3', '3RECV_F3<0')")
-    return Action(int(m.group(1)), kind, int(m.group(3)), int(m.group(5)))
+    return Action(int(m.group(1)), kind, int(m.group(3)), int(m.group(6)), round=round_)
 
 
 def comm_batches(actions: list["Action | None"]) -> list[tuple[int, list[Action]]]:

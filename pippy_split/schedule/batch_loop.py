@@ -61,7 +61,7 @@ def run_batches(order: Order, table: Mapping[int, Peers],
         by_kind = dict(cost or {})
         cost = lambda stage, kind: by_kind.get(kind, 0.0)  # noqa: E731
     lat = latency if callable(latency) else (lambda src, dst, value=float(latency): value)
-    loop = _BatchLoop(order, table, cost, lat, scale)
+    loop = _BatchLoop(order, table, cost, lat, scale, _decode_inputs(order))
     queue = deque(sorted(order))
     while queue:
         queue.extend(loop.advance(queue.popleft()))
@@ -75,8 +75,10 @@ class _BatchLoop:
     """The state of :func:`run_batches`: per rank, how far it got and when it is free."""
 
     def __init__(self, order: Order, table: Mapping[int, Peers], cost: Callable[[int, ActionKind], float],
-                 lat: Callable[[int, int], float], scale: Sequence[float] | None = None) -> None:
+                 lat: Callable[[int, int], float], scale: Sequence[float] | None = None,
+                 decode_inputs: Mapping[tuple[int, int, int], list[Message]] | None = None) -> None:
         self.order, self.table, self.cost, self.lat = order, table, cost, lat
+        self.decode_inputs = decode_inputs or {}
         self.scale = scale
         self.posted: dict[Op, float] = {}  # -> time posted
         self.waiting: dict[Op, list[int]] = {}  # ranks waiting for an op to be posted
@@ -118,7 +120,9 @@ class _BatchLoop:
 
     def _compute(self, rank: int, a: Action) -> None:
         start = self.free[rank]
-        for m in _consumed(a, self.table):
+        consumed = (self.decode_inputs.get((a.stage, a.mb, a.round), []) if a.round is not None
+                    else _consumed(a, self.table))
+        for m in consumed:
             start = max(start, self.arrival.get(m, start))
         self.free[rank] = start + self.cost(a.stage, a.kind) * (1.0 if self.scale is None else self.scale[a.mb])
         self.timeline[rank].append((start, self.free[rank], a))
@@ -149,6 +153,20 @@ class _BatchLoop:
                 self.arrival[m] = done
         self.stream[rank] = done
         self.timeline[rank].extend((t_post, t_post, a) for a in comms)
+
+
+def _decode_inputs(order: Order) -> dict[tuple[int, int, int], list[Message]]:
+    """A decode program's compute ``D(s, lane, t)`` reads the messages its rank receives for
+    stage ``s``, lane and round ``t`` (values, and the tokens chosen at ``t - 1``): read off the
+    order's receives, as a decode order names every message's stage and round."""
+    out: dict[tuple[int, int, int], list[Message]] = {}
+    for actions in order.values():
+        for a in actions:
+            if a is not None and a.round is not None and a.kind.is_comm and not a.is_send:
+                assert a.peer is not None
+                direction = "T" if a.kind is ActionKind.RECV_T else "D"
+                out.setdefault((a.stage, a.mb, a.round), []).append(Message(direction, a.peer, a.stage, a.mb, a.round))
+    return out
 
 
 def _consumed(a: Action, table: Mapping[int, Peers]) -> list[Message]:

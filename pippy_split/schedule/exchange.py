@@ -17,10 +17,11 @@ import torch
 
 from ..split.spec import MODEL_INPUT, Edge, InputKind, StageInput, TensorSpec
 from ..stage.arguments import StageArgs
+from ..stage.errors import PipelineError
 from ..stage.stage import PipelineStage
 from ..stage.transport import P2POp
 
-__all__ = ["Channel", "Outgoing", "Wiring", "Arrival", "InFlight", "wire"]
+__all__ = ["Channel", "Outgoing", "Wiring", "Arrival", "InFlight", "wire", "refuse_crossing", "release_storage"]
 
 
 @dataclass(frozen=True)
@@ -134,3 +135,31 @@ def wire(stage: PipelineStage, slots: list[StageInput], stage_rank: Mapping[int,
         recv_backward=channels([r for r in routes if not r.from_input and r.spec is not None and r.spec.carries_grad],
                                lambda r: r.dst_stage, lambda r: (r.src_output, r.dst_input), lambda r: r.src_output,
                                lambda r: r.spec, 1, False))
+
+
+def refuse_crossing(value: torch.Tensor, route: Edge, expected: tuple[int, ...], wrong_grad: bool, dynamic: bool,
+            what: str) -> None:
+    """A value about to cross a cut that is not what the trace said (``dynamic``: its shape has a dynamic dim)."""
+    spec = route.spec
+    if tuple(value.shape) != tuple(expected) or value.dtype != spec.dtype:
+        changed = [f"dim {i}: traced {spec.shape[i]}, got {g}" for i, (g, e) in enumerate(zip(value.shape, expected))
+                   if g != e]
+        hint = (" — declare it dynamic with dynamic_shapes=... when calling pipeline()" if changed and not dynamic
+                else "")
+        raise PipelineError(f"{what}: expected shape {tuple(expected)} {spec.dtype}, got {tuple(value.shape)} "
+                            f"{value.dtype} ({'; '.join(changed) or 'dtype differs'}){hint}")
+    raise PipelineError(f"{what}: value {route.src_output} requires grad at run time but the traced edge says it does not; its gradient "
+                        "would be lost")
+
+
+def release_storage(value: Any) -> None:
+    """Let an output that went to another rank give its memory back (Megatron's
+    ``deallocate_output_tensor`` idea). Backward needs only its autograd node and its
+    shape: the tensor now points at one element expanded to the same shape, and the
+    old storage lives on only where something else holds it (the send buffer until
+    the send completes, a same-rank hand-off), so nothing that reads the values
+    changes. Outputs whose storage autograd saved (``PipelineStage.may_release``),
+    leaves (parameters, buffers, inputs) and views are left alone."""
+    if not isinstance(value, torch.Tensor) or value.grad_fn is None or value._base is not None:
+        return
+    value.data = torch.empty((), dtype=value.dtype, device=value.device).expand(value.shape)

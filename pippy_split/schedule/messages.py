@@ -24,6 +24,7 @@ __all__ = ["Peers", "peer_table", "peers", "Message", "Channel", "action_message
 
 SEND_F, RECV_F = ActionKind.SEND_F, ActionKind.RECV_F
 SEND_B, RECV_B = ActionKind.SEND_B, ActionKind.RECV_B
+SEND_D, RECV_D = ActionKind.SEND_D, ActionKind.RECV_D
 
 
 @dataclass(frozen=True)
@@ -92,19 +93,27 @@ def peers(stage: int, links: Iterable[Link], placement: Mapping[int, int]) -> Pe
 
 
 class Message(NamedTuple):
-    """``sender`` stage's ``direction`` ("F" activations, "B" gradients) for ``receiver``, microbatch ``mb``.
+    """``sender`` stage's ``direction`` ("F" activations, "B" gradients; in a decode
+    program "D" a stage's values, "T" the chosen tokens) for ``receiver``, microbatch
+    ``mb`` (a decode program's lane, at its ``round``).
 
     Example:
         >>> str(Message("B", 3, 0, 1))
         'stage 3 -> stage 0 gradient of mb 1'
+        >>> str(Message("T", 3, 0, 1, 4))
+        'stage 3 -> stage 0 tokens of lane 1 round 4'
     """
 
     direction: str
     sender: int
     receiver: int
     mb: int
+    round: int = -1
 
     def __str__(self) -> str:
+        if self.round >= 0:
+            what = "values" if self.direction == "D" else "tokens"
+            return f"stage {self.sender} -> stage {self.receiver} {what} of lane {self.mb} round {self.round}"
         what = "activations" if self.direction == "F" else "gradient"
         return f"stage {self.sender} -> stage {self.receiver} {what} of mb {self.mb}"
 
@@ -139,6 +148,11 @@ def action_messages(action: Action, table: Mapping[int, Peers]) -> list[Message]
         >>> [str(m) for m in action_messages(Action(0, SEND_F, 0), table)]
         ['stage 0 -> stage 1 activations of mb 0', 'stage 0 -> stage 2 activations of mb 0']
     """
+    if action.kind.is_decode:  # a decode message always names its peer; the order is its own table
+        assert action.peer is not None and action.round is not None
+        direction = "D" if action.kind in (SEND_D, RECV_D) else "T"
+        ends = (action.stage, action.peer) if action.is_send else (action.peer, action.stage)
+        return [Message(direction, *ends, action.mb, action.round)]
     remote = _remote_peers(action, table)
     if action.peer is not None:
         if action.peer not in remote:

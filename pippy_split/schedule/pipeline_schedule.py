@@ -17,6 +17,7 @@ import torch
 
 from ..microbatch import MicrobatchError, Microbatches, merge_chunks, split_args_kwargs
 from ..microbatch.chunking import any_per_microbatch
+from ..split.generation_slot import driver
 from ..split.spec import InputKind
 from ..stage.data_parallel import sync_data_parallel
 from ..stage.errors import PipelineError
@@ -391,9 +392,7 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
             out = sched.generate(ids, max_new_tokens=32, attention_mask=mask)   # every rank
             out.sequences  # (batch, prompt_len + 32), the same on every rank
         """
-        from ..generate.distributed import generate_on_schedule  # generation runs on the schedule's stages
-
-        return generate_on_schedule(self, self._runtime.p2p, self._failures, input_ids,
+        return driver("schedule")(self, self._runtime, self._failures, input_ids,
                                     max_new_tokens=max_new_tokens, attention_mask=attention_mask,
                                     do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                     seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id, lanes=lanes,

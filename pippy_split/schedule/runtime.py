@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-from ..split.spec import MODEL_INPUT, Edge, InputKind, TensorSpec
+from ..split.spec import MODEL_INPUT, InputKind, TensorSpec
 from ..stage.arguments import concrete_shape
 from ..stage.data_parallel import set_grad_sync
 from ..stage.errors import PipelineError
@@ -28,10 +28,12 @@ from ..stage.loss import LossRule
 from ..stage.stage import PipelineStage
 from ..stage.transport import P2P, Batch, P2POp
 from .actions import Action, ActionKind
-from .exchange import Arrival, InFlight, Wiring, wire
+from .decode_exchange import DecodeSession, post_decode_batch
+from .exchange import Arrival, InFlight, Wiring, refuse_crossing, release_storage, wire
 from .manual_shapes import infer_manual_shapes
+from .step_words import profiler_label, where_failed
 
-__all__ = ["StepContext", "Interpreter", "ActionObserver", "profiler_label"]
+__all__ = ["StepContext", "Interpreter", "ActionObserver", "DecodeSession", "profiler_label"]
 
 
 class ActionObserver(Protocol):
@@ -63,7 +65,7 @@ class Interpreter:
     def __init__(self, stages: Mapping[int, PipelineStage], stage_rank: Mapping[int, int], rank: int,
                  transport: P2P | None) -> None:
         self.stages = dict(stages)
-        # Free a sent output's storage once its send buffer is done (see _release_storage). Auto (None):
+        # Free a sent output's storage once its send buffer is done (see exchange.release_storage). Auto (None):
         # on accelerators only, whose caching allocators make it free; on CPU, glibc hands the pages
         # back and the next forward faults them in again, which costs more time than it saves.
         self.release_sent: bool | None = None
@@ -90,7 +92,7 @@ class Interpreter:
 
     def _wire(self) -> None:
         """Each stage's exchanges, and whether its sent outputs record what autograd saves
-        (for _release_storage); once its inputs and routes are known."""
+        (for release_storage); once its inputs and routes are known."""
         for s, st in self.stages.items():
             if st.in_slots is None:
                 raise PipelineError(f"stage {s}: its inputs are not known yet (the shape handshake of hand-built "
@@ -116,8 +118,39 @@ class Interpreter:
         if not self.wiring:
             infer_manual_shapes(self.stages, self.stage_rank, self.rank, self.p2p, ctx)
             self._wire()
+        steps = self._steps_of(actions)
+
+        def compute(a: Action) -> None:
+            if last_backward.get(a.stage) is a:
+                set_grad_sync(self.stages[a.stage].module, True)  # data-parallel sync once, on the last backward
+            self._arrive(a)  # waiting for its inputs is not the action's own time
+            self._observed(a, lambda: self.handlers[a.kind](a, ctx))
+
+        self._execute(steps, compute, lambda batch: self._post_batch(batch, ctx))
+        self.finish()
+
+    def decode(self, actions: list[Action], session: DecodeSession) -> None:
+        """Run this rank's part of a lowered decode order (:mod:`.decode_order`) for one
+        ``generate`` call: each ``D`` through ``session``, each maximal run of comm actions as
+        one batch on the pipeline's transport, receives waited at once (the tokens they bring
+        decide what the rank skips next); actions of rounds a lane no longer runs are skipped."""
+
+        def compute(a: Action) -> None:
+            if not session.skipped(a):
+                self._observed(a, lambda: session.compute(a))
+
+        def post(batch: list[Action]) -> None:
+            batch = [a for a in batch if not session.skipped(a)]
+            if batch:
+                self._post_decode(batch, session)
+
+        self._execute(self._steps_of(actions), compute, post)
+        self._settle()
+
+    def _steps_of(self, actions: list[Action]) -> list[Action | list[Action]]:
+        """Compute actions as they are, each maximal run of comm actions as one batch (kept per list)."""
         steps = self._steps.get(id(actions))
-        if steps is None:  # compute actions as they are, each maximal run of comm actions as one batch
+        if steps is None:
             steps = self._steps[id(actions)] = []
             for a in actions:
                 if a.kind.is_compute:
@@ -126,41 +159,56 @@ class Interpreter:
                     steps[-1].append(a)
                 else:
                     steps.append([a])
+        return steps
+
+    def _execute(self, steps: list[Action | list[Action]], compute: Callable[[Action], None],
+                 post: Callable[[list[Action]], None]) -> None:
+        """The one loop: each step in order, named for a profiler; where a run failed is kept."""
         self.failed_at = None
         profiled = torch.autograd.profiler._is_profiler_enabled  # a profiler sees every action by name
         step: Action | list[Action] | None = None
         try:
             for step in steps:
-                if isinstance(step, list):
-                    if profiled:
-                        with torch.profiler.record_function(profiler_label(step)):
-                            self._post_batch(step, ctx)
-                    else:
-                        self._post_batch(step, ctx)
-                    continue
-                if last_backward.get(step.stage) is step:
-                    set_grad_sync(self.stages[step.stage].module, True)  # data-parallel sync once, on the last backward
-                self._arrive(step)  # waiting for its inputs is not the action's own time
-                if self.observer is not None:
-                    self.observer.before(step)
+                run = (lambda s=step: post(s)) if isinstance(step, list) else (lambda s=step: compute(s))
                 if profiled:
                     with torch.profiler.record_function(profiler_label(step)):
-                        self.handlers[step.kind](step, ctx)
+                        run()
                 else:
-                    self.handlers[step.kind](step, ctx)
-                if self.observer is not None:
-                    self.observer.after(step)
+                    run()
                 if len(self._sends) > 8:  # release delivered send buffers (else they live to the step's end)
-                    done = [b for b in self._sends if b.is_completed()]
-                    for b in done:
-                        assert self.p2p is not None  # it was posted through it
-                        self.p2p.wait(b)  # already complete: surfaces an error without blocking
-                    self._sends = [b for b in self._sends if b not in done]
+                    self._release_sends()
             step = None
-            self.finish()
         except BaseException:
-            self.failed_at = _where(step)
+            self.failed_at = where_failed(step)
             raise
+
+    def _observed(self, a: Action, run: Callable[[], None]) -> None:
+        if self.observer is not None:
+            self.observer.before(a)
+        run()
+        if self.observer is not None:
+            self.observer.after(a)
+
+    def _release_sends(self) -> None:
+        done = [b for b in self._sends if b.is_completed()]
+        for b in done:
+            assert self.p2p is not None  # it was posted through it
+            self.p2p.wait(b)  # already complete: surfaces an error without blocking
+        self._sends = [b for b in self._sends if b not in done]
+
+    def _post_decode(self, batch: list[Action], session: DecodeSession) -> None:
+        if self.p2p is None:
+            raise PipelineError(f"rank {self.rank}: a communication action on a run without a process group")
+        posted = post_decode_batch(self.p2p, batch, session, self.stage_rank,
+                                   lambda s: self.stages[s].device if s in self.stages else torch.device("cpu"))
+        if posted is not None:
+            self._sends.append(posted)
+
+    def _settle(self) -> None:
+        for batch in self._sends:
+            assert self.p2p is not None  # it was posted through it
+            self.p2p.wait(batch)
+        self._sends.clear()
 
     def _post_batch(self, batch: list[Action], ctx: StepContext) -> None:
         ops: list[P2POp] = []
@@ -189,10 +237,7 @@ class Interpreter:
 
     def finish(self) -> None:
         """Wait for every send of the step; a receive nobody consumed is a bug in the order."""
-        for batch in self._sends:
-            assert self.p2p is not None  # it was posted through it
-            self.p2p.wait(batch)
-        self._sends.clear()
+        self._settle()
         left = sorted(k for k, r in self._flight.items() if r.arriving_inputs or r.arriving_grads)
         self._flight.clear()
         if left:
@@ -227,7 +272,7 @@ class Interpreter:
                 expected = out.shape if out.shape is not None else self._shape(out.route.spec, ctx, a.mb)
                 wrong_grad = ctx.train and not out.carries_grad and not out.from_input and value.requires_grad
                 if tuple(value.shape) != expected or value.dtype != out.route.spec.dtype or wrong_grad:
-                    _refuse(value, out.route, expected, wrong_grad, out.shape is None, f"stage {a.stage}, microbatch "
+                    refuse_crossing(value, out.route, expected, wrong_grad, out.shape is None, f"stage {a.stage}, microbatch "
                             f"{a.mb}, forward to stage {out.route.dst_stage} (rank {self.stage_rank[out.route.dst_stage]})")
             if out.local:
                 self._flight[(out.route.dst_stage, a.mb)].inputs[out.key] = _received(value, out.carries_grad)
@@ -300,7 +345,7 @@ class Interpreter:
         if stage.track_saved_storages:  # a value read by several stages: only after its last send
             for value in sent:
                 if all(value is not v for v in waiting.values()) and stage.may_release(a.mb, value):
-                    _release_storage(value)
+                    release_storage(value)
         return ops
 
     def _receive(self, a: Action, ctx: StepContext, backward: bool) -> list[P2POp]:
@@ -323,71 +368,12 @@ class Interpreter:
         return ops
 
 
-_KIND_WORDS = {ActionKind.F: "forward", ActionKind.B: "backward", ActionKind.I: "input backward",
-               ActionKind.W: "weight backward"}
-
-
-_WORDS = {ActionKind.F: "forward", ActionKind.B: "backward", ActionKind.I: "backward input",
-          ActionKind.W: "backward weight"}
-
-
-def profiler_label(step: Action | list[Action]) -> str:
-    """The name a profiler trace shows for one compute action, or one batch of comm actions.
-
-    Example:
-        >>> profiler_label(Action(1, ActionKind.I, 3))
-        'pippy_split 1I3: stage 1 backward input, mb 3'
-        >>> profiler_label([Action(0, ActionKind.SEND_F, 2), Action(0, ActionKind.RECV_B, 0)])
-        'pippy_split comm 0SEND_F2 0RECV_B0'
-    """
-    if isinstance(step, list):
-        return "pippy_split comm " + " ".join(str(a) for a in step)
-    return f"pippy_split {step}: stage {step.stage} {_WORDS[step.kind]}, mb {step.mb}"
-
-
-def _where(step: Action | list[Action] | None) -> str:
-    """Where a run failed, for the other ranks: "in 2F3 (stage 2, microbatch 3, forward)"."""
-    if step is None:
-        return "waiting for its sends at the end of the step"
-    if isinstance(step, list):
-        return f"posting the messages of {', '.join(str(a) for a in step)}"
-    return f"in {step} (stage {step.stage}, microbatch {step.mb}, {_KIND_WORDS[step.kind]})"
-
-
 def _received(t: torch.Tensor, carries_grad: bool) -> torch.Tensor:
     """A value from another stage, as this stage's leaf (gradients flow back along it)."""
     t = t.detach()
     if carries_grad and (t.is_floating_point() or t.is_complex()):
         t.requires_grad_(True)
     return t
-
-
-def _refuse(value: torch.Tensor, route: Edge, expected: tuple[int, ...], wrong_grad: bool, dynamic: bool,
-            what: str) -> None:
-    """A value about to cross a cut that is not what the trace said (``dynamic``: its shape has a dynamic dim)."""
-    spec = route.spec
-    if tuple(value.shape) != tuple(expected) or value.dtype != spec.dtype:
-        changed = [f"dim {i}: traced {spec.shape[i]}, got {g}" for i, (g, e) in enumerate(zip(value.shape, expected))
-                   if g != e]
-        hint = (" — declare it dynamic with dynamic_shapes=... when calling pipeline()" if changed and not dynamic
-                else "")
-        raise PipelineError(f"{what}: expected shape {tuple(expected)} {spec.dtype}, got {tuple(value.shape)} "
-                            f"{value.dtype} ({'; '.join(changed) or 'dtype differs'}){hint}")
-    raise PipelineError(f"{what}: value {route.src_output} requires grad at run time but the traced edge says it does not; its gradient "
-                        "would be lost")
-
-
-def _release_storage(value: Any) -> None:
-    """Let an output that went to another rank give its memory back (Megatron's
-    ``deallocate_output_tensor`` idea). Backward needs only its autograd node and its
-    shape: the tensor now points at one element expanded to the same shape, and the
-    old storage lives on only where something else holds it (the send buffer until
-    the send completes, a same-rank hand-off), so nothing that reads the values
-    changes. Outputs whose storage autograd saved (``PipelineStage.may_release``),
-    leaves (parameters, buffers, inputs) and views are left alone."""
-    if not isinstance(value, torch.Tensor) or value.grad_fn is None or value._base is not None:
-        return
-    value.data = torch.empty((), dtype=value.dtype, device=value.device).expand(value.shape)
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -113,10 +113,6 @@ def _render() -> ModuleType:
 
 
 @overload
-def simulate(order: DecodeOrder, costs: float | Mapping[str, float] | None = None) -> DecodeSimulation: ...
-
-
-@overload
 def simulate(
     order: Order,
     costs: CostSpec = None,
@@ -128,6 +124,10 @@ def simulate(
     input_grad_bytes: Mapping[int, float] | Sequence[float] | None = None,
     microbatch_scale: Sequence[float] | None = None,
 ) -> Simulation: ...
+
+
+@overload
+def simulate(order: DecodeOrder, costs: float | Mapping[str, float] | None = None) -> DecodeSimulation: ...
 
 
 def simulate(
@@ -145,7 +145,8 @@ def simulate(
 
     Args:
         order: ``{rank: [Action | None, ...]}``, compute-only or lowered; or a lowered decode
-            order (:mod:`.decode_order`, what ``generate`` runs), which gives a
+            order (:mod:`.decode_order`, what ``generate`` runs; the same batch-rule event
+            loop as a lowered training order), which gives a
             :class:`~.decode_order.DecodeSimulation` (makespan, each rank's busy fraction,
             bubble) with ``costs`` the time of one stage's decode step (a number, or
             ``{"D": t}``; default 1).

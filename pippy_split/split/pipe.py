@@ -18,6 +18,7 @@ from .autocast_trace import TraceRecipe
 from .calls import call_tree
 from .errors import SplitError
 from .functions import check_functions_called
+from .generation_slot import driver
 from .module_calls import called_module_names
 from .partition import Plan, check_balance, check_split_spec, plan_from_cuts, plan_stages, split_fqns
 from .spec import MODEL_INPUT, Edge, SymbolSource, gather_inputs
@@ -215,9 +216,7 @@ class Pipe:
             >>> pipe.generate(e.args[0][:2, :4], max_new_tokens=3).sequences.shape
             torch.Size([2, 7])
         """
-        from ..generate.local import generate_in_process  # generation builds on the Pipe
-
-        return generate_in_process(self, input_ids, **kwargs)
+        return driver("pipe")(self, input_ids, **kwargs)  # generate/ builds on the Pipe: it provides this
 
     # ---- building stages for ranks -------------------------------------------------
     def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: GroupArg = None, *,

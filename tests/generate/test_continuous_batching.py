@@ -13,21 +13,21 @@ import torch
 
 import pippy_split as ps
 from pippy_split.generate import GenerationError
-from pippy_split.generate.distributed import generate_on_schedule, lowered_decode, pack, packed_size, unpack
+from pippy_split.generate.distributed import lowered_decode, pack, packed_size, unpack
 from pippy_split.generate.lanes import Lane, make_lanes
 from pippy_split.generate.options import GenerateOptions
 from pippy_split.generate.program import decode_program
+from pippy_split.schedule.actions import ActionKind, parse_action
+from pippy_split.schedule.batch_loop import run_batches
 from pippy_split.schedule.decode_order import (
-    DecodeAction,
-    _run_batches,
     content_round,
     decision_lag,
+    decode_message,
     decode_order,
     lower_decode,
     validate_decode,
 )
 from pippy_split.schedule.placement import stage_to_rank
-from pippy_split.stage.transport import P2P
 from pippy_split.testing import run_ranks
 
 from .gen_bodies import build, case_results, cases_body, generate_body, layers_for, reference
@@ -100,9 +100,9 @@ def test_lanes_stopping_early_keep_every_rank_in_step(style: str, ranks: int, pe
     for _ in range(20):
         stop = {lane: min(rounds, rng.randrange(rounds) + lag) for lane in range(lanes)}
         cut = {r: [a for a in acts if content_round(a) < stop[a.lane]] for r, acts in lowered.items()}
-        _run_batches(cut, placement)
-        sends = sorted(a.message for acts in cut.values() for a in acts if a.kind == "SEND")
-        recvs = sorted(a.message for acts in cut.values() for a in acts if a.kind == "RECV")
+        assert not run_batches(cut, {}).blocked  # type: ignore[arg-type]
+        sends = sorted(decode_message(a) for acts in cut.values() for a in acts if a.kind.is_comm and a.is_send)
+        recvs = sorted(decode_message(a) for acts in cut.values() for a in acts if a.kind.is_comm and not a.is_send)
         assert sends == recvs
 
 
@@ -110,13 +110,10 @@ def test_the_lag_covers_a_receive_batched_with_the_next_round() -> None:
     """A rank that learns round t's tokens in the same batch as it receives round t + 1's values
     cannot skip round t + 1 on what it learns there: the lag counts that."""
     placement = {0: 0, 1: 1, 2: 2}
-    batched = {0: [DecodeAction("D", 0, 0, 0), DecodeAction("SEND", 0, 0, 0, 1),
-                   DecodeAction("RECV", 0, 0, 1, 2, "t"), DecodeAction("D", 0, 0, 1), DecodeAction("SEND", 0, 0, 1, 1)],
-               1: [DecodeAction("RECV", 1, 0, 0, 0), DecodeAction("D", 1, 0, 0), DecodeAction("SEND", 1, 0, 0, 2),
-                   DecodeAction("RECV", 1, 0, 1, 2, "t"), DecodeAction("RECV", 1, 0, 1, 0), DecodeAction("D", 1, 0, 1),
-                   DecodeAction("SEND", 1, 0, 1, 2)],
-               2: [DecodeAction("RECV", 2, 0, 0, 1), DecodeAction("D", 2, 0, 0), DecodeAction("SEND", 2, 0, 1, 0, "t"),
-                   DecodeAction("SEND", 2, 0, 1, 1, "t"), DecodeAction("RECV", 2, 0, 1, 1), DecodeAction("D", 2, 0, 1)]}
+    batched = {r: [parse_action(t) for t in row.split()] for r, row in {
+        0: "0D0.0 0SEND_D0.0>1 0RECV_T0.1<2 0D0.1 0SEND_D0.1>1",
+        1: "1RECV_D0.0<0 1D0.0 1SEND_D0.0>2 1RECV_T0.1<2 1RECV_D0.1<0 1D0.1 1SEND_D0.1>2",
+        2: "2RECV_D0.0<1 2D0.0 2SEND_T0.1>0 2SEND_T0.1>1 2RECV_D0.1<1 2D0.1"}.items()}
     assert decision_lag(batched, placement) == 2
 
 
@@ -238,20 +235,19 @@ def _messages_body(rank: int, world: int) -> dict:
     _, pipe, sched = build("tiny_gpt", "Interleaved1F1B", 4)
     ids, mask = prompts(True, batch=5)
     ids = ids % 64
-    p2p = P2P(sched.group, timeout=120.0)
+    p2p = sched._runtime.p2p  # the schedule's own transport: generate runs on the training runtime
     batches: list[int] = []
     post = p2p.post
     p2p.post = lambda ops: (batches.append(len(ops)), post(ops))[1]  # type: ignore[method-assign]
-    kwargs = {"max_new_tokens": 4, "lanes": 2, "eos_token_id": None}
-    generate_on_schedule(sched, p2p, None, ids, attention_mask=mask, **kwargs)
+    sched.generate(ids, attention_mask=mask, max_new_tokens=4, lanes=2, eos_token_id=None)
     program = decode_program(pipe)
     lanes = make_lanes(ids, mask, 2, None, GenerateOptions(max_new_tokens=4))
     lowered, _ = lowered_decode(dict(sched.placement), program, lanes)
     runs, comm, in_run = 0, 0, False
     for a in lowered[rank]:
-        comm += a.kind != "D"
-        runs += a.kind != "D" and not in_run
-        in_run = a.kind != "D"
+        comm += a.kind is not ActionKind.D
+        runs += a.kind is not ActionKind.D and not in_run
+        in_run = a.kind is not ActionKind.D
     values = max(len([e for e in program.messages() if e.src_stage == s and e.dst_stage == s + 1])
                  for s in range(program.num_stages - 1))
     return {"posted_ops": sum(batches), "batches": len(batches), "comm_actions": comm, "comm_runs": runs,

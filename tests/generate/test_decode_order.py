@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from pippy_split.schedule.actions import Action, ActionKind, parse_action
 from pippy_split.schedule.decode_order import (
-    DecodeAction,
     DecodeOrderError,
     decode_order,
     lower_decode,
@@ -59,7 +59,32 @@ def test_a_wrong_order_is_refused() -> None:
         validate_decode(swapped, placement, lanes=2, rounds=1)
     with pytest.raises(DecodeOrderError, match="missing"):
         validate_decode({0: lowered[0][:1], 1: []}, placement, lanes=2, rounds=1)
-    assert str(DecodeAction("SEND", 0, 1, 2, 1, "h")) == "0SEND_h1.2>1"
+    send = Action(0, ActionKind.SEND_D, 1, peer=1, round=2)
+    assert str(send) == "0SEND_D1.2>1" and parse_action(str(send)) == send
+
+
+def test_decode_actions_are_actions_of_the_one_ir() -> None:
+    """Decode actions print, parse and batch as training actions do; only they carry a round,
+    and a decode message names its peer."""
+    for text in ("2D1.4", "0SEND_T3.1>2", "1RECV_D0.0<0"):
+        assert str(parse_action(text)) == text and parse_action(text).round is not None
+    with pytest.raises(ValueError, match="round"):
+        Action(0, ActionKind.F, 0, round=1)
+    with pytest.raises(ValueError, match="round"):
+        Action(0, ActionKind.D, 0)
+    with pytest.raises(ValueError, match="names its peer"):
+        Action(0, ActionKind.SEND_D, 0, round=0)
+
+
+def test_a_deadlocking_order_is_refused_by_the_shared_batch_loop() -> None:
+    """Both ranks receive before they send: the batch rule's event loop (the one training
+    orders are checked with) finds no rank can move."""
+    placement = {0: 0, 1: 1}
+    lowered = lower_decode(decode_order(placement, lanes=1, rounds=2), placement, links={1: {0}}, token_readers={0})
+    stuck = {0: [parse_action("0RECV_T0.1<1"), *[a for a in lowered[0] if a.kind is not ActionKind.RECV_T]],
+             1: lowered[1]}
+    with pytest.raises(DecodeOrderError, match="deadlocks"):
+        validate_decode(stuck, placement, lanes=1, rounds=2)
 
 
 def test_ps_simulate_takes_a_decode_order() -> None:

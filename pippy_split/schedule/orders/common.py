@@ -62,7 +62,7 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-_SETTERS = tuple(getattr(Action, name).__set__ for name in ("stage", "kind", "mb", "peer"))
+_SETTERS = tuple(getattr(Action, name).__set__ for name in ("stage", "kind", "mb", "peer", "round"))
 
 
 def actions_of(stages: Iterable[int], kinds: Iterable[ActionKind], mbs: Iterable[int], n: int) -> list[Action]:
@@ -80,7 +80,7 @@ def actions_of(stages: Iterable[int], kinds: Iterable[ActionKind], mbs: Iterable
         True
     """
     objs = list(map(object.__new__, repeat(Action, n)))
-    for setter, values in zip(_SETTERS, (stages, kinds, mbs, repeat(None))):
+    for setter, values in zip(_SETTERS, (stages, kinds, mbs, repeat(None), repeat(None))):
         deque(map(setter, objs, values), maxlen=0)
     return objs
 

@@ -1,0 +1,37 @@
+"""Where the generation layer plugs into the split and schedule layers below it.
+
+``Pipe.generate`` and ``PipelineSchedule.generate`` are public methods of classes that
+``generate/`` builds on, so they cannot import it (the layers import one way). Instead
+``generate/`` hands its two drivers here when it is imported, and the methods call what
+was handed. ``pippy_split`` loads its names on first use (PEP 562), so the first
+``generate`` call loads the generate package by name if nothing has yet: a plug-in's load,
+not an import this layer builds on (nothing here uses its names).
+
+Example:
+    >>> sorted(driver(kind).__name__ for kind in ("pipe", "schedule"))
+    ['generate_in_process', 'generate_on_schedule']
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+__all__ = ["provide", "driver"]
+
+_PROVIDER = "pippy_split.generate"
+
+_drivers: dict[str, Callable[..., Any]] = {}
+
+
+def provide(kind: str, fn: Callable[..., Any]) -> None:
+    """Register ``fn`` as the generate driver of ``kind`` (``"pipe"``: one process;
+    ``"schedule"``: on the schedule's ranks)."""
+    _drivers[kind] = fn
+
+
+def driver(kind: str) -> Callable[..., Any]:
+    """The generate driver of ``kind`` (the generate package is loaded on first use)."""
+    if kind not in _drivers:
+        importlib.import_module(_PROVIDER)  # it calls provide() for both kinds
+    return _drivers[kind]
