@@ -178,12 +178,38 @@ def report() -> str:
     return "\n".join(lines)
 
 
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "cluster_planning.md"
+MARKS = ("<!-- published-table -->", "<!-- /published-table -->")
+
+
+def docs_table() -> str:
+    """The predicted-over-published table of ``docs/cluster_planning.md`` (between its markers)."""
+    lines = [MARKS[0], "| source | row | tokens/s/GPU published | predicted / published | reserved GiB published | "
+             "predicted / published |", "|---|---|---:|---:|---:|---:|"]
+    for run in RUNS:
+        tps, mem = errors(run)
+        pub = "" if run.memory_gib is None else f"{run.memory_gib:.2f}".removesuffix("0")
+        lines.append(f"| {run.table} | {run.name} | {run.tokens_per_s_per_gpu:,.0f} | {tps:.2f} | {pub} | "
+                     f"{'' if mem is None else f'{mem:.2f}'} |")
+    return "\n".join(lines + [MARKS[1]])
+
+
+def write_docs_table(path: Path = DOCS) -> None:
+    """Rewrite the table between the markers of ``path`` with :func:`docs_table`."""
+    text = path.read_text()
+    start, end = text.index(MARKS[0]), text.index(MARKS[1]) + len(MARKS[1])
+    path.write_text(text[:start] + docs_table() + text[end:])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cluster_published_runs.md"))
+    parser.add_argument("--docs", action="store_true", help="also rewrite the table in docs/cluster_planning.md")
     args = parser.parse_args(argv)
     text = report()
     print(text)
+    if args.docs:
+        write_docs_table()
     Path(args.out).write_text("# The cluster planner against published runs\n\n`python -m benchmarks.published_runs`"
                               "\n\n" + text + "\n")
     return 0

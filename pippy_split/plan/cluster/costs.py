@@ -16,7 +16,11 @@ Sits between :mod:`.block` / :mod:`.memory` (one block's seconds and bytes) and
   (again for its backward without PP, where blocks reshard after forward) and its gradients
   reduce-scattered in ``r.grad_reduce_bytes``; with PP once per step per stage. Overlapped
   with compute except the first all-gather and the last reduce-scatter, and any part longer
-  than the rank's compute.
+  than the rank's compute. Each all-gather's copy-out is not overlapped: FSDP2 splits the
+  gathered buffer into the unsharded parameters (``split_with_sizes_copy`` in
+  ``foreach_all_gather_copy_out``) on the compute stream once the gather is waited, reading
+  and writing every unsharded bf16 element (4 bytes a parameter through HBM, per gather). The
+  reduce-scatter's copy-in runs on its own stream and stays hidden.
 * **DP without FSDP** (distributed optimizer): the gradients reduce-scattered and the
   updated parameters all-gathered once per step, behind the last microbatch's backward and
   the first one's forward; what is longer shows.
@@ -45,7 +49,7 @@ from .memory import BF16, activation_bytes, block_activation_bytes, head_bytes, 
 from .runtime import Runtime
 from .shape import ModelShape
 
-__all__ = ["LayoutCosts", "layout_costs", "data_parallel_exposed_s", "optimizer_s"]
+__all__ = ["LayoutCosts", "layout_costs", "data_parallel_exposed_s", "copy_out_s", "optimizer_s"]
 
 
 @dataclass(frozen=True)
@@ -120,7 +124,25 @@ def data_parallel_exposed_s(model: ModelShape, cluster: Cluster, lay: ClusterLay
         return max(0.0, rs - one_backward_s) + gather
     gathers = 1 if lay.pp > 1 else 2  # with PP a stage stays unsharded all step
     total = (gathers * gather + reduce) * layers_on_rank
-    return gather + reduce + max(0.0, total - gather - reduce - compute_s)
+    return gather + reduce + max(0.0, total - gather - reduce - compute_s) + copy_out_s(
+        model, cluster, lay, gathers * layers_on_rank)
+
+
+def copy_out_s(model: ModelShape, cluster: Cluster, lay: ClusterLayout, block_gathers: int) -> float:
+    """Seconds of FSDP2's all-gather copy-outs on the compute stream: 2 bytes read and 2
+    written per unsharded bf16 parameter, for ``block_gathers`` blocks gathered in the step
+    (see the module docstring; none on a cluster priced at a flat measured efficiency).
+
+    Example:
+        >>> from .hardware import Cluster
+        >>> shape = ModelShape(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, vocab=32000)
+        >>> lay = ClusterLayout(pp=1, dp=64, tp=1, v=1, m=1, mb=1, ac="full")
+        >>> round(copy_out_s(shape, Cluster.preset("a100-80gb", gpus=64), lay, 2 * 80), 2)  # 70B, both gathers
+        0.34
+    """
+    if cluster.efficiency is not None:
+        return 0.0
+    return memory_s(4 * BF16 / 2 * model.layer_params / lay.tp * block_gathers, cluster)
 
 
 def optimizer_s(model: ModelShape, cluster: Cluster, lay: ClusterLayout, params_on_rank: float) -> float:

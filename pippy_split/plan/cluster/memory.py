@@ -18,9 +18,11 @@ element, ``r`` the :class:`.runtime.Runtime`):
   ``dp x cp``.
 * **Activations per microbatch and block** (:func:`activation_bytes`): full AC keeps the
   block's input, ``t h / tp``; none what the backward reads (:func:`block_activation_bytes`);
-  torchtitan's op-level selective AC the matmul outputs it keeps, attention's output and
-  the two residual inputs, ``t (5 h + kv + I) / tp``; layer-level selective AC the mean of
-  full and none. The last stage also keeps the output projection's input.
+  torchtitan's op-level selective AC what its policy saves: the block's input (``h``, held by
+  the checkpoint), the outputs of the matmuls it keeps (q, v, gate, down: ``2 h + kv + I``)
+  and attention's output (``h``), ``t (4 h + kv + I) / tp``; everything else, the residual
+  sum between attention and the MLP included, is an elementwise op and recomputed;
+  layer-level selective AC the mean of full and none. The last stage also keeps the output projection's input.
 * **While a backward runs**: a recomputed block's full activations, or on the last stage
   the loss's peak, ``t V / tp`` logits of ``r.logits_bytes`` plus ``r.loss_bytes``
   (``r.loss_parallel_bytes`` under TP > 1) per logit.
@@ -30,6 +32,14 @@ element, ``r`` the :class:`.runtime.Runtime`):
   after its last, so the rank's peak is found on its simulated timeline, activations and
   gradients together: on 1F1B's first rank the whole stage's gradients arrive while all its
   warm-up microbatches are held; an interleaved rank's second stage starts its backward later.
+* **FSDP without PP** (:func:`unsharded_without_pp`): the rank's peak is the larger of two
+  moments. At the loss (the start of the backward, every block's activations held) only
+  FSDP2's root group (embedding, final norm, output projection: the root is never resharded
+  after forward) and the last block (torchtitan leaves it unsharded; a prefetch would bring it
+  back at once) are unsharded, and no unsharded gradient exists yet: the backward has not
+  reached a parameter. In a block's backward, that block and the one prefetched are
+  unsharded, with the gradients of that block, of the one being reduce-scattered and of the
+  output projection (its group reduces only when the embedding's gradient, the last, is done).
 * **Reserved** (:func:`reserved_bytes`; what ``torch.cuda.max_memory_reserved`` reports and
   torchtitan prints): the caching allocator never returns a freed block to the driver during
   a step and reuses it only for a request it can hold; a block freed by a microbatch's
@@ -56,7 +66,7 @@ from .runtime import Runtime
 from .shape import ModelShape
 
 __all__ = ["activation_bytes", "block_activation_bytes", "head_bytes", "static_bytes", "reserved_bytes", "timeline_peak",
-           "ALLOCATOR_SPLIT_FRACTION", "OPTIMIZER_BYTES", "BF16"]
+           "unsharded_without_pp", "ALLOCATOR_SPLIT_FRACTION", "OPTIMIZER_BYTES", "BF16"]
 
 BF16 = 2
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 0}
@@ -96,7 +106,7 @@ def activation_bytes(model: ModelShape, tokens: float, tp: int, ac: str, dtype_b
     Example:
         >>> shape = ModelShape(layers=1, hidden=64, intermediate=256, heads=4, kv_heads=4, vocab=10)
         >>> activation_bytes(shape, 1, 1, "full"), activation_bytes(shape, 1, 1, "selective-op")
-        (128.0, 1280.0)
+        (128.0, 1152.0)
     """
     full = tokens * model.hidden / tp * dtype_bytes
     if ac == "full":
@@ -104,7 +114,7 @@ def activation_bytes(model: ModelShape, tokens: float, tp: int, ac: str, dtype_b
     none = block_activation_bytes(model, tokens, tp, dtype_bytes)
     if ac == "selective-op":
         kv = model.hidden * model.kv_heads // model.heads
-        return float(min(none, tokens * (5 * model.hidden + kv + model.intermediate) / tp * dtype_bytes))
+        return float(min(none, tokens * (4 * model.hidden + kv + model.intermediate) / tp * dtype_bytes))
     if ac == "selective-layer":
         return (full + none) / 2
     return none
@@ -157,6 +167,27 @@ def static_bytes(model: ModelShape, lay: ClusterLayout, layers_on_rank: int, fir
         boundary = (stages_on_rank - (1 if last else 0)) * t * model.hidden / lay.tp * BF16
         out["stage outputs kept until the step ends"] = lay.m * (boundary + (logits * r.logits_bytes if last else 0.0))
     return out
+
+
+def unsharded_without_pp(model: ModelShape, lay: ClusterLayout, loss_bytes: float,
+                         recompute_bytes: float) -> tuple[float, float, float]:
+    """FSDP2 without PP: ``(unsharded parameter bytes, unsharded gradient bytes, workspace)``
+    at the rank's peak, the larger of the loss's moment (``loss_bytes`` of workspace) and a
+    block backward's (``recompute_bytes``: a recomputed block's activations); see the module
+    docstring.
+
+    Example:
+        >>> shape = ModelShape(layers=4, hidden=64, intermediate=256, heads=4, kv_heads=4, vocab=1000)
+        >>> lay = ClusterLayout(pp=1, dp=8, tp=1, v=1, m=1, mb=1, ac="full")
+        >>> p, g, w = unsharded_without_pp(shape, lay, loss_bytes=1e6, recompute_bytes=0.0)
+        >>> g, w  # at the loss: no gradient yet
+        (0.0, 1000000.0)
+    """
+    root = model.vocab * model.hidden * (1 if model.tied else 2) / lay.tp
+    block = model.layer_params / lay.tp
+    at_loss = ((root + block) * BF16, 0.0, loss_bytes)
+    in_block = ((root + 2 * block) * BF16, (model.vocab * model.hidden / lay.tp + 2 * block) * BF16, recompute_bytes)
+    return max(at_loss, in_block, key=sum)
 
 
 def timeline_peak(timeline: Sequence[tuple[float, float, Action]], held: Sequence[float], workspace: Sequence[float],

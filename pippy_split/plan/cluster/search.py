@@ -26,7 +26,15 @@ from ...schedule.orders import get_order_spec
 from .costs import data_parallel_exposed_s, layout_costs, optimizer_s
 from .hardware import Cluster, GiB
 from .layout import ClusterLayout
-from .memory import BF16, reserved_bytes, static_bytes, timeline_peak
+from .memory import (
+    BF16,
+    block_activation_bytes,
+    loss_peak_bytes,
+    reserved_bytes,
+    static_bytes,
+    timeline_peak,
+    unsharded_without_pp,
+)
 from .runtime import Runtime
 from .shape import ModelShape, model_shape
 
@@ -171,13 +179,7 @@ def price_layout(model: ModelShape, cluster: Cluster, lay: ClusterLayout, schedu
         params = layers * model.layer_params + model.vocab * model.hidden * ((0 in mine) + (S - 1 in mine))
         exposed = max(exposed, data_parallel_exposed_s(model, cluster, lay, layers, compute, one_bwd, runtime)
                       + optimizer_s(model, cluster, lay, params))
-        grads = _accumulated_grads(model, lay, c.layers, mine, runtime)
-        if grads:  # held from each stage's first backward to its last: found on the timeline
-            key = next(k for k in mem if k.startswith("unsharded gradients"))
-            peak, mem[key] = timeline_peak(sim.timeline.get(rank, []), c.held, c.workspace, grads)
-            mem["activations (in flight, from the simulator)"] = peak - mem[key]
-        else:
-            mem["activations (in flight, from the simulator)"] = (sim.peak_bytes or {}).get(rank, 0.0)
+        _place_activations(mem, model, lay, c, sim, rank, mine, seq_len, dtype_bytes, runtime)
         live = sum(mem.values())
         transient = max([c.workspace[s] for s in mine] or [0.0])
         mem[RESERVE] = reserved_bytes(live, transient) - live
@@ -190,6 +192,30 @@ def price_layout(model: ModelShape, cluster: Cluster, lay: ClusterLayout, schedu
     why = "fits" if fits else _overflow(worst, cluster.hbm_bytes, lay)
     return ClusterCandidate(lay, spec.name, step, tokens / step / cluster.gpus, worst, sim.bubble_fraction, fits,
                             why, cluster, seq_len)
+
+
+def _place_activations(mem: dict[str, float], model: ModelShape, lay: ClusterLayout, c: Any, sim: Any, rank: int,
+                       mine: list[int], seq_len: int, dtype_bytes: int, runtime: Runtime | None) -> None:
+    """Fill in ``mem``'s activations (and, where their timing decides, its unsharded gradients
+    and parameters) at this rank's peak: under PP with FSDP from the simulated timeline, without
+    PP with FSDP at the larger of the loss's and a block backward's moment
+    (:func:`.memory.unsharded_without_pp`), otherwise the simulator's peak."""
+    acts = "activations (in flight, from the simulator)"
+    grads = _accumulated_grads(model, lay, c.layers, mine, runtime)
+    peak = (sim.peak_bytes or {}).get(rank, 0.0)
+    if grads:  # held from each stage's first backward to its last: found on the timeline
+        key = next(k for k in mem if k.startswith("unsharded gradients"))
+        peak, mem[key] = timeline_peak(sim.timeline.get(rank, []), c.held, c.workspace, grads)
+        mem[acts] = peak - mem[key]
+    elif lay.pp == 1 and lay.fsdp and lay.dp * lay.cp > 1:
+        t = lay.mb * seq_len / lay.cp
+        loss = loss_peak_bytes(model, t, lay, runtime or Runtime())
+        rec = block_activation_bytes(model, t, lay.tp, dtype_bytes) if lay.recomputes else 0.0
+        params, grad, work = unsharded_without_pp(model, lay, loss, rec)
+        mem["unsharded parameters (bf16)"], mem["unsharded gradients (bf16)"] = params, grad
+        mem[acts] = peak - c.workspace[0] + work
+    else:
+        mem[acts] = peak
 
 
 def _accumulated_grads(model: ModelShape, lay: ClusterLayout, layers: list[int], mine: list[int],
