@@ -7,7 +7,9 @@ ranks). It prints, for the package ``pippy_split``:
 (a) **Import cycles among module-level imports** (the graph of :mod:`.import_graph`):
     every elementary cycle of the runtime edges, then those that also need a type-only
     edge (``if TYPE_CHECKING:``, a type that lives above its users), then those that also
-    need a function-local import (a cycle dodged at import time).
+    need a function-local import (a cycle dodged at import time); **imports that run up the
+    layers** (:data:`.import_graph.LAYERS`, every kind of import counted); **public names
+    defined twice** (:func:`.import_graph.name_collisions`).
 (b) **Function-local imports**: ``import`` statements inside a function body, per package
     (a package is a directory: ``pippy_split.schedule.orders`` apart from
     ``pippy_split.schedule``) and in total.
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .import_graph import (
+    LAYERS,
     PACKAGE_DIR,
     Module,
     cycles,
@@ -46,7 +49,9 @@ from .import_graph import (
     function_level_imports,
     import_graph,
     modules,
+    name_collisions,
     type_only_cycles,
+    upward_imports,
 )
 
 ROOT = PACKAGE_DIR.parent
@@ -220,6 +225,14 @@ def static_report(mods: dict[str, Module]) -> list[str]:
     dodged = dodged_cycles(graph)
     lines.append(f"  cycles closed only by a function-local import (dodged at import time): {len(dodged)}")
     lines += ["    " + " -> ".join(map(_short, c + c[:1])) for c in dodged]
+    upward = upward_imports(graph)
+    lines.append(f"  imports that run up the layers (any kind): {len(upward)} "
+                 f"({len({u.pair for u in upward})} module pairs)")
+    lines.append("    layers, lowest first: " + " < ".join(name for name, _ in LAYERS))
+    lines += [f"    {u}" for u in upward]
+    collisions = name_collisions(mods)
+    lines.append(f"  public names defined in more than one module (compat apart): {len(collisions)}")
+    lines += [f"    {name}: {', '.join(map(_short, where))}" for name, where in collisions.items()]
     lines += ["", "(b) function-local imports per package", *_table(function_local_imports(mods), packages)]
     all_any, seam, seam_names, namespace = any_params(mods)
     lines += ["", "(c) parameters annotated Any (no *args/**kwargs/self/cls), per package", *_table(all_any, packages)]

@@ -127,7 +127,7 @@ def _add_generate(sub: Any) -> None:
 # Names that moved to pippy_split.commands, still importable from here (imported when asked for: no torch
 # at import time).
 _MOVED = {"parse_costs": "simulate", "simulate_cmd": "simulate", "pipe_to_json": "inspect",
-          "failure_line": "inspect", "split_hint": "inspect", "inspect_cmd": "inspect"}
+          "split_hint": "inspect", "inspect_cmd": "inspect"}
 
 
 def __getattr__(name: str) -> Any:
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         return generate_run.run(args)
     from . import train
 
-    return train.run(args)
+    return train.train(args)
 
 
 if __name__ == "__main__":

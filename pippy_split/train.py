@@ -50,24 +50,18 @@ from .training.loop import TRAIN_STATE_DIR, restart_count, worker  # noqa: F401 
 from .training.run_dir import newest_step
 from .training.setup import CHECKPOINT_FILE, DEFAULT_N_LAYER, SUM_MAX, Prepared, gpt_split, parse_split, prepare  # noqa: F401
 
-__all__ = ["build_parser", "main", "run", "worker", "load_factory", "failure_line", "DEFAULT_CHECKPOINT",
+__all__ = ["train_main", "train", "worker", "load_factory", "failure_line", "DEFAULT_CHECKPOINT",
            "TrainConfig", "resume_command"]
 
 DEFAULT_CHECKPOINT = os.path.join("checkpoints", "tiny_gpt")  # the built-in model's run directory
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """``pippy-split train``'s flags: one per :class:`~pippy_split.training.config.TrainConfig` field, plus ``--config``."""
-    return build_train_parser(parser or argparse.ArgumentParser(prog="pippy-split train",
-                                                                 description=__doc__.split("\n\n")[0]))
-
-
-def main(argv: list[str] | None = None) -> int:
+def train_main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m pippy_split.train``; returns the exit status."""
-    return run(build_parser().parse_args(argv))
+    return train(build_train_parser().parse_args(argv))
 
 
-def run(options: argparse.Namespace | TrainConfig) -> int:
+def train(options: argparse.Namespace | TrainConfig) -> int:
     """Train with parsed options (flags, or a :class:`TrainConfig`): run the worker under torchrun,
     else launch ``cfg.ranks`` local ranks. Every mistake found is reported in one place (:func:`report`)."""
     try:
@@ -216,4 +210,4 @@ def _stage_count(cfg: TrainConfig) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(train_main())

@@ -26,7 +26,7 @@ import pytest
 
 from pippy_split.cli import build_parser
 from pippy_split.testing import run_ranks
-from pippy_split.train import build_parser as build_train_parser
+from pippy_split.training.config import build_train_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md"))

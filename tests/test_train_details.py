@@ -54,7 +54,7 @@ def test_plain_log_lines_are_not_wrapped_at_80_columns(monkeypatch):
 
 
 def test_weight_decay_is_an_option_with_its_help():
-    from pippy_split.train import main
+    from pippy_split.train import train_main as main
     from pippy_split.training.config import build_train_parser
     from pippy_split.training.optim import make_optimizer
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from pippy_split.train import main
+from pippy_split.train import train_main as main
 from pippy_split.training.config import TrainConfig
 from pippy_split.training.errors import JobError
 from pippy_split.training.setup import prepare

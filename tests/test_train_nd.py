@@ -85,7 +85,7 @@ def test_a_tied_head_under_dp2_trains_what_one_pipeline_trains_on_all_rows(qwen_
 
 
 def test_layouts_that_cannot_work_are_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
-    """In this process (pippy_split.train.main): a refusal comes before any rank is launched."""
+    """In this process (pippy_split.train.train_main): a refusal comes before any rank is launched."""
     from .test_train_errors import _one_line
 
     monkeypatch.chdir(tmp_path)

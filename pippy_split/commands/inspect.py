@@ -18,7 +18,7 @@ from ..split.pipe import Pipe
 from ..training.factory import load_factory, unpack_entry
 from ..training.setup import parse_split
 
-__all__ = ["pipe_to_json", "failure_line", "split_hint", "inspect_cmd"]
+__all__ = ["pipe_to_json", "command_failure_line", "split_hint", "inspect_cmd"]
 
 
 def _shape_json(shape: tuple) -> list:
@@ -40,12 +40,12 @@ def pipe_to_json(pipe: Pipe) -> dict:
             "shared_parameters": shared}
 
 
-def failure_line(command: str, error: BaseException) -> str:
+def command_failure_line(command: str, error: BaseException) -> str:
     """The one line a command prints for an error it expects (a split that cannot be made, a
     model export cannot trace) instead of a traceback.
 
     Example:
-        >>> failure_line("inspect", ValueError("split_spec names 'x'"))
+        >>> command_failure_line("inspect", ValueError("split_spec names 'x'"))
         "pippy-split inspect failed: ValueError: split_spec names 'x'"
     """
     return f"pippy-split {command} failed: {type(error).__name__}: {error}"
@@ -81,7 +81,7 @@ def inspect_cmd(args: argparse.Namespace, console: Any) -> int:
     try:
         pipe = pipeline(model, spec, margs, mkwargs)
     except (SplitError, TraceError) as e:
-        print(failure_line("inspect", e), file=sys.stderr)
+        print(command_failure_line("inspect", e), file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(pipe_to_json(pipe), indent=2))

@@ -26,7 +26,7 @@ Example:
 
 from .costs import CommModel, SplitCosts, StageCosts, parse_bytes
 from .report import Candidate, Plan, PlanError
-from .search import evaluate, plan
+from .search import plan, predict_candidate
 
-__all__ = ["plan", "evaluate", "Plan", "Candidate", "PlanError", "CommModel", "SplitCosts", "StageCosts",
+__all__ = ["plan", "predict_candidate", "Plan", "Candidate", "PlanError", "CommModel", "SplitCosts", "StageCosts",
            "parse_bytes"]

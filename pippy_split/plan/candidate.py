@@ -3,7 +3,7 @@ stages per rank, microbatches, checkpointing) and what the simulator predicts fo
 with what a user does with it: build its schedule, the Python or ``pippy-split train``
 command that builds it, its timeline and its line in a table.
 
-Made by :func:`~.predict.evaluate`, ranked in a :class:`~.report.Plan` (:mod:`.report`);
+Made by :func:`~.predict.predict_candidate`, ranked in a :class:`~.report.Plan` (:mod:`.report`);
 ``Candidate.build_schedule`` hands the choice to the schedule layer
 (:func:`pippy_split.build_schedule`).
 """

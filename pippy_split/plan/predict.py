@@ -1,6 +1,6 @@
 """One candidate's prediction: its family's order simulated with its split's costs.
 
-Per candidate (:func:`evaluate`): the family's order for ``(ranks, m, stages per rank)``
+Per candidate (:func:`predict_candidate`): the family's order for ``(ranks, m, stages per rank)``
 is simulated (:func:`~pippy_split.schedule.simulate`) with each stage's F/I/W time at the
 candidate's microbatch size (the split's measured actions where :mod:`.measure` ran it,
 else the sums of its profiled ops; under checkpointing the backward also re-runs the
@@ -26,10 +26,10 @@ from ..schedule.simulate import Simulation, simulate
 from .candidate import Candidate
 from .costs import CommModel, SplitCosts
 
-__all__ = ["evaluate"]
+__all__ = ["predict_candidate"]
 
 
-def evaluate(costs: SplitCosts, schedule: str, num_ranks: int, m: int, ac: bool, scale: float, comm: CommModel,
+def predict_candidate(costs: SplitCosts, schedule: str, num_ranks: int, m: int, ac: bool, scale: float, comm: CommModel,
              optimizer_state: float, budget: float, *, saved_only: bool = False) -> Candidate | None:
     """Simulate one candidate; ``None`` when the family cannot run these sizes.
 
@@ -44,7 +44,7 @@ def evaluate(costs: SplitCosts, schedule: str, num_ranks: int, m: int, ac: bool,
         >>> stage = StageCosts(forward=1.0, input_grad=1.0, weight_grad=1.0, overhead=(0.0, 0.0, 0.0),
         ...                    held_bytes=100.0, boundary_bytes=10.0, param_bytes=50.0)  # seconds, bytes
         >>> costs = SplitCosts(None, "time", [stage, stage], {(0, 1): 0.0})  # two stages (no pipe: not run)
-        >>> cand = evaluate(costs, "1F1B", 2, 4, False, 1.0, CommModel(latency=0.0), 2.0, 1e9)
+        >>> cand = predict_candidate(costs, "1F1B", 2, 4, False, 1.0, CommModel(latency=0.0), 2.0, 1e9)
         >>> cand.step_time, cand.peak_bytes  # 4 microbatches; 4 x 50 bytes: weights, grads, Adam's two
         (15.0, {0: 400.0, 1: 300.0})
     """

@@ -6,7 +6,7 @@ Sits on top of the split layer (:mod:`.costs` prices a split) and the schedule l
 :class:`~pippy_split.plan.report.Plan`, builds the chosen schedule with
 :func:`~pippy_split.schedule.schedules.build_schedule`.
 
-Each candidate is simulated by :func:`~.predict.evaluate` (:mod:`.predict`: its family's
+Each candidate is simulated by :func:`~.predict.predict_candidate` (:mod:`.predict`: its family's
 order with its split's per-stage times, link times and held bytes; its predicted step
 time and per-rank peak).
 
@@ -39,10 +39,10 @@ from ..stage.groups import GroupArg
 from .candidate import Candidate
 from .costs import CommModel, SplitCosts, parse_bytes, price_split
 from .measure import SplitMeasure, group_of_one, measure_split
-from .predict import evaluate
+from .predict import predict_candidate
 from .report import Plan, PlanError
 
-__all__ = ["plan", "evaluate"]
+__all__ = ["plan", "predict_candidate"]
 
 PROFILE_PASSES = DEFAULT_PASSES
 """Whole-graph profiling passes (the first warms up; each op keeps its least time)."""
@@ -58,7 +58,7 @@ behind would not win."""
 MIN_RESOLUTION = 0.01
 """Predictions closer than this (relative) are ties, however quiet the machine was."""
 
-MEASURE_BUDGET_S = 20.0
+PLAN_MEASURE_BUDGET_S = 20.0
 """Seconds ``measure=True`` may spend repeating steps until the timings settle, shared by
 the measured splits (beyond the few steps each takes anyway)."""
 
@@ -71,7 +71,7 @@ def plan(model: torch.nn.Module, example_args: tuple | Any, *, num_ranks: int, m
          activation_checkpoint: Iterable[bool] = (False, True), stages_per_rank: Iterable[int] = (1, 2),
          microbatches: Iterable[int] | None = None, balance: Iterable[str] = ("time",), comm: CommModel | None = None,
          optimizer_state: float = ADAM_STATE, example_kwargs: dict | None = None, example_target: Any = None,
-         profile_passes: int = PROFILE_PASSES, measure: bool | int = True, measure_budget: float = MEASURE_BUDGET_S,
+         profile_passes: int = PROFILE_PASSES, measure: bool | int = True, measure_budget: float = PLAN_MEASURE_BUDGET_S,
          resolution: float = MIN_RESOLUTION, group: GroupArg = None) -> Plan:
     """Choose split, schedule, stages per rank, microbatches and checkpointing for ``model``.
 
@@ -190,7 +190,7 @@ def _microbatch_counts(microbatches: Iterable[int] | None, global_batch: int, nu
 
 def _measure_contenders(candidates: list[Candidate], measure: Callable[..., SplitMeasure], limit: int,
                         num_ranks: int, batches: float, comm: CommModel, optimizer_state: float,
-                        budget: float, seconds: float = MEASURE_BUDGET_S) -> list[Candidate]:
+                        budget: float, seconds: float = PLAN_MEASURE_BUDGET_S) -> list[Candidate]:
     """Measure the splits of the fastest candidates (by op sums: the contenders, within
     :data:`CONTENDER_WINDOW` of the fastest; up to ``limit`` splits, ``seconds`` of
     repeating steps shared among them), each only as its contenders run it (checkpointed
@@ -221,7 +221,7 @@ def _measure_contenders(candidates: list[Candidate], measure: Callable[..., Spli
         if measured is None or not measured.has(c.activation_checkpoint, get_order_spec(c.schedule).split_backward):
             out.append(c)  # its op-sum simulation stands
             continue
-        simulate_with = functools.partial(evaluate, schedule=c.schedule, num_ranks=num_ranks, m=c.n_microbatches,
+        simulate_with = functools.partial(predict_candidate, schedule=c.schedule, num_ranks=num_ranks, m=c.n_microbatches,
                                           ac=c.activation_checkpoint, scale=batches / c.n_microbatches, comm=comm,
                                           optimizer_state=optimizer_state, budget=budget)
         again = simulate_with(c.split)
@@ -276,7 +276,7 @@ def _search(price: Callable[..., SplitCosts], grid: Iterable[tuple[str, int, str
         if split is None:
             continue
         for m, ac in itertools.product(ms, acs):
-            cand = evaluate(split, spec.name, num_ranks, m, ac, batches / m, comm, optimizer_state, budget)
+            cand = predict_candidate(split, spec.name, num_ranks, m, ac, batches / m, comm, optimizer_state, budget)
             if cand is not None and cand.key not in seen:
                 seen.add(cand.key)
                 out.append(cand)

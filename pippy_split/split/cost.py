@@ -16,10 +16,10 @@ from torch.utils.flop_counter import flop_registry
 
 __all__ = ["node_flops", "hint_int", "is_view", "mutated_args", "value_bytes", "BALANCE_METRICS", "node_costs"]
 
-aten = torch.ops.aten
+_aten = torch.ops.aten
 # Export's training IR keeps these composite ops; torch's flop formulas cover only aten.convolution.
-_CONVS = {aten.conv1d, aten.conv2d, aten.conv3d}
-_CONV_TRANSPOSES = {aten.conv_transpose1d, aten.conv_transpose2d, aten.conv_transpose3d}
+_CONVS = {_aten.conv1d, _aten.conv2d, _aten.conv3d}
+_CONV_TRANSPOSES = {_aten.conv_transpose1d, _aten.conv_transpose2d, _aten.conv_transpose3d}
 
 
 def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -99,10 +99,10 @@ def node_flops(node: torch.fx.Node) -> int:
         from .calls import region_nodes
 
         return sum(node_flops(n) for n in region_nodes(node))
-    if target is aten.linear.default:
+    if target is _aten.linear.default:
         x, w = _shape(node.args[0]), _shape(node.args[1])
         return 2 * math.prod(x) * w[0]
-    if target is aten.matmul.default:
+    if target is _aten.matmul.default:
         a = _shape(node.args[0])
         return 2 * _numel(val) * (a[-1] if len(a) else 1)
     packet = getattr(target, "overloadpacket", None)
@@ -114,7 +114,7 @@ def node_flops(node: torch.fx.Node) -> int:
         # weight (C_in, C_out / groups, *kernel): each input element is spread over that many outputs
         x, w = _shape(node.args[0]), _shape(node.args[1])
         return 2 * math.prod(x) * math.prod(w[1:])
-    if target is aten.scaled_dot_product_attention.default:
+    if target is _aten.scaled_dot_product_attention.default:
         q, k = _shape(node.args[0]), _shape(node.args[1])
         # QK^T and PV: 2 matmuls of (.., T, D) x (.., D, S)
         return 4 * math.prod(q[:-1]) * k[-2] * q[-1]

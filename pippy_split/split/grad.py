@@ -21,12 +21,12 @@ from .functions import in_function
 
 __all__ = ["infer_requires_grad"]
 
-aten = torch.ops.aten
+_aten = torch.ops.aten
 _NO_GRAD_PACKETS = {
-    aten.detach, aten.detach_, aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like,
-    aten.rand_like, aten.randn_like, aten.randint_like, aten.new_zeros, aten.new_ones, aten.new_empty,
-    aten.new_full, aten.lift_fresh_copy, aten.bernoulli, aten.randperm, aten.argmax, aten.argmin,
-    aten.sym_size, aten.sym_numel, aten.sym_stride, aten._assert_tensor_metadata,
+    _aten.detach, _aten.detach_, _aten.zeros_like, _aten.ones_like, _aten.empty_like, _aten.full_like,
+    _aten.rand_like, _aten.randn_like, _aten.randint_like, _aten.new_zeros, _aten.new_ones, _aten.new_empty,
+    _aten.new_full, _aten.lift_fresh_copy, _aten.bernoulli, _aten.randperm, _aten.argmax, _aten.argmin,
+    _aten.sym_size, _aten.sym_numel, _aten.sym_stride, _aten._assert_tensor_metadata,
 }
 
 

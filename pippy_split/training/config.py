@@ -24,7 +24,10 @@ from typing import Any
 
 from .errors import JobError
 
-__all__ = ["TrainConfig", "build_train_parser", "parse_train_args", "load_toml"]
+__all__ = ["TrainConfig", "TRAIN_DESCRIPTION", "build_train_parser", "parse_train_args", "load_toml"]
+
+TRAIN_DESCRIPTION = "`pippy-split train`: train a model pipelined over local ranks."
+"""What ``python -m pippy_split.train --help`` opens with."""
 
 
 @dataclass(kw_only=True)
@@ -180,7 +183,7 @@ def _base_type(annotation: str) -> tuple[str, bool]:
 def build_train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The command line of :class:`TrainConfig` (plus ``--config FILE``); defaults are None so
     that only flags given on the command line override the TOML file."""
-    p = parser or argparse.ArgumentParser(prog="pippy-split train")
+    p = parser or argparse.ArgumentParser(prog="pippy-split train", description=TRAIN_DESCRIPTION)
     p.add_argument("--config", default=None, metavar="FILE.toml",
                    help="read these options from a TOML file (keys: the option names with _); flags given here win")
     docs = field_docs(TrainConfig)

@@ -1,6 +1,6 @@
 """The inputs of ``pippy-split train``, checked before any rank is launched.
 
-Where this sits: in :func:`pippy_split.train.run`, after the options' own checks and
+Where this sits: in :func:`pippy_split.train.train`, after the options' own checks and
 before the launcher starts ranks. A file that is missing or unreadable, a factory that
 does not import, a ``config.json`` that does not parse, a run directory that cannot be
 made: each is one line naming the input and what is wrong, found here in a second

@@ -10,7 +10,7 @@ SIGINT or SIGTERM to this process is handed to every rank by the launcher and co
 as :class:`Interrupted` once the ranks have stopped.
 
 Example:
-    >>> 1024 <= free_port() < 65536
+    >>> 1024 <= rendezvous_port() < 65536
     True
 """
 
@@ -30,7 +30,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from .errors import RankFailed, failure_line, rank_traceback
 
-__all__ = ["launch", "Interrupted", "free_port", "quiet_launcher", "STOP_GRACE_S"]
+__all__ = ["launch", "Interrupted", "rendezvous_port", "quiet_launcher", "STOP_GRACE_S"]
 
 STOP_GRACE_S = 120
 """Seconds the ranks have, after a stop signal, to reach a step boundary and save before they are killed."""
@@ -44,7 +44,7 @@ class Interrupted(Exception):
         self.signum = signum
 
 
-def free_port() -> int:
+def rendezvous_port() -> int:
     """A TCP port free on this host now (for the ranks' rendezvous)."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -88,7 +88,7 @@ def launch(fn: Callable[..., Any], args: tuple, *, ranks: int, name: str, max_re
         Interrupted: this process got SIGINT or SIGTERM; the ranks had ``STOP_GRACE_S`` to stop.
     """
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, rdzv_backend="c10d",
-                          rdzv_endpoint=f"localhost:{free_port()}", run_id=f"{name}-{os.getpid()}",
+                          rdzv_endpoint=f"localhost:{rendezvous_port()}", run_id=f"{name}-{os.getpid()}",
                           max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
                           shutdown_timeout=STOP_GRACE_S)
     try:

@@ -257,7 +257,7 @@ def _loop(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimiz
             loss, grad_norm, step_tokens = _train_step(cfg, prep, sched, opt, state, lr, device, layout)
             tokens += step_tokens
             if evaluates and (state.step % cfg.eval_every == 0 or state.step == cfg.steps):
-                held_loss = evaluate(sched, heldout or ((), {}, None), prep, device)
+                held_loss = held_out_loss(sched, heldout or ((), {}, None), prep, device)
                 if run_log is not None:
                     run_log.eval(state.step, held_loss)
             if run_log is not None:
@@ -310,7 +310,7 @@ def _rank0_says(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
-def evaluate(sched: Any, batch: tuple[tuple, dict, Any], prep: Prepared, device: torch.device) -> float:
+def held_out_loss(sched: Any, batch: tuple[tuple, dict, Any], prep: Prepared, device: torch.device) -> float:
     """The held-out loss (forward only, no gradients), the same value on every rank: the last
     stage's rank computes it and broadcasts it."""
     a, k, y = batch

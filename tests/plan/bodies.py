@@ -35,7 +35,7 @@ def checkpointed_zbv_memory(rank: int, world: int) -> dict:
     costs) and counted activation peaks of this rank."""
     import dataclasses
 
-    from pippy_split.plan import evaluate
+    from pippy_split.plan import predict_candidate
     from pippy_split.plan.saved_bytes import SavedBytes
 
     entry = zoo.get("tiny_gpt", d_model=32, n_layer=4, batch_size=8, seq_len=32, block_size=32)
@@ -46,7 +46,7 @@ def checkpointed_zbv_memory(rank: int, world: int) -> dict:
     scale = best.microbatch_size / best.split.batch
     predicted = {}
     for name, costs in (("measured", best.split), ("op sums", dataclasses.replace(best.split, measured=None))):
-        cand = evaluate(costs, best.schedule, world, best.n_microbatches, True, scale, plan.comm, 2.0, plan.budget,
+        cand = predict_candidate(costs, best.schedule, world, best.n_microbatches, True, scale, plan.comm, 2.0, plan.budget,
                         saved_only=True)
         predicted[name] = cand.simulation.peak_bytes[rank]
     sched = best.build_schedule()

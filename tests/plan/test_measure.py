@@ -1,5 +1,5 @@
 """The planner's stage measurement (plan/measure.py): what it measures, that the model is
-left alone, that evaluate() simulates with it, and that its memory figures are what a
+left alone, that predict_candidate() simulates with it, and that its memory figures are what a
 pipelined step holds."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 import pippy_split as ps
 from pippy_split import zoo
-from pippy_split.plan import CommModel, evaluate
+from pippy_split.plan import CommModel, predict_candidate
 from pippy_split.plan.costs import price_split
 from pippy_split.plan.measure import SplitMeasure, StageMeasure, measure_split
 from pippy_split.schedule import simulate
@@ -60,12 +60,12 @@ def test_evaluate_simulates_with_the_measured_times(bn_costs) -> None:
     times = {"F": 1.0, "B": 3.0}
     stage = StageMeasure({k: ((2, t), (8, t)) for k, t in times.items()})
     measured = dataclasses.replace(costs, measured=SplitMeasure({(False, False): [stage, stage]}, (4, 2), 0.0))
-    cand = evaluate(measured, "1F1B", 2, 4, False, 1.0, CommModel(latency=0.0, bandwidth=1e30), 0.0, 1e12)
+    cand = predict_candidate(measured, "1F1B", 2, 4, False, 1.0, CommModel(latency=0.0, bandwidth=1e30), 0.0, 1e12)
     order = get_order_spec("1F1B").compute_order(2, 4)
     expected = simulate(order, {(s, k): t for s in range(2) for k, t in times.items()}).makespan
     assert cand.step_time == pytest.approx(expected) and expected == 20.0  # (m + p - 1) x (F + B)
     # without a measurement of that (checkpointing, split) pair, the op sums are used
-    op_sums = evaluate(measured, "1F1B", 2, 4, True, 1.0, CommModel(), 0.0, 1e12)
+    op_sums = predict_candidate(measured, "1F1B", 2, 4, True, 1.0, CommModel(), 0.0, 1e12)
     assert op_sums.step_time < 1.0
 
 

@@ -8,7 +8,7 @@ import torch
 
 import pippy_split as ps
 from pippy_split import zoo
-from pippy_split.plan import CommModel, PlanError, evaluate, parse_bytes
+from pippy_split.plan import CommModel, PlanError, parse_bytes, predict_candidate
 from pippy_split.plan.report import ties
 from pippy_split.testing import run_ranks
 
@@ -35,7 +35,7 @@ def test_candidates_ranked_by_their_own_simulation(small_plan) -> None:
         head = next(h for h in fit if h.rank == prev.rank)
         assert (c.rank == prev.rank) == ties(head, c, plan.resolution, spreads=not plan.too_noisy)
     for c in fit[:6]:  # re-simulating a candidate from its split gives its prediction
-        again = evaluate(c.split, c.schedule, 2, c.n_microbatches, c.activation_checkpoint,
+        again = predict_candidate(c.split, c.schedule, 2, c.n_microbatches, c.activation_checkpoint,
                          c.microbatch_size / c.split.batch, plan.comm, 2.0, plan.budget)
         assert again.step_time == pytest.approx(c.step_time)
         assert again.peak_bytes == pytest.approx(c.peak_bytes)

@@ -235,7 +235,7 @@ def test_24_loading_a_checkpoint_that_is_not_there(tmp_path):
 def test_25_train_options_refused_before_any_rank_starts(capsys, args, message):
     from pippy_split import train
 
-    assert train.main(args) == 2
+    assert train.train_main(args) == 2
     assert message in capsys.readouterr().err
 
 
