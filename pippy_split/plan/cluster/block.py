@@ -117,7 +117,14 @@ def _tp_s(model: ModelShape, cluster: Cluster, lay: ClusterLayout, tokens: float
 
 def _cp_s(model: ModelShape, cluster: Cluster, lay: ClusterLayout, tokens: float, attention: float) -> float:
     """Exposed seconds of ring attention's K/V rotation in one forward: ``cp - 1`` rounds of
-    this rank's K and V, each overlapped with a round of attention."""
+    this rank's K and V, each overlapped with a round of attention.
+
+    With load balancing (each rank holds chunks ``r`` and ``2 cp - 1 - r``; torch's default) a
+    rank's rounds are one causal block of its ``t`` tokens and ``cp - 1`` half blocks, so at a
+    fixed ``t`` every round has one shape and costs the same whatever ``cp`` is; on NVLink an
+    exchange is a few percent of its round. torchtitan's Table 2 (same ``t`` at CP 1-8) is not
+    met by such a cost: its CP 2 step is cheaper per round than its CP 4 and CP 8 steps
+    (see ``tests/plan/test_plan_cluster_published.py``)."""
     if lay.cp == 1:
         return 0.0
     kv = model.hidden * model.kv_heads // model.heads
