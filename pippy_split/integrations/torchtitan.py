@@ -19,18 +19,21 @@ imports nothing of torchtitan: its objects are read by the names the Trainer use
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Callable, cast
 
 import torch
 
 from ..compat.schedules import PipelineScheduleSingle, get_schedule_class
-from ..compat.stage import adopt
+from ..compat.stage import PipelineStage, adopt
 from ..schedule.orders import get_order_spec
 from ..schedule.pipeline_schedule import PipelineSchedule
-from ..split import pipeline
+from ..split import Pipe, pipeline
 from ..split.materialize import init_from_owners
+from ..split.spec import MODEL_INPUT
 from ..stage.groups import process_group
 
 __all__ = ["pipeline_llm", "init_part_weights"]
@@ -56,9 +59,10 @@ def pipeline_llm(model: torch.nn.Module, *, parallel_dims: Any, training: Any, p
         compile_config / ac_config / dump_folder: handed to ``parallelize_fn``.
         device: where this rank's stages run.
         model_config: the model's config (unused: the trace knows the layers).
-        parallelize_fn: torchtitan's per-part ``parallelize_fn`` (FSDP2, AC, compile), applied to
+        parallelize_fn: torchtitan's per-part ``parallelize_fn`` (TP, AC, compile, FSDP2), applied to
             each stage module, which answers ``tok_embeddings`` / ``layers`` / ``norm`` /
-            ``lm_head`` as a torchtitan model part does (``None`` where another stage holds it).
+            ``lm_head`` as a torchtitan model part does (``None`` where another stage holds it) and
+            ``parallelize(parallel_dims)`` (TP: each of its torchtitan modules' own).
         loss_fn: torchtitan's loss, ``(pred, labels, global_valid_tokens) -> (loss, metrics)``.
 
     Returns:
@@ -71,8 +75,9 @@ def pipeline_llm(model: torch.nn.Module, *, parallel_dims: Any, training: Any, p
     Raises:
         ValueError: a schedule name pippy_split does not know, batch sizes that do not divide,
             a stage count the schedule cannot run on the ``pp`` ranks.
-        NotImplementedError: tensor or context parallelism, a CSV schedule, tied embeddings
-            (``enable_weight_tying``): each named, with what works instead.
+        NotImplementedError: context parallelism, TP outside torchtitan's ``partial_dtensor``
+            backend, a CSV schedule, tied embeddings (``enable_weight_tying``): each named, with
+            what works instead.
 
     Example (a torchtitan model spec using it; the Trainer does the rest):
         >>> import dataclasses
@@ -82,43 +87,84 @@ def pipeline_llm(model: torch.nn.Module, *, parallel_dims: Any, training: Any, p
         True
     """
     _refuse_unsupported(parallel_dims, parallelism, model)
-    pp_mesh = parallel_dims.get_mesh("pp")
-    group = process_group(pp_mesh, "pipeline_llm")
     cls = cast(type[PipelineSchedule], get_schedule_class(parallelism.pipeline_parallel_schedule))
-    num_stages = _stage_count(parallelism, get_order_spec(cls.order_name).default_stages_per_rank(), model)
+    pipe = _split(model, training, parallelism, cls, torch.device(device))
+    setup = _PartSetup(parallelize_fn, dict(parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                                            compile_config=compile_config, ac_config=ac_config,
+                                            dump_folder=dump_folder))
+    stages = _build_stages(pipe, model, cls, device, setup)
+    schedule = _schedule(cls, stages, training.local_batch_size // parallelism.pipeline_parallel_microbatch_size,
+                         loss_fn)
+    parts = [st.submod for st in stages]
+    return schedule, parts, any(st.is_first for st in stages), any(st.is_last for st in stages)
+
+
+@dataclass(frozen=True)
+class _PartSetup:
+    """What turns a stage module into a torchtitan model part: torchtitan's ``parallelize_fn`` and
+    the keywords the Trainer gave ``pipeline_llm`` for it."""
+
+    parallelize_fn: Callable[..., torch.nn.Module]
+    kwargs: dict[str, Any]
+    """``parallel_dims``, ``training``, ``parallelism``, ``compile_config``, ``ac_config``, ``dump_folder``."""
+
+    @property
+    def parallel_dims(self) -> Any:
+        return self.kwargs["parallel_dims"]
+
+
+def _split(model: torch.nn.Module, training: Any, parallelism: Any, cls: type[PipelineSchedule],
+           device: torch.device) -> Pipe:
+    """``ps.pipeline`` on one microbatch of tokens: balanced cuts moved to block starts (torchtitan's
+    ``parallelize_fn`` works per block), or the first module of each of ``module_fqns_per_model_part``."""
     mb_size = parallelism.pipeline_parallel_microbatch_size
     if training.local_batch_size % mb_size != 0:
         raise ValueError(f"Batch size {training.local_batch_size} must be divisible by microbatch_size {mb_size}. "
                          "Update the config arguments for either batch_size or pipeline_parallel_microbatch_size.")
+    num_stages = _stage_count(parallelism, get_order_spec(cls.order_name).default_stages_per_rank(), model)
     example = torch.zeros(mb_size, training.seq_len, dtype=torch.long)
     split_spec: Any = num_stages
     if parallelism.module_fqns_per_model_part is not None:
         split_spec = [part[0] for part in parallelism.module_fqns_per_model_part[1:]]
-    with _autocast_as_on(torch.device(device)):
+    with _autocast_as_on(device):
         pipe = pipeline(model, split_spec, (example,))
         cuts = _block_starts(pipe, model) if isinstance(split_spec, int) else None
-        if cuts is not None:  # a balanced cut entered a block: torchtitan's parallelize_fn works per block
+        if cuts is not None:  # a balanced cut entered a block
             pipe = pipeline(model, cuts, (example,))
-    pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
-    placement = cls.stage_placement(pipe.num_stages, pp_size)
+    return pipe
+
+
+def _build_stages(pipe: Pipe, model: torch.nn.Module, cls: type[PipelineSchedule], device: torch.device,
+                  setup: _PartSetup) -> list[PipelineStage]:
+    """This ``pp`` rank's stages (the schedule's placement), each module made a torchtitan model
+    part and handed to ``parallelize_fn``."""
+    pp_mesh = setup.parallel_dims.get_mesh("pp")
+    group = process_group(pp_mesh, "pipeline_llm")
+    placement = cls.stage_placement(pipe.num_stages, pp_mesh.size())
+    cut = _TensorParallelCut.of(model, setup.parallel_dims)
     stages = []
-    for s in sorted(s for s, r in placement.items() if r == pp_rank):
+    for s in sorted(s for s, r in placement.items() if r == pp_mesh.get_local_rank()):
         stage = adopt(pipe.build_stage(s, device, group))
         _torchtitan_face(stage.submod, model)
-        stage.submod = parallelize_fn(stage.submod, parallel_dims=parallel_dims, training=training,
-                                      parallelism=parallelism, compile_config=compile_config, ac_config=ac_config,
-                                      dump_folder=dump_folder)
+        if cut is not None:
+            cut.prepare(stage)
+        stage.submod = setup.parallelize_fn(stage.submod, **setup.kwargs)
         stages.append(stage)
+    return stages
+
+
+def _schedule(cls: type[PipelineSchedule], stages: list[PipelineStage], n_microbatches: int,
+              loss_fn: Callable[..., Any]) -> PipelineSchedule:
+    """The compat schedule over this rank's stages, as torchtitan builds it (``scale_grads=False``:
+    torchtitan's loss already divides by the step's valid tokens)."""
 
     def scalar_loss(*args: Any, **kwargs: Any) -> torch.Tensor:  # the schedule wants a bare scalar
         loss, _ = loss_fn(*args, **kwargs)
         return loss
 
-    n_microbatches = training.local_batch_size // mb_size
     one = issubclass(cls, PipelineScheduleSingle)
-    schedule = cls(stages[0] if one else stages, n_microbatches, loss_fn=scalar_loss, scale_grads=False)
-    parts = [st.submod for st in stages]
-    return schedule, parts, any(st.is_first for st in stages), any(st.is_last for st in stages)
+    return cls(stages[0] if one else stages, n_microbatches, loss_fn=scalar_loss,  # type: ignore[call-arg]
+               scale_grads=False)
 
 
 def init_part_weights(part: torch.nn.Module, model: torch.nn.Module, buffer_device: torch.device | None = None) -> None:
@@ -183,6 +229,119 @@ def _torchtitan_face(part: torch.nn.Module, model: torch.nn.Module) -> None:
         if not name.startswith("_") and name != "training" and not hasattr(part, name):
             object.__setattr__(part, name, value)
     object.__setattr__(part, "init_weights", _InitWeights(part, model))
+    object.__setattr__(part, "parallelize", functools.partial(_parallelize_children, part))
+
+
+class _TensorParallelCut:
+    """Where a stage meets the next under torchtitan's TP (its ``partial_dtensor`` backend).
+
+    There the residual stream between blocks is a DTensor on the ``tp`` mesh, in the layout
+    ``tok_embeddings`` declares for its output (``Shard(1)`` with sequence parallelism, else
+    ``Replicate()``); values cross stages here as plain tensors of the traced (whole) shape. So
+    the sender's DTensor leaves as its full tensor (gathered over ``tp``; in backward each ``tp``
+    rank keeps its own part of the gradient) and the receiver makes it that DTensor again
+    (replicated, then redistributed to the layout; in backward the gradient is gathered whole,
+    the same on every ``tp`` rank, and sent back). A DTensor leaving a stage in another layout is
+    refused by name on its forward, never sent as something else.
+    """
+
+    def __init__(self, mesh: Any, placements: tuple[Any, ...]) -> None:
+        self.mesh, self.placements = mesh, placements
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, parallel_dims: Any) -> _TensorParallelCut | None:
+        """The cut of ``model`` under ``parallel_dims`` (None without TP): the layout read from
+        ``model.tok_embeddings``' torchtitan ``sharding_config`` (``out_dst_shardings``)."""
+        if not getattr(parallel_dims, "tp_enabled", False):
+            return None
+        sharding = getattr(getattr(model, "tok_embeddings", None), "_sharding_config", None)
+        layout = getattr(sharding, "out_dst_shardings", None)
+        if layout is None:
+            raise NotImplementedError(
+                "pippy_split's pipeline_llm under tensor parallelism: the model's tok_embeddings declares no "
+                "sharding_config.out_dst_shardings, which says how the activations between blocks are laid out "
+                "over tp (torchtitan sets it in the model config's update_from_config). What works: a torchtitan "
+                "decoder config updated from the job config, or tp=1")
+        from torchtitan.protocols.sharding import resolve_placements  # TP is torchtitan's own here
+
+        mesh = parallel_dims.resolve_shared_mesh([layout])
+        return cls(mesh, tuple(resolve_placements(layout, mesh)))
+
+    def prepare(self, stage: PipelineStage) -> None:
+        """Make ``stage``'s module a TP-ready part: every tensor in a torchtitan module (refused
+        by name where a cut entered one), received activations rebuilt as DTensors, and DTensor
+        outputs sent whole (hooks on the stage module, which pippy_split built)."""
+        part = stage.submod
+        _refuse_traced_state(part, stage.stage_index)
+        received = [slot.index for slot in stage.in_slots or [] if slot.edge is not None
+                    and slot.edge.src_stage != MODEL_INPUT and slot.edge.spec.dtype.is_floating_point]
+        if received:
+            part.register_forward_pre_hook(lambda _, args: self.received(args, received))
+        if not stage.is_last:
+            part.register_forward_hook(lambda _, __, out: self.sent(out, stage.stage_index))
+
+    def received(self, args: tuple[Any, ...], indices: list[int]) -> tuple[Any, ...]:
+        """``args`` with each received activation (plain, whole) as the layout's DTensor."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        whole = [Replicate()] * len(self.placements)
+        return tuple(DTensor.from_local(a, self.mesh, whole, run_check=False).redistribute(self.mesh, self.placements)
+                     if i in indices else a for i, a in enumerate(args))
+
+    def sent(self, out: Any, stage_index: int) -> Any:
+        """``out`` with each DTensor (it must have the layout) as its full tensor."""
+        from torch.distributed.tensor import DTensor
+
+        def whole(i: int, t: Any) -> Any:
+            if not isinstance(t, DTensor):
+                return t
+            if tuple(t.placements) != self.placements:
+                raise NotImplementedError(
+                    f"pippy_split's pipeline_llm: stage {stage_index}'s output {i} is a DTensor with placements "
+                    f"{t.placements}, not the layout {self.placements} of the activations between blocks that "
+                    "the next stage rebuilds it in. What works: cuts between blocks (the default), where only "
+                    "the residual stream crosses")
+            return t.full_tensor()
+
+        if isinstance(out, (tuple, list)):
+            return type(out)(whole(i, t) for i, t in enumerate(out))
+        return whole(0, out)
+
+
+def _refuse_traced_state(part: torch.nn.Module, stage_index: int) -> None:
+    """Under TP every parameter and buffer must sit in a module that shards itself
+    (``parallelize``); a cut that entered a module leaves its tensors in traced glue, unsharded."""
+    traced = [name for name, _ in [*part.named_parameters(), *part.named_buffers()]
+              if not _in_parallelizable(part, name)]
+    if traced:
+        raise NotImplementedError(
+            f"pippy_split's pipeline_llm under tensor parallelism: stage {stage_index} holds {traced[:4]} as traced "
+            "ops (a cut entered their module), which torchtitan's parallelize() cannot shard. What works: cuts at "
+            "module boundaries (the balanced default moves them to block starts; module_fqns_per_model_part "
+            "naming whole modules)")
+
+
+def _in_parallelizable(part: torch.nn.Module, name: str) -> bool:
+    module, atoms = part, name.split(".")[:-1]
+    for atom in atoms:
+        module = module.get_submodule(atom)
+        if module is not part and callable(getattr(module, "parallelize", None)):
+            return True
+    return False
+
+
+def _parallelize_children(part: torch.nn.Module, parallel_dims: Any) -> None:
+    """A model part's ``parallelize(parallel_dims)`` (what torchtitan's ``parallelize_fn`` calls for
+    TP): as torchtitan's root ``Module.parallelize``, each child module that speaks its protocol
+    parallelizes itself; wrappers that do not (AC's) are looked through."""
+    queue = list(part.children())
+    while queue:
+        child = queue.pop()
+        parallelize = getattr(child, "parallelize", None)
+        if callable(parallelize):
+            parallelize(parallel_dims)
+        else:
+            queue.extend(child.children())
 
 
 class _AutocastOn(torch.autocast):
@@ -253,12 +412,20 @@ def _stage_count(parallelism: Any, per_rank: int, model: torch.nn.Module) -> int
 
 
 def _refuse_unsupported(parallel_dims: Any, parallelism: Any, model: torch.nn.Module) -> None:
-    if getattr(parallel_dims, "tp_enabled", False) or getattr(parallel_dims, "cp_enabled", False):
+    """What ``pipeline_llm`` cannot run exactly, refused by name before anything is traced (the same
+    on every rank: it reads only the configs)."""
+    if getattr(parallel_dims, "cp_enabled", False):
         raise NotImplementedError(
-            "pippy_split's pipeline_llm: tensor and context parallelism (tp/cp > 1) are not covered here yet "
-            "(torchtitan's parallelize_fn calls the whole model's parallelize(), which a stage module lacks). "
-            "What works: pp x FSDP2 (data_parallel_shard_degree), AC and compile with this pipelining_fn, or "
-            "TP with pippy_split.integrations.torchtitan_compat.compat_pipeline_llm")
+            "pippy_split's pipeline_llm: context parallelism (cp > 1) is not supported (each cp rank would run "
+            "its stages on a slice of the sequence, while the traced stages and their messages are sized for "
+            "the whole of it). What works: pp x tp x FSDP2 (data_parallel_shard_degree), AC and compile with "
+            "this pipelining_fn")
+    backend = getattr(parallelism, "spmd_backend", "partial_dtensor")
+    if getattr(parallel_dims, "tp_enabled", False) and backend != "partial_dtensor":
+        raise NotImplementedError(
+            f"pippy_split's pipeline_llm: tensor parallelism with spmd_backend={backend!r} is not supported (its "
+            "stages take and return DTensors or typed SPMD values, which cross stages here as plain tensors). "
+            "What works: tp with spmd_backend='partial_dtensor' (torchtitan's default)")
     if getattr(parallelism, "pipeline_parallel_schedule_csv", None):
         raise NotImplementedError(
             "pippy_split's pipeline_llm: pipeline_parallel_schedule_csv is not supported; name a schedule in "

@@ -61,8 +61,7 @@ def reference_model(name: str, n_layers: int) -> torch.nn.Module:
 
 def counters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The MoE load counters (``tokens_per_expert``) a module holds, by FQN."""
-    return {n.replace("._checkpoint_wrapped_module", ""): b.detach().clone() for n, b in module.named_buffers()
-            if "tokens_per_expert" in n}
+    return {_fqn(n): _full(b) for n, b in module.named_buffers() if "tokens_per_expert" in n}
 
 
 def reference(name: str, n_layers: int, dp: int = 1) -> dict[str, Any]:
@@ -108,25 +107,30 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def trainer_replay(rank: int, world: int, name: str, route: str, schedule: str, fsdp: int = 1, n_layers: int = 4,
-                   ac: bool = False, group: Any = None) -> dict[str, Any]:
+                   ac: bool = False, tp: int = 1, compile: bool = False, group: Any = None) -> dict[str, Any]:
     """torchtitan's Trainer sequence on this rank; returns what this rank saw (losses on the last
-    stage's rank, the rope caches init_weights computed, counters, the parts' final parameters)."""
+    stage's rank, the rope caches init_weights computed, counters, the parts' final parameters,
+    what ran in the first step: checkpointed block forwards, compiled graphs, tp-sharded weights).
+    ``pp = world / (fsdp * tp)``; ``ac``: torchtitan's full AC; ``compile``: its per-block
+    ``torch.compile`` with a backend counting the compiled graphs' runs."""
     tt_parallel_dims.device_type = "cpu"  # torchtitan assumes CUDA when it finds no accelerator
+    tt_dist_utils.set_spmd_backend("partial_dtensor")  # as the Trainer sets it from the job config
     torch.manual_seed(0)
     with torch.device("meta"):
         model = config(name, n_layers).build()
-    pp = world // fsdp
-    parallel_dims = ParallelDims(dp_replicate=1, dp_shard=fsdp, cp=1, tp=1, pp=pp, ep=1, world_size=world,
+    pp = world // (fsdp * tp)
+    parallel_dims = ParallelDims(dp_replicate=1, dp_shard=fsdp, cp=1, tp=tp, pp=pp, ep=1, world_size=world,
                                  spmd_backend="partial_dtensor")
     parallel_dims.build_mesh()
     training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, mixed_precision_param="float32")
     parallelism = ParallelismConfig(pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule,
                                     pipeline_parallel_microbatch_size=1, data_parallel_shard_degree=fsdp,
+                                    tensor_parallel_degree=tp,
                                     spmd_backend="partial_dtensor")
     ac_config = FullAC.Config() if ac else None  # torchtitan's full AC: each block checkpoint-wrapped
     sched, parts, has_first, has_last = ROUTES[route](
         model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-        compile_config=CompileConfig(), ac_config=ac_config, dump_folder="/tmp", device=torch.device("cpu"),
+        compile_config=CompileConfig(enable=compile, components=["model"], backend=COUNTING_BACKEND), ac_config=ac_config, dump_folder="/tmp", device=torch.device("cpu"),
         model_config=config(name, n_layers), parallelize_fn=PARALLELIZE[name],
         loss_fn=CrossEntropyLoss(CrossEntropyLoss.Config()))
     del model
@@ -138,9 +142,11 @@ def trainer_replay(rank: int, world: int, name: str, route: str, schedule: str, 
     out: dict[str, Any] = {"has_first": has_first, "has_last": has_last, "schedule": type(sched).__name__,
                            "ropes": {_fqn(n): _full(b) for m in parts for n, b in m.named_buffers() if n.endswith("rope.cache")},
                            "finite": all(bool(torch.isfinite(_full(p)).all()) for m in parts for p in m.parameters()),
-                           "checkpointed": any("_checkpoint_wrapped_module" in n for m in parts
-                                               for n, _ in m.named_modules()),
-                           "dp_rank": parallel_dims.get_mesh("fsdp").get_local_rank() if fsdp > 1 else 0}
+                           "tp_sharded": [_fqn(n) for m in parts for n, p in m.named_parameters()
+                                          if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
+                                          and any(pl.is_shard() for pl in p.placements)],
+                           "dp_rank": parallel_dims.get_mesh("fsdp").get_local_rank() if fsdp > 1 else 0,
+                           "tp_rank": parallel_dims.get_mesh("tp").get_local_rank() if tp > 1 else 0}
     ref = reference_model(name, n_layers)
     full = {n: p.detach() for n, p in ref.named_parameters()}
     for m in parts:
@@ -154,6 +160,7 @@ def trainer_replay(rank: int, world: int, name: str, route: str, schedule: str, 
     dp_rank = parallel_dims.get_mesh("fsdp").get_local_rank() if fsdp > 1 else 0
     out["losses"], out["counters"] = [], []
     n_mb = BATCH // parallelism.pipeline_parallel_microbatch_size
+    ran = _RunCounts(parts)
     for all_tokens, all_labels in batches(fsdp):
         opt.zero_grad()
         gvt = torch.tensor(all_labels.numel())  # the Trainer's global_valid_tokens: summed over data-parallel ranks
@@ -163,6 +170,7 @@ def trainer_replay(rank: int, world: int, name: str, route: str, schedule: str, 
                    target_mbs=list(labels.chunk(n_mb)) if has_last else None, losses=losses,
                    loss_kwargs={"global_valid_tokens": gvt}, return_outputs=False)
         out["counters"].append({k: v for m in parts for k, v in counters(m).items()})
+        out.setdefault("ran", ran.first_step(n_mb))
         tt_dist_utils.clip_grad_norm_(params, MAX_NORM, foreach=True, pp_mesh=pp_mesh)
         opt.step()
         if has_last:
@@ -175,6 +183,38 @@ def trainer_replay(rank: int, world: int, name: str, route: str, schedule: str, 
                    target_mbs=list(labels.chunk(n_mb)) if has_last else None, losses=losses)
     out["eval"] = torch.sum(torch.stack(losses)) if has_last else None
     return out
+
+
+COUNTING_BACKEND = "pippy_split_counting"
+_COMPILED_RUNS = [0]
+
+
+@torch._dynamo.register_backend(name=COUNTING_BACKEND)
+def _counting_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    """A ``torch.compile`` backend that runs dynamo's graph as it is (same ops: exact) and counts its runs."""
+    def run(*args: Any) -> Any:
+        _COMPILED_RUNS[0] += 1
+        return gm.forward(*args)
+    return run
+
+
+class _RunCounts:
+    """What ran inside this rank's parts during the first step: the forwards of the blocks full AC
+    wrapped (a forward and a recompute per microbatch when AC takes effect) and the compiled graphs."""
+
+    def __init__(self, parts: list[torch.nn.Module]) -> None:
+        self.inner = [m for p in parts for n, m in p.named_modules() if n.endswith("_checkpoint_wrapped_module")]
+        self.blocks = sum(len(list(getattr(p, "layers", None) or ())) for p in parts)
+        self.calls = [0]
+        self.handles = [m.register_forward_hook(lambda *_: self.calls.__setitem__(0, self.calls[0] + 1))
+                        for m in self.inner]
+        self.compiled_before = _COMPILED_RUNS[0]
+
+    def first_step(self, n_mb: int) -> dict[str, int]:
+        for h in self.handles:
+            h.remove()
+        return {"blocks": self.blocks, "microbatches": n_mb, "checkpointed_blocks": len(self.inner),
+                "checkpointed_forwards": self.calls[0], "compiled_runs": _COMPILED_RUNS[0] - self.compiled_before}
 
 
 def cases_body(rank: int, world: int, cases: dict[str, tuple]) -> dict[str, Any]:

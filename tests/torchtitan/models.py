@@ -15,12 +15,17 @@ import torchtitan.models.qwen3 as qwen3
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
 from torchtitan.models.llama3 import Llama3Model
+from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 from torchtitan.models.qwen3 import Qwen3Model
+from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
 VOCAB = 64
 DIM = 32
 NAMES = ("llama3", "qwen3", "deepseek_v3")
+SHARDING = {"llama3": set_llama3_sharding_config, "qwen3": set_qwen3_sharding_config,
+            "deepseek_v3": set_deepseek_v3_sharding_config}
 
 
 def _sdpa(layers: list[Any]) -> list[Any]:
@@ -37,8 +42,15 @@ def _common(n_layers: int) -> dict[str, Any]:
                 lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=llama3._LINEAR_INIT))
 
 
-def config(name: str, n_layers: int = 4) -> Any:
-    """The tiny config of torchtitan model ``name`` (one of :data:`NAMES`)."""
+def config(name: str, n_layers: int = 4, sequence_parallel: bool = True) -> Any:
+    """The tiny config of torchtitan model ``name`` (one of :data:`NAMES`), its sharding configs
+    filled as the Trainer's ``update_from_config`` fills them (used only under TP)."""
+    cfg = _config(name, n_layers)
+    SHARDING[name](cfg, enable_sp=sequence_parallel, **({} if name == "llama3" else {"enable_ep": False}))
+    return cfg
+
+
+def _config(name: str, n_layers: int) -> Any:
     if name == "llama3":
         layers = llama3._build_llama3_layers(
             n_layers=n_layers, dim=DIM, n_heads=4, n_kv_heads=2, hidden_dim=64, attn_backend="flex",

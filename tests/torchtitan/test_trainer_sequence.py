@@ -14,12 +14,9 @@ import torch
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'pippy-split[torchtitan]' "
                                          "and, on CPU, pip install --no-deps triton==3.8.0)")
 
-import pippy_split as ps  # noqa: E402
-from pippy_split.integrations.torchtitan import _autocast_as_on, _block_starts  # noqa: E402
 from pippy_split.testing import run_ranks  # noqa: E402
 
 from .bodies import case_results, cases_body, reference, reference_model, trainer_replay  # noqa: E402
-from .models import config  # noqa: E402
 
 ATOL = 1e-5
 TWO = [  # (model, route, schedule)
@@ -34,12 +31,17 @@ TWO = [  # (model, route, schedule)
     ("deepseek_v3", "compat", "1F1B"),
     ("deepseek_v3", "compat", "ZBVZeroBubble"),
     ("llama3", "pipeline_llm", "ZBVZeroBubble", 1, 4, True),  # torchtitan's full AC through its parallelize_fn
+    ("llama3", "pipeline_llm", "1F1B", 1, 4, False, 1, True),  # its per-block torch.compile
 ]
-FOUR = [  # (model, route, schedule, fsdp): PP2 x FSDP2, and PP4
+AC, COMPILED = TWO[-2], TWO[-1]
+FOUR = [  # (model, route, schedule, fsdp, layers, ac, tp): PP2 x FSDP2, PP4, PP2 x TP2 (sequence parallel)
     ("llama3", "pipeline_llm", "1F1B", 2),
     ("deepseek_v3", "compat", "Interleaved1F1B", 2),
     ("qwen3", "pipeline_llm", "1F1B", 1),
+    ("llama3", "pipeline_llm", "ZBVZeroBubble", 1, 4, True, 2),  # with full AC; ZBV's I runs the whole backward
+    ("deepseek_v3", "pipeline_llm", "1F1B", 1, 4, False, 2),
 ]
+TP = [c for c in FOUR if len(c) > 6 and c[6] > 1]
 
 
 def _key(case: tuple) -> str:
@@ -73,7 +75,7 @@ def _check(results: list[dict], name: str, dp: int = 1) -> None:
         torch.testing.assert_close(params[k], want, atol=ATOL, rtol=0, msg=k)
     for step, want in enumerate(ref["counters"]):  # MoE tokens_per_expert after each step's forward,
         got: dict = {}                               # summed over data-parallel ranks (the reference saw every row)
-        for r in results:
+        for r in (r for r in results if r.get("tp_rank", 0) == 0):  # tp ranks hold the same counts
             for k, v in r["counters"][step].items():
                 got[k] = got[k] + v if k in got else v
         assert set(got) == set(want)
@@ -95,23 +97,37 @@ def test_trainer_sequence_on_two_ranks_equals_unsplit(two_ranks, case) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", FOUR, ids=[_key(c) for c in FOUR])
 def test_four_ranks_equal_unsplit(four_ranks, case) -> None:
-    _check(case_results(four_ranks, _key(case)), case[0], dp=case[3])
+    _check(case_results(four_ranks, _key(case)), case[0], dp=case[3])  # tp ranks: each checked whole
 
 
-def test_full_ac_wrapped_the_blocks(two_ranks) -> None:
-    results = case_results(two_ranks, _key(TWO[-1]))
-    assert all(r["checkpointed"] for r in results)
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("where", ["two", "four"])
+def test_full_ac_is_what_runs(two_ranks, four_ranks, where) -> None:
+    """torchtitan's full AC wrapped every block of every part, and each wrapped block ran twice a
+    microbatch in the first step (its forward, its recompute in backward): no wrapper dropped."""
+    results = case_results(two_ranks, _key(AC)) if where == "two" else case_results(four_ranks, _key(FOUR[3]))
+    for r in results:
+        ran = r["ran"]
+        assert ran["blocks"] > 0 and ran["checkpointed_blocks"] == ran["blocks"], ran
+        assert ran["checkpointed_forwards"] == 2 * ran["blocks"] * ran["microbatches"], ran
 
 
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+def test_compiled_blocks_are_what_runs(two_ranks) -> None:
+    """torchtitan's per-block torch.compile: each block's compiled graph ran once a microbatch in the
+    first step's forward (a counting backend), and the run above is exact with it."""
+    for r in case_results(two_ranks, _key(COMPILED)):
+        ran = r["ran"]
+        assert ran["blocks"] > 0 and ran["compiled_runs"] == ran["blocks"] * ran["microbatches"], ran
 
-def test_deepseek_v3_on_meta_is_cut_between_blocks_by_pipeline_llm() -> None:
-    """Its MoE router enters torch.autocast(device_type=x.device.type), "meta" on the Trainer's
-    model: pipeline_llm traces it as on the device it will run on; the balanced cut, which
-    entered layers.1, moves to the block's start (torchtitan's parallelize_fn works per block)."""
-    with torch.device("meta"):
-        model = config("deepseek_v3").build()
-    with _autocast_as_on(torch.device("cpu")):
-        pipe = ps.pipeline(model, 2, (torch.zeros(1, 8, dtype=torch.long),))
-        starts = _block_starts(pipe, model)
-    assert starts == ["layers.1"]
-    assert torch.autocast is torch.amp.autocast_mode.autocast  # put back
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", TP, ids=[_key(c) for c in TP])
+def test_tensor_parallel_shards_every_stage(four_ranks, case) -> None:
+    """Under pp2 x tp2, torchtitan's parallelize() sharded weights of every part over tp (the
+    exactness of the same run is checked above)."""
+    for r in case_results(four_ranks, _key(case)):
+        assert r["tp_sharded"], f"rank holds no tp-sharded weight: {r['tp_sharded']}"
