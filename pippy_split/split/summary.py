@@ -3,16 +3,39 @@
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, Sequence
 
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-if TYPE_CHECKING:
-    from .pipe import Pipe
+from .spec import Edge
+from .stage_graph import StageInfo
 
 __all__ = ["pipe_text", "pipe_rich", "pipe_html", "imbalance_warning", "stage_shares"]
+
+
+class _DrawnPipe(Protocol):
+    """What the views read of a :class:`~pippy_split.split.pipe.Pipe` (which imports this
+    module to draw itself, so it is named here by what it holds)."""
+
+    @property
+    def stages(self) -> Sequence[StageInfo]: ...
+
+    @property
+    def edges(self) -> Sequence[Edge]: ...
+
+    @property
+    def shared_parameters(self) -> dict: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def balance(self) -> Any: ...
+
+    @property
+    def num_stages(self) -> int: ...
 
 
 def _human(n: float) -> str:
@@ -30,7 +53,7 @@ def _module_range(mods: list[str]) -> str:
     return mods[0] if len(mods) == 1 else f"{mods[0]} … {mods[-1]} ({len(mods)})"
 
 
-def imbalance_warning(pipe: "Pipe") -> str | None:
+def imbalance_warning(pipe: _DrawnPipe) -> str | None:
     """A warning when the split is uneven under the cost model it was made with.
 
     An int split (``pipeline(model, N, balance=...)``) is judged as the balancer judged
@@ -68,7 +91,7 @@ def imbalance_warning(pipe: "Pipe") -> str | None:
     return None
 
 
-def stage_shares(pipe: "Pipe") -> tuple[str, list[float]]:
+def stage_shares(pipe: _DrawnPipe) -> tuple[str, list[float]]:
     """``(metric, each stage's fraction of the total cost)``: under the pipe's balance
     metric (``pipeline(balance=...)``), else by FLOPs.
 
@@ -87,13 +110,13 @@ def stage_shares(pipe: "Pipe") -> tuple[str, list[float]]:
     return "flops", [f / total if total else 0.0 for f in flops]
 
 
-def _peers(pipe: "Pipe", s: int) -> tuple[str, str]:
+def _peers(pipe: _DrawnPipe, s: int) -> tuple[str, str]:
     recv = sorted({("in" if e.from_input else str(e.src_stage)) + ("*" if e.is_skip else "") for e in pipe.edges if e.dst_stage == s})
     send = sorted({str(e.dst_stage) + ("*" if e.is_skip else "") for e in pipe.edges if e.src_stage == s})
     return ", ".join(recv) or "-", ", ".join(send) or "-"
 
 
-def pipe_rich(pipe: "Pipe") -> Group:
+def pipe_rich(pipe: _DrawnPipe) -> Group:
     """Stages table, edges table and warnings as a rich renderable."""
     plural = "" if pipe.num_stages == 1 else "s"
     stages = Table(title=f"Pipe of {pipe.model_name}: {pipe.num_stages} stage{plural}", title_justify="left")
@@ -132,7 +155,7 @@ def pipe_rich(pipe: "Pipe") -> Group:
     return Group(*parts)
 
 
-def _render(pipe: "Pipe", **console_kw) -> Console:
+def _render(pipe: _DrawnPipe, **console_kw) -> Console:
     # force_jupyter=False: inside a notebook rich would otherwise display the table
     # itself (ignoring file=) every time a repr is asked for, on top of the one view
     # IPython shows from the returned string.
@@ -142,7 +165,7 @@ def _render(pipe: "Pipe", **console_kw) -> Console:
     return console
 
 
-def pipe_text(pipe: "Pipe") -> str:
+def pipe_text(pipe: _DrawnPipe) -> str:
     buffer = io.StringIO()
     _render(pipe, file=buffer, color_system=None)
     return buffer.getvalue().rstrip()
@@ -155,7 +178,7 @@ _HTML_FRAGMENT = (
 )
 
 
-def pipe_html(pipe: "Pipe") -> str:
+def pipe_html(pipe: _DrawnPipe) -> str:
     """The tables as one ``<pre>`` fragment for a notebook cell (not a whole HTML page)."""
     console = _render(pipe, record=True)
     return console.export_html(inline_styles=True, code_format=_HTML_FRAGMENT)
