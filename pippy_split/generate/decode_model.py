@@ -131,6 +131,8 @@ def decode_signature(model: torch.nn.Module) -> DecodeSignature:
              "GPT2LMHeadModel, MixtralForCausalLM, MptForCausalLM, ...; the zoo's tiny_gpt / tiny_llama), or a "
              "forward(input_ids, attention_mask=, past_key_values=) whose attention layers call "
              "past_key_values.update(keys, values, layer_idx) and attend over what it returns")
+    works_recurrent = ("Of the models with a recurrent state, Hugging Face's " + ", ".join(sorted(RECURRENT_SUPPORTED))
+                       + " generate (their conv and SSM states kept in its cache).")
     if "state" in params and not any(n in params for n in ("cache", "past_key_values")):
         raise GenerationError(f"{name} keeps a recurrent state (forward(state=)) instead of a KV cache; pippy_split "
                               f"cannot carry a state passed as state= yet. {works_recurrent} {works}")
@@ -145,8 +147,8 @@ def decode_signature(model: torch.nn.Module) -> DecodeSignature:
     recurrent = _recurrent_layers(model)
     if recurrent and type(model).__name__ not in RECURRENT_SUPPORTED:
         raise GenerationError(f"{name}'s layers {recurrent} keep a recurrent state (Mamba / linear-attention "
-                              "conv and SSM states) instead of keys and values; pippy_split decodes with a KV cache "
-                              f"per stage and cannot carry that state yet (its unsplit generate can). {works_recurrent} {works}")
+                              "conv and SSM states) that pippy_split's decode step cannot carry yet (its unsplit "
+                              f"generate can). {works_recurrent} {works}")
     return DecodeSignature(cache_arg, "position_ids" in params, "logits_to_keep" in params,
                            "use_cache" in params, "output_router_logits" in params, bool(recurrent))
 

@@ -24,7 +24,6 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..split.module_calls import parent_of
-from ..split.spec import MODEL_INPUT
 from .decode_model import DecodeRoot, LayoutEntry
 from .errors import GenerationError
 from .program import DecodeProgram, example_step
@@ -183,7 +182,7 @@ def _device_of(outs: Sequence[Any]) -> torch.device:
 def share_tensors(dst: torch.nn.Module, src: torch.nn.Module) -> None:
     """Point ``dst``'s parameters and buffers at ``src``'s of the same name (the step module at
     the prefill module's, after a driver bound the latter to the live stage)."""
-    tensors = dict(src.named_parameters(remove_duplicate=False))
+    tensors: dict[str, torch.Tensor] = dict(src.named_parameters(remove_duplicate=False))
     tensors.update(src.named_buffers(remove_duplicate=False))
     for name, t in [*dst.named_parameters(remove_duplicate=False), *dst.named_buffers(remove_duplicate=False)]:
         new = tensors.get(name)

@@ -216,8 +216,16 @@ def example_step(layout: list[LayoutEntry], device: torch.device | str, dtype: t
     return (ids, mask, pos, past), shapes
 
 
-def decode_program(pipe: Any) -> DecodeProgram:
-    """The pipe's decode program, traced on first use and kept in ``pipe.derived``."""
+def decode_program(pipe: Any) -> DecodeProgram:  # or a PhasedProgram (every method the drivers use)
+    """The pipe's decode program, traced on first use and kept in ``pipe.derived``: one
+    :class:`DecodeProgram` for a model with a KV cache, a :class:`~.phased.PhasedProgram`
+    (a prefill and a step program behind the same methods) for one with a recurrent state.
+
+    Example:
+        >>> program = decode_program(pipe)  # doctest: +SKIP
+        >>> program.num_stages, program.logits_output  # doctest: +SKIP
+        (2, 0)
+    """
     cached = pipe.derived.get("decode_program")
     if cached is not None:
         return cached

@@ -38,7 +38,7 @@ class FixedState:
         return (batch, *self.shape)
 
 
-def _layer_classes() -> tuple[type, type]:
+def _layer_classes() -> tuple[Any, Any]:
     from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
     return DynamicLayer, LinearAttentionCacheLayerMixin

@@ -79,7 +79,8 @@ class StageDecoder:
         new = int(ids_or_pos.shape[1])
         past_len = int(mask.shape[1]) - new
         phased = self.program if isinstance(self.program, PhasedProgram) else None
-        program = self.program if phased is None else phased.program(phased.phase(past_len), new)
+        program = phased.program(phased.phase(past_len), new) if phased is not None else self.program
+        assert isinstance(program, DecodeProgram)
         kv = self._past(program, lane, mask, past_len)
         inputs = dict(produced) if phased is None else phased.real_produced(phased.phase(past_len), new, produced)
         args = program.gather(self.s, step, inputs, kv)
