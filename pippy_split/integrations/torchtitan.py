@@ -13,7 +13,9 @@ value and splits by tracing instead: balanced cuts (no FQN lists), skip edges, e
 Where it sits: above :mod:`pippy_split.split` (``ps.pipeline``), :mod:`pippy_split.stage` and
 :mod:`pippy_split.compat` (whose schedule classes take the Trainer's
 ``step(arg_mbs=, kwarg_mbs=, target_mbs=, losses=, loss_kwargs=, return_outputs=False)``). It
-imports nothing of torchtitan: its objects are read by the names the Trainer uses.
+imports nothing of torchtitan: its objects are read by the names the Trainer uses (under TP,
+:mod:`~pippy_split.integrations.torchtitan_tensor_parallel` reads the model's sharding config with
+torchtitan's own resolver).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from ..schedule.orders import get_order_spec
 from ..schedule.pipeline_schedule import PipelineSchedule
 from ..split import Pipe, pipeline
 from ..split.materialize import init_from_owners
-from ..split.spec import MODEL_INPUT
 from ..stage.groups import process_group
+from .torchtitan_tensor_parallel import TensorParallelCut, parallelize_children
 
 __all__ = ["pipeline_llm", "init_part_weights"]
 
@@ -141,7 +143,7 @@ def _build_stages(pipe: Pipe, model: torch.nn.Module, cls: type[PipelineSchedule
     pp_mesh = setup.parallel_dims.get_mesh("pp")
     group = process_group(pp_mesh, "pipeline_llm")
     placement = cls.stage_placement(pipe.num_stages, pp_mesh.size())
-    cut = _TensorParallelCut.of(model, setup.parallel_dims)
+    cut = TensorParallelCut.of(model, setup.parallel_dims)
     stages = []
     for s in sorted(s for s, r in placement.items() if r == pp_mesh.get_local_rank()):
         stage = adopt(pipe.build_stage(s, device, group))
@@ -229,119 +231,7 @@ def _torchtitan_face(part: torch.nn.Module, model: torch.nn.Module) -> None:
         if not name.startswith("_") and name != "training" and not hasattr(part, name):
             object.__setattr__(part, name, value)
     object.__setattr__(part, "init_weights", _InitWeights(part, model))
-    object.__setattr__(part, "parallelize", functools.partial(_parallelize_children, part))
-
-
-class _TensorParallelCut:
-    """Where a stage meets the next under torchtitan's TP (its ``partial_dtensor`` backend).
-
-    There the residual stream between blocks is a DTensor on the ``tp`` mesh, in the layout
-    ``tok_embeddings`` declares for its output (``Shard(1)`` with sequence parallelism, else
-    ``Replicate()``); values cross stages here as plain tensors of the traced (whole) shape. So
-    the sender's DTensor leaves as its full tensor (gathered over ``tp``; in backward each ``tp``
-    rank keeps its own part of the gradient) and the receiver makes it that DTensor again
-    (replicated, then redistributed to the layout; in backward the gradient is gathered whole,
-    the same on every ``tp`` rank, and sent back). A DTensor leaving a stage in another layout is
-    refused by name on its forward, never sent as something else.
-    """
-
-    def __init__(self, mesh: Any, placements: tuple[Any, ...]) -> None:
-        self.mesh, self.placements = mesh, placements
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, parallel_dims: Any) -> _TensorParallelCut | None:
-        """The cut of ``model`` under ``parallel_dims`` (None without TP): the layout read from
-        ``model.tok_embeddings``' torchtitan ``sharding_config`` (``out_dst_shardings``)."""
-        if not getattr(parallel_dims, "tp_enabled", False):
-            return None
-        sharding = getattr(getattr(model, "tok_embeddings", None), "_sharding_config", None)
-        layout = getattr(sharding, "out_dst_shardings", None)
-        if layout is None:
-            raise NotImplementedError(
-                "pippy_split's pipeline_llm under tensor parallelism: the model's tok_embeddings declares no "
-                "sharding_config.out_dst_shardings, which says how the activations between blocks are laid out "
-                "over tp (torchtitan sets it in the model config's update_from_config). What works: a torchtitan "
-                "decoder config updated from the job config, or tp=1")
-        from torchtitan.protocols.sharding import resolve_placements  # TP is torchtitan's own here
-
-        mesh = parallel_dims.resolve_shared_mesh([layout])
-        return cls(mesh, tuple(resolve_placements(layout, mesh)))
-
-    def prepare(self, stage: PipelineStage) -> None:
-        """Make ``stage``'s module a TP-ready part: every tensor in a torchtitan module (refused
-        by name where a cut entered one), received activations rebuilt as DTensors, and DTensor
-        outputs sent whole (hooks on the stage module, which pippy_split built)."""
-        part = stage.submod
-        _refuse_traced_state(part, stage.stage_index)
-        received = [slot.index for slot in stage.in_slots or [] if slot.edge is not None
-                    and slot.edge.src_stage != MODEL_INPUT and slot.edge.spec.dtype.is_floating_point]
-        if received:
-            part.register_forward_pre_hook(lambda _, args: self.received(args, received))
-        if not stage.is_last:
-            part.register_forward_hook(lambda _, __, out: self.sent(out, stage.stage_index))
-
-    def received(self, args: tuple[Any, ...], indices: list[int]) -> tuple[Any, ...]:
-        """``args`` with each received activation (plain, whole) as the layout's DTensor."""
-        from torch.distributed.tensor import DTensor, Replicate
-
-        whole = [Replicate()] * len(self.placements)
-        return tuple(DTensor.from_local(a, self.mesh, whole, run_check=False).redistribute(self.mesh, self.placements)
-                     if i in indices else a for i, a in enumerate(args))
-
-    def sent(self, out: Any, stage_index: int) -> Any:
-        """``out`` with each DTensor (it must have the layout) as its full tensor."""
-        from torch.distributed.tensor import DTensor
-
-        def whole(i: int, t: Any) -> Any:
-            if not isinstance(t, DTensor):
-                return t
-            if tuple(t.placements) != self.placements:
-                raise NotImplementedError(
-                    f"pippy_split's pipeline_llm: stage {stage_index}'s output {i} is a DTensor with placements "
-                    f"{t.placements}, not the layout {self.placements} of the activations between blocks that "
-                    "the next stage rebuilds it in. What works: cuts between blocks (the default), where only "
-                    "the residual stream crosses")
-            return t.full_tensor()
-
-        if isinstance(out, (tuple, list)):
-            return type(out)(whole(i, t) for i, t in enumerate(out))
-        return whole(0, out)
-
-
-def _refuse_traced_state(part: torch.nn.Module, stage_index: int) -> None:
-    """Under TP every parameter and buffer must sit in a module that shards itself
-    (``parallelize``); a cut that entered a module leaves its tensors in traced glue, unsharded."""
-    traced = [name for name, _ in [*part.named_parameters(), *part.named_buffers()]
-              if not _in_parallelizable(part, name)]
-    if traced:
-        raise NotImplementedError(
-            f"pippy_split's pipeline_llm under tensor parallelism: stage {stage_index} holds {traced[:4]} as traced "
-            "ops (a cut entered their module), which torchtitan's parallelize() cannot shard. What works: cuts at "
-            "module boundaries (the balanced default moves them to block starts; module_fqns_per_model_part "
-            "naming whole modules)")
-
-
-def _in_parallelizable(part: torch.nn.Module, name: str) -> bool:
-    module, atoms = part, name.split(".")[:-1]
-    for atom in atoms:
-        module = module.get_submodule(atom)
-        if module is not part and callable(getattr(module, "parallelize", None)):
-            return True
-    return False
-
-
-def _parallelize_children(part: torch.nn.Module, parallel_dims: Any) -> None:
-    """A model part's ``parallelize(parallel_dims)`` (what torchtitan's ``parallelize_fn`` calls for
-    TP): as torchtitan's root ``Module.parallelize``, each child module that speaks its protocol
-    parallelizes itself; wrappers that do not (AC's) are looked through."""
-    queue = list(part.children())
-    while queue:
-        child = queue.pop()
-        parallelize = getattr(child, "parallelize", None)
-        if callable(parallelize):
-            parallelize(parallel_dims)
-        else:
-            queue.extend(child.children())
+    object.__setattr__(part, "parallelize", functools.partial(parallelize_children, part))
 
 
 class _AutocastOn(torch.autocast):
@@ -432,7 +322,9 @@ def _refuse_unsupported(parallel_dims: Any, parallelism: Any, model: torch.nn.Mo
             "pipeline_parallel_schedule, or run your own order with pippy_split.schedule.ScheduleFromOrder")
     if getattr(model, "enable_weight_tying", False):
         raise NotImplementedError(
-            "pippy_split's pipeline_llm: enable_weight_tying=True is not supported yet (the Trainer's to_empty() "
-            "unties the embedding and lm_head, and only torchtitan's whole-model init_states ties them again). "
-            "What works: a config with enable_weight_tying=False")
-
+            "pippy_split's pipeline_llm: enable_weight_tying=True is not supported. torchtitan 0.3.0 refuses it "
+            "with pipeline parallelism itself (Decoder.Config.update_from_config), and its Trainer could not run it "
+            "exactly: to_empty() unties the embedding (first stage) and lm_head (last stage), which only the whole "
+            "model's init_states ties again, and its clip_grad_norm_ sums every part's gradients over the pp ranks, "
+            "counting a weight two parts hold twice. What works: a config with enable_weight_tying=False, or tied "
+            "weights through ps.pipeline and ps.build_schedule (gradients summed, ps.clip_grad_norm_ counts them once)")

@@ -1,0 +1,132 @@
+"""Tensor parallelism at a pipeline cut, for :func:`~pippy_split.integrations.torchtitan.pipeline_llm`.
+
+torchtitan's ``parallelize_fn`` applies TP by calling the model part's ``parallelize(parallel_dims)``,
+which shards each of its torchtitan modules and makes the activations between blocks DTensors on
+the ``tp`` mesh. A stage module answers that call (:func:`parallelize_children`), and
+:class:`TensorParallelCut` carries those DTensors across the cuts, where pippy_split's stages send
+plain tensors of the traced shape. Imports torchtitan only where TP is asked for (it is torchtitan's
+own there).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..compat.stage import PipelineStage
+from ..split.spec import MODEL_INPUT
+
+__all__ = ["TensorParallelCut", "parallelize_children"]
+
+
+class TensorParallelCut:
+    """Where a stage meets the next under torchtitan's TP (its ``partial_dtensor`` backend).
+
+    There the residual stream between blocks is a DTensor on the ``tp`` mesh, in the layout
+    ``tok_embeddings`` declares for its output (``Shard(1)`` with sequence parallelism, else
+    ``Replicate()``); values cross stages here as plain tensors of the traced (whole) shape. So
+    the sender's DTensor leaves as its full tensor (gathered over ``tp``; in backward each ``tp``
+    rank keeps its own part of the gradient) and the receiver makes it that DTensor again
+    (replicated, then redistributed to the layout; in backward the gradient is gathered whole,
+    the same on every ``tp`` rank, and sent back). A DTensor leaving a stage in another layout is
+    refused by name on its forward, never sent as something else.
+    """
+
+    def __init__(self, mesh: Any, placements: tuple[Any, ...]) -> None:
+        self.mesh, self.placements = mesh, placements
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, parallel_dims: Any) -> TensorParallelCut | None:
+        """The cut of ``model`` under ``parallel_dims`` (None without TP): the layout read from
+        ``model.tok_embeddings``' torchtitan ``sharding_config`` (``out_dst_shardings``)."""
+        if not getattr(parallel_dims, "tp_enabled", False):
+            return None
+        sharding = getattr(getattr(model, "tok_embeddings", None), "_sharding_config", None)
+        layout = getattr(sharding, "out_dst_shardings", None)
+        if layout is None:
+            raise NotImplementedError(
+                "pippy_split's pipeline_llm under tensor parallelism: the model's tok_embeddings declares no "
+                "sharding_config.out_dst_shardings, which says how the activations between blocks are laid out "
+                "over tp (torchtitan sets it in the model config's update_from_config). What works: a torchtitan "
+                "decoder config updated from the job config, or tp=1")
+        from torchtitan.protocols.sharding import resolve_placements  # TP is torchtitan's own here
+
+        mesh = parallel_dims.resolve_shared_mesh([layout])
+        return cls(mesh, tuple(resolve_placements(layout, mesh)))
+
+    def prepare(self, stage: PipelineStage) -> None:
+        """Make ``stage``'s module a TP-ready part: every tensor in a torchtitan module (refused
+        by name where a cut entered one), received activations rebuilt as DTensors, and DTensor
+        outputs sent whole (hooks on the stage module, which pippy_split built)."""
+        part = stage.submod
+        _refuse_traced_state(part, stage.stage_index)
+        received = [slot.index for slot in stage.in_slots or [] if slot.edge is not None
+                    and slot.edge.src_stage != MODEL_INPUT and slot.edge.spec.dtype.is_floating_point]
+        if received:
+            part.register_forward_pre_hook(lambda _, args: self.received(args, received))
+        if not stage.is_last:
+            part.register_forward_hook(lambda _, __, out: self.sent(out, stage.stage_index))
+
+    def received(self, args: tuple[Any, ...], indices: list[int]) -> tuple[Any, ...]:
+        """``args`` with each received activation (plain, whole) as the layout's DTensor."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        whole = [Replicate()] * len(self.placements)
+        return tuple(DTensor.from_local(a, self.mesh, whole, run_check=False).redistribute(self.mesh, self.placements)
+                     if i in indices else a for i, a in enumerate(args))
+
+    def sent(self, out: Any, stage_index: int) -> Any:
+        """``out`` with each DTensor (it must have the layout) as its full tensor."""
+        from torch.distributed.tensor import DTensor
+
+        def whole(i: int, t: Any) -> Any:
+            if not isinstance(t, DTensor):
+                return t
+            if tuple(t.placements) != self.placements:
+                raise NotImplementedError(
+                    f"pippy_split's pipeline_llm: stage {stage_index}'s output {i} is a DTensor with placements "
+                    f"{t.placements}, not the layout {self.placements} of the activations between blocks that "
+                    "the next stage rebuilds it in. What works: cuts between blocks (the default), where only "
+                    "the residual stream crosses")
+            return t.full_tensor()
+
+        if isinstance(out, (tuple, list)):
+            return type(out)(whole(i, t) for i, t in enumerate(out))
+        return whole(0, out)
+
+
+def _refuse_traced_state(part: torch.nn.Module, stage_index: int) -> None:
+    """Under TP every parameter and buffer must sit in a module that shards itself
+    (``parallelize``); a cut that entered a module leaves its tensors in traced glue, unsharded."""
+    traced = [name for name, _ in [*part.named_parameters(), *part.named_buffers()]
+              if not _in_parallelizable(part, name)]
+    if traced:
+        raise NotImplementedError(
+            f"pippy_split's pipeline_llm under tensor parallelism: stage {stage_index} holds {traced[:4]} as traced "
+            "ops (a cut entered their module), which torchtitan's parallelize() cannot shard. What works: cuts at "
+            "module boundaries (the balanced default moves them to block starts; module_fqns_per_model_part "
+            "naming whole modules)")
+
+
+def _in_parallelizable(part: torch.nn.Module, name: str) -> bool:
+    module, atoms = part, name.split(".")[:-1]
+    for atom in atoms:
+        module = module.get_submodule(atom)
+        if module is not part and callable(getattr(module, "parallelize", None)):
+            return True
+    return False
+
+
+def parallelize_children(part: torch.nn.Module, parallel_dims: Any) -> None:
+    """A model part's ``parallelize(parallel_dims)`` (what torchtitan's ``parallelize_fn`` calls for
+    TP): as torchtitan's root ``Module.parallelize``, each child module that speaks its protocol
+    parallelizes itself; wrappers that do not (AC's) are looked through."""
+    queue = list(part.children())
+    while queue:
+        child = queue.pop()
+        parallelize = getattr(child, "parallelize", None)
+        if callable(parallelize):
+            parallelize(parallel_dims)
+        else:
+            queue.extend(child.children())
