@@ -21,9 +21,9 @@ import html
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from ...schedule import simulate
+from ...schedule import Simulation, simulate
 from ...schedule.orders import get_order_spec
-from .costs import data_parallel_exposed_s, layout_costs, optimizer_s
+from .costs import LayoutCosts, data_parallel_exposed_s, layout_costs, optimizer_s
 from .hardware import Cluster, GiB
 from .layout import ClusterLayout
 from .memory import (
@@ -194,8 +194,8 @@ def price_layout(model: ModelShape, cluster: Cluster, lay: ClusterLayout, schedu
                             why, cluster, seq_len)
 
 
-def _place_activations(mem: dict[str, float], model: ModelShape, lay: ClusterLayout, c: Any, sim: Any, rank: int,
-                       mine: list[int], seq_len: int, dtype_bytes: int, runtime: Runtime | None) -> None:
+def _place_activations(mem: dict[str, float], model: ModelShape, lay: ClusterLayout, c: LayoutCosts, sim: Simulation,
+                       rank: int, mine: list[int], seq_len: int, dtype_bytes: int, runtime: Runtime | None) -> None:
     """Fill in ``mem``'s activations (and, where their timing decides, its unsharded gradients
     and parameters) at this rank's peak: under PP with FSDP from the simulated timeline, without
     PP with FSDP at the larger of the loss's and a block backward's moment
