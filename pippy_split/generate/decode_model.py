@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .errors import GenerationError
-from .recurrent import FixedState, cache_tensors, filled_cache, grows, has_kv_layers, recurrent_cache
+from .recurrent import FixedState, cache_tensors, filled_cache, grows, has_kv_layers
 
 __all__ = ["DecodeRoot", "DecodeSignature", "KVCache", "decode_signature", "kv_layout", "LayoutEntry"]
 
@@ -107,7 +107,8 @@ def _recurrent_layers(model: torch.nn.Module) -> list[int]:
     return [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
-RECURRENT_SUPPORTED = frozenset({"MambaForCausalLM", "JambaForCausalLM", "ZambaForCausalLM"})
+RECURRENT_SUPPORTED = frozenset({"MambaForCausalLM", "JambaForCausalLM", "ZambaForCausalLM",
+                                 "RecurrentGemmaForCausalLM"})
 """The models with a recurrent state whose decode is checked equal to Hugging Face generate
 (``tests/generate/test_generate_recurrent.py``); any other is refused by name."""
 
@@ -177,8 +178,6 @@ def _filled_cache(model: torch.nn.Module, past: list[torch.Tensor], recurrent: b
 def _cache_tensors(cache: Any) -> list[torch.Tensor]:
     if isinstance(cache, KVCache):
         return cache.layer_tensors()
-    if any(not hasattr(layer, "keys") for layer in cache.layers):
-        return cache_tensors(cache)
     return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
@@ -233,9 +232,14 @@ class DecodeRoot(torch.nn.Module):
             kwargs["use_cache"] = True
         if sig.router_logits:
             kwargs["output_router_logits"] = False
-        with _router_loss_off(self._user_model):
-            logits = _logits(self._user_model.forward(input_ids, **kwargs))  # (B, T or 1, V)
-        return logits[:, -1], _cache_tensors(cache)
+        held = getattr(cache, "pippy_held", None)  # states on the model's modules (RecurrentGemma)
+        try:
+            with _router_loss_off(self._user_model):
+                logits = _logits(self._user_model.forward(input_ids, **kwargs))  # (B, T or 1, V)
+            return logits[:, -1], cache_tensors(cache) if sig.recurrent else _cache_tensors(cache)
+        finally:
+            if held is not None:
+                held.release()
 
 
 def kv_layout(model: torch.nn.Module, device: torch.device | str) -> list[LayoutEntry]:
@@ -249,8 +253,10 @@ def kv_layout(model: torch.nn.Module, device: torch.device | str) -> list[Layout
     if not kv:
         raise GenerationError(f"{type(model).__name__} called cache.update for no layer: it keeps no KV cache, "
                               "so it cannot generate step by step")
-    cache = recurrent_cache(model) if root.signature.recurrent else None
-    if cache is not None:
+    if root.signature.recurrent:
+        cache = filled_cache(model, [])  # only read for which tensors grow
+        if getattr(cache, "pippy_held", None) is not None:
+            cache.pippy_held.release()
         return [(int(t.shape[1]), int(t.shape[3])) if g else FixedState(tuple(int(n) for n in t.shape[1:]))
                 for t, g in zip(kv, grows(cache))]
     return [(int(t.shape[1]), int(t.shape[3])) for t in kv]

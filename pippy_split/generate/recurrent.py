@@ -67,6 +67,9 @@ def recurrent_cache(model: torch.nn.Module) -> Any | None:
 
 def has_kv_layers(cache: Any) -> bool:
     """Whether a layer of ``cache`` attends over keys and values (Jamba, Zamba; not Mamba)."""
+    held = getattr(cache, "pippy_held", None)
+    if held is not None:
+        return bool(held.kv_layers)
     dynamic, _ = _layer_classes()
     return any(isinstance(layer, dynamic) for layer in cache.layers)
 
@@ -99,11 +102,66 @@ def _fill_linear(layer: Any, tensors: list[torch.Tensor]) -> None:
         layer.has_previous_state[k] = True
 
 
+def state_holders(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """The ``(module, attribute)`` that hold a recurrent state outside the cache, in order:
+    RecurrentGemma's recurrent blocks keep their conv state and their RG-LRU's state on
+    themselves (set to None between calls)."""
+    out: list[tuple[torch.nn.Module, str]] = []
+    for m in model.modules():
+        rg_lru = getattr(m, "rg_lru", None)
+        if hasattr(m, "conv1d_state") and isinstance(rg_lru, torch.nn.Module):
+            out += [(m, "conv1d_state"), (rg_lru, "recurrent_states")]
+    return out
+
+
+class HeldStates:
+    """Where a model keeps its states on its modules (:func:`state_holders`): the cache holds the
+    keys and values of its attention layers (``kv_layers``) only."""
+
+    def __init__(self, kv_layers: list[int], holders: list[tuple[torch.nn.Module, str]]) -> None:
+        self.kv_layers, self.holders = kv_layers, holders
+
+    def fill(self, past: list[torch.Tensor]) -> Any:
+        """A ``DynamicCache`` with the attention layers' keys and values, each holder's state set
+        (None where ``past`` is empty: the model starts from zeros)."""
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        cache = DynamicCache()
+        n = 2 * len(self.kv_layers)
+        if past:
+            for i in range(max(self.kv_layers, default=-1) + 1):
+                # a recurrent layer's slot holds the first attention layer's past, read for its
+                # length only (the masks are sized from layer 0, as from Hugging Face's own cache)
+                j = self.kv_layers.index(i) if i in self.kv_layers else 0
+                layer = DynamicLayer()
+                k, v = past[2 * j], past[2 * j + 1]
+                layer.device, layer.keys, layer.values, layer.is_initialized = k.device, k, v, True
+                cache.layers.append(layer)
+        for j, (m, attr) in enumerate(self.holders):
+            setattr(m, attr, past[n + j] if past else None)
+        cache.pippy_held = self  # type: ignore[attr-defined]
+        return cache
+
+    def tensors(self, cache: Any) -> list[torch.Tensor]:
+        kv = [t for i in self.kv_layers for t in (cache.layers[i].keys, cache.layers[i].values)]
+        return kv + [getattr(m, attr) for m, attr in self.holders]
+
+    def release(self) -> None:
+        """Each holder back to None (the user's modules as they were)."""
+        for m, attr in self.holders:
+            setattr(m, attr, None)
+
+
 def filled_cache(model: torch.nn.Module, past: list[torch.Tensor]) -> Any:
     """The model's ``DynamicCache`` holding ``past`` (see the module docstring for the order);
     a fresh one where ``past`` is empty (the prefill)."""
     cache = recurrent_cache(model)
     assert cache is not None
+    holders = state_holders(model)
+    if holders:
+        _, linear = _layer_classes()
+        kv_layers = [i for i, layer in enumerate(cache.layers) if not isinstance(layer, linear)]
+        return HeldStates(kv_layers, holders).fill(past)
     if not past:
         return cache
     dynamic, linear = _layer_classes()
@@ -122,6 +180,9 @@ def filled_cache(model: torch.nn.Module, past: list[torch.Tensor]) -> Any:
 def cache_tensors(cache: Any) -> list[torch.Tensor]:
     """Every tensor of ``cache`` in :func:`filled_cache`'s order (a state the step left unset
     is an error: the model keeps its state somewhere else)."""
+    held = getattr(cache, "pippy_held", None)
+    if held is not None:
+        return held.tensors(cache)
     dynamic, linear = _layer_classes()
     out: list[torch.Tensor] = []
     for j, layer in enumerate(cache.layers):
@@ -155,6 +216,9 @@ def state_rows_reset(state: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def grows(cache: Any) -> list[bool]:
     """For each tensor of :func:`cache_tensors`: True for keys and values (they grow by the new
     tokens along dim 2), False for a fixed-size state."""
+    held = getattr(cache, "pippy_held", None)
+    if held is not None:
+        return [True, True] * len(held.kv_layers) + [False] * len(held.holders)
     dynamic, linear = _layer_classes()
     out: list[bool] = []
     for layer in cache.layers:
