@@ -20,6 +20,7 @@ and step instead of one per microbatch forward and another per backward.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import math
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -57,22 +58,16 @@ def parallelize(sched_or_stages: Any, *, dp_mesh: DeviceMesh | None = None, tp_m
             relative to the stage module (``"layers.*.attention.wq"``); each module that
             matches gets the style of the first pattern it matches. Needs ``tp_mesh``.
         fsdp_gather: ``"per_microbatch"`` (default): FSDP2 as ``fully_shard`` leaves it, a
-            block all-gathered for every microbatch's forward and again for its backward,
-            one block gathered at a time. ``"once"``: the FSDP2 modules ``gather_budget``
-            allows (blocks and stage roots) stay gathered from their first forward of a
-            training step to its end, so each is all-gathered once per step and its
-            gradients reduce-scattered once; every one is back to its shard when ``step()``
-            returns (before the optimizer). ``eval()`` gathers per microbatch either way.
+            block all-gathered for every microbatch's forward and again for its backward.
+            ``"once"``: the FSDP2 modules ``gather_budget`` allows (blocks and stage roots)
+            stay gathered from their first forward of a training step to its end, and are
+            back to their shards when ``step()`` returns; which ones, and the hand-over of
+            those not kept between adjacent actions: :mod:`pippy_split.stage.gather_once`.
+            ``eval()`` gathers per microbatch either way.
         gather_budget: with ``fsdp_gather="once"``, the most full-size parameter bytes this
             rank keeps gathered across a step, on top of its shards (an int, or a string
-            such as ``"512MiB"``; None: no limit, every module). The smallest modules are
-            kept first (each kept saves about the same number of all-gathers), ties in
-            module order; a budget smaller than every module keeps none. Blocks not kept
-            are gathered per microbatch's forward and backward, except that the block one
-            action ends with stays gathered into the next action on the rank if that starts
-            with it (no more memory: one such block at a time).
-            Not a rank's whole memory (``ps.plan``'s ``memory_budget``): only what keeping
-            parameters gathered adds.
+            such as ``"512MiB"``; None: no limit); smallest modules first. Not a rank's whole
+            memory (``ps.plan``'s ``memory_budget``): only what keeping parameters gathered adds.
         **fsdp_kwargs: more keywords for every ``fully_shard`` call (``mp_policy=``,
             ``reshard_after_forward=``, ...).
 
@@ -103,8 +98,24 @@ def parallelize(sched_or_stages: Any, *, dp_mesh: DeviceMesh | None = None, tp_m
     stages = _stages_of(sched_or_stages)
     budget = _gather_options(fsdp_gather, gather_budget, dp_mesh, fsdp_kwargs)
     patterns, plan = list(fsdp or []), dict(tp_plan or {})
+    _check_meshes(patterns, plan, dp_mesh, tp_mesh, fsdp_gather)
+    _check_patterns(stages, [*patterns, *plan])
+    for st in stages:
+        if plan and tp_mesh is not None:  # checked above: a plan comes with its mesh
+            _apply_tp(st.module, tp_mesh, plan)
+        if dp_mesh is not None:
+            _apply_fsdp(st.module, dp_mesh, patterns, fsdp_kwargs)
+    if fsdp_gather == "once":
+        _keep_gathered(stages, budget, dp_mesh, fsdp_kwargs)
+    return stages
+
+
+def _check_meshes(patterns: Sequence[str], plan: Mapping[str, Any], dp_mesh: DeviceMesh | None,
+                  tp_mesh: DeviceMesh | None, fsdp_gather: str) -> None:
+    """Each kind of pattern comes with its mesh; ``"once"`` is not taken with TP (not tested exact)."""
     if patterns and dp_mesh is None:
-        raise ValueError(f"parallelize(): fsdp={patterns} needs dp_mesh= (the data-parallel DeviceMesh dimension)")
+        raise ValueError(f"parallelize(): fsdp={list(patterns)} needs dp_mesh= (the data-parallel DeviceMesh "
+                         "dimension)")
     if plan and tp_mesh is None:
         raise ValueError(f"parallelize(): tp_plan with {len(plan)} entries needs tp_mesh= (the tensor-parallel "
                          "DeviceMesh dimension)")
@@ -112,21 +123,24 @@ def parallelize(sched_or_stages: Any, *, dp_mesh: DeviceMesh | None = None, tp_m
         raise ValueError("parallelize(): fsdp_gather='once' with tp_plan (FSDP2 over TP-sharded blocks) is not "
                          "tested exact yet; use fsdp_gather='per_microbatch' (the default) with TP, or 'once' "
                          "without tp_plan")
+
+
+def _check_patterns(stages: Sequence[PipelineStage], patterns: Sequence[str]) -> None:
+    """Every pattern names a module of this rank's stages, and one a traced stage calls whole."""
     names = {n for st in stages for n, _ in st.module.named_modules() if n}
-    _check_match([*patterns, *plan], names)
+    _check_match(patterns, names)
     for st in stages:
-        if st.pipe is not None and (patterns or plan):
-            _check_called(st, [*patterns, *plan])
-    for st in stages:
-        if plan and tp_mesh is not None:  # checked above: a plan comes with its mesh
-            _apply_tp(st.module, tp_mesh, plan)
-        if dp_mesh is not None:
-            _apply_fsdp(st.module, dp_mesh, patterns, fsdp_kwargs)
-    if fsdp_gather == "once":
-        policy = fsdp_kwargs.get("mp_policy")
-        plan_gather_once(stages, budget, fsdp_kwargs.get("reshard_after_forward", True) is not False,
-                         getattr(policy, "param_dtype", None), dp_mesh.ndim if dp_mesh is not None else 1)
-    return stages
+        if st.pipe is not None and patterns:
+            _check_called(st, patterns)
+
+
+def _keep_gathered(stages: Sequence[PipelineStage], budget: int | None, dp_mesh: DeviceMesh | None,
+                   fsdp_kwargs: Mapping[str, Any]) -> None:
+    """``fsdp_gather="once"``: choose and register the modules kept gathered for a step, with
+    the FSDP2 settings the stages were sharded with (:func:`~.stage.gather_once.plan_gather_once`)."""
+    policy = fsdp_kwargs.get("mp_policy")
+    plan_gather_once(stages, budget, fsdp_kwargs.get("reshard_after_forward", True) is not False,
+                     getattr(policy, "param_dtype", None), dp_mesh.ndim if dp_mesh is not None else 1)
 
 
 def _gather_options(how: Any, budget: Any, dp_mesh: Any, fsdp_kwargs: Mapping[str, Any]) -> int | None:
@@ -195,8 +209,6 @@ def _check_called(stage: PipelineStage, patterns: Sequence[str]) -> None:
 
 
 def _check_match(patterns: Sequence[str], names: set[str]) -> None:
-    import difflib
-
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
             close = difflib.get_close_matches(pattern, sorted(names), n=4, cutoff=0.5)

@@ -37,7 +37,7 @@ import threading
 import time
 import weakref
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -96,14 +96,35 @@ def agree_before_step(error: BaseException | None, pg: PipelineGroup, what: str 
         Agreed(share=None, sizes=None)
     """
     if pg.world == 1 or not (dist.is_available() and dist.is_initialized()):
-        if error is not None:
-            raise error
-        return Agreed(None if share is None else float(share), None if sizes is None else (sizes.tolist(),) * 2)
-    backend = str(dist.get_backend(pg.group))  # a CPU backend: no device sync for a few numbers
-    where = torch.device("cpu") if backend in ("gloo", "mpi") or "cpu:" in backend else pg.device
-    # max over the group of: (failed, shares, the shared value, sizes, -sizes); a rank without a
-    # value gives one below every real value (float64 holds sizes exactly)
-    n_sizes = 0 if sizes is None else sizes.numel()
+        return _alone(error, share, sizes)
+    where = _agreement_device(pg)
+    agreed = _ballot(error, share, sizes, where)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=pg.group)
+    values = agreed.tolist()  # the step's one host read
+    if values[0] == 0:
+        return _read_ballots(values, sizes)
+    _raise_failures(error, pg, what, where)
+
+
+def _alone(error: BaseException | None, share: torch.Tensor | None, sizes: torch.Tensor | None) -> Agreed:
+    """One rank (or no process group): nothing to agree on; ``error`` raised as it is."""
+    if error is not None:
+        raise error
+    return Agreed(None if share is None else float(share), None if sizes is None else (sizes.tolist(),) * 2)
+
+
+def _agreement_device(pg: PipelineGroup) -> torch.device:
+    """Where the agreement's tensors live: the CPU where the group has a CPU backend (no device
+    sync for a few numbers), else the group's device."""
+    backend = str(dist.get_backend(pg.group))
+    return torch.device("cpu") if backend in ("gloo", "mpi") or "cpu:" in backend else pg.device
+
+
+def _ballot(error: BaseException | None, share: torch.Tensor | None, sizes: torch.Tensor | None,
+            where: torch.device) -> torch.Tensor:
+    """This rank's entry of the all-reduce (max over the group): ``(failed, shares, the shared
+    value, sizes, -sizes)``; a rank without a value gives one below every real value (float64
+    holds sizes exactly)."""
     head = torch.tensor([0.0 if error is None else 1.0, 0.0, _NONE], dtype=torch.float64, device=where)
     if share is not None and error is None:
         head[1] = 1
@@ -113,18 +134,27 @@ def agree_before_step(error: BaseException | None, pg: PipelineGroup, what: str 
         read = sizes.reshape(-1).to(device=where, dtype=torch.float64)  # -1 where this rank read none
         negated = torch.where(read >= 0, -read, torch.full_like(read, _NONE))
         parts += [read, negated if error is None else torch.full_like(read, _NONE)]
-    agreed = torch.cat(parts)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=pg.group)
-    values = agreed.tolist()
-    if values[0] == 0:
-        got = None
-        if sizes is not None:
-            width = sizes.shape[-1] if sizes.dim() else 1
-            most = [int(v) for v in values[3:3 + n_sizes]]
-            least = [int(-v) if v > _NONE / 2 else -1 for v in values[3 + n_sizes:]]
-            got = ([most[i:i + width] for i in range(0, n_sizes, width)],
-                   [least[i:i + width] for i in range(0, n_sizes, width)])
-        return Agreed(values[2] if values[1] else None, got)
+    return torch.cat(parts)
+
+
+def _read_ballots(values: list[float], sizes: torch.Tensor | None) -> Agreed:
+    """The reduced ballots of a step no rank failed: the shared value, and per microbatch and
+    symbol the largest and the smallest size (``sizes``: this rank's, for their shape)."""
+    got = None
+    if sizes is not None:
+        n_sizes = sizes.numel()
+        width = sizes.shape[-1] if sizes.dim() else 1
+        most = [int(v) for v in values[3:3 + n_sizes]]
+        least = [int(-v) if v > _NONE / 2 else -1 for v in values[3 + n_sizes:]]
+        got = ([most[i:i + width] for i in range(0, n_sizes, width)],
+               [least[i:i + width] for i in range(0, n_sizes, width)])
+    return Agreed(values[2] if values[1] else None, got)
+
+
+def _raise_failures(error: BaseException | None, pg: PipelineGroup, what: str, where: torch.device) -> NoReturn:
+    """A rank failed its checks: every rank's message gathered (one all-gather of fixed-size
+    bytes), then ``error`` raised on the rank it happened on and, on every other rank, a
+    :class:`PipelineError` naming each failing rank and its cause."""
     text = "" if error is None else f"{type(error).__name__}: {error}"
     mine = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
     data = text.encode("utf-8")[:_MESSAGE_BYTES]
@@ -140,7 +170,6 @@ def agree_before_step(error: BaseException | None, pg: PipelineGroup, what: str 
     raise PipelineError(f"rank {pg.rank}: {what} stopped before any communication because "
                         f"{'ranks' if len(causes) > 1 else 'rank'} {', '.join(str(r) for r, _ in causes)} "
                         f"failed {'their' if len(causes) > 1 else 'its'} own checks: {detail}")
-
 
 
 class FailureChannel:
