@@ -4,7 +4,8 @@
 # then `--no-deps triton==3.8.0` (torchtitan imports triton unconditionally; on a CPU machine nothing
 # else would install it, and its own dependencies are not wanted). Then tests/torchtitan, tutorial 09
 # and the compat tests of torchtitan's calls: Llama 3, Qwen3 and DeepSeek-V3 under the Trainer's call
-# sequence through pippy_split's pipeline_llm and through the compat route, on 2 and 4 gloo ranks.
+# sequence through pippy_split's pipeline_llm and through the compat route, on 2 and 4 gloo ranks
+# (PP x FSDP2, PP x TP, full AC and per-block compile through torchtitan's parallelize_fn).
 # 234 s on 2 shared cores (150 s of them installing; 358 s under a load of 6); the venv is removed afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."

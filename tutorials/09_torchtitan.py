@@ -61,8 +61,11 @@ from pippy_split.testing import run_ranks
 # `pipeline_parallel_{first,last}_stage_less_layers` weights are no longer needed (given, the
 # first module of each part starts a stage); `pipeline_parallel_schedule` may be any of
 # pippy_split's names. `pipeline_parallel_degree`, `pipeline_parallel_microbatch_size` and
-# `pipeline_parallel_layers_per_stage` mean what they meant. Not covered yet: tensor and context
-# parallelism, `pipeline_parallel_schedule_csv` and `enable_weight_tying` are refused by name.
+# `pipeline_parallel_layers_per_stage` mean what they meant. The model's `parallelize_fn` runs on
+# each stage as on a model part: FSDP2, tensor parallelism (`tensor_parallel_degree`, sequence
+# parallel or not), full AC and per-block `torch.compile` (docs/torchtitan.md says how TP crosses a
+# cut). Refused by name: context parallelism, `pipeline_parallel_schedule_csv` and
+# `enable_weight_tying` (torchtitan refuses the last with PP itself).
 
 # %%
 spec = model_spec()
