@@ -136,7 +136,9 @@ def decode_signature(model: torch.nn.Module) -> DecodeSignature:
                        + " generate (their conv and SSM states kept in its cache).")
     if "state" in params and not any(n in params for n in ("cache", "past_key_values")):
         raise GenerationError(f"{name} keeps a recurrent state (forward(state=)) instead of a KV cache; pippy_split "
-                              f"cannot carry a state passed as state= yet. {works_recurrent} {works}")
+                              "cannot carry a state passed as state= (and Hugging Face's RWKV step broadcasts each "
+                              "row's shift state over the whole batch, so its batched generate is no per-row "
+                              f"reference to match). {works_recurrent} {works}")
     cache_arg = next((n for n in ("cache", "past_key_values") if n in params), None)
     if cache_arg is None:
         raise GenerationError(f"{name}.forward cannot take a KV cache (it has no cache= or past_key_values= "
