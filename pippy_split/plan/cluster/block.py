@@ -91,11 +91,21 @@ def _elementwise_bytes(model: ModelShape, tokens: float, tp: int, runtime: Runti
     return tokens * (a_h * model.hidden + a_kv * kv + a_i * model.intermediate) / tp
 
 
-def _float8_cast_bytes(mms: list[tuple[float, float, float]], runtime: Runtime) -> tuple[float, float]:
-    """Forward and backward bytes Float8 scaling moves: each matmul's input and weight
-    forward, its output gradient and weight again backward (see :class:`.runtime.Runtime`)."""
+def _float8_cast_bytes(mms: list[tuple[float, float, float]], runtime: Runtime, tp: int = 1) -> tuple[float, float]:
+    """Forward and backward bytes Float8 scaling moves: each matmul's weight and each distinct
+    input forward, its output gradient and weight again backward (see :class:`.runtime.Runtime`).
+
+    q, k and v read one input, the MLP's gate and up another. Eager, each Float8 linear casts
+    its own; compiled (``fused_elementwise``) the repeated amax and cast of one tensor are one
+    (common subexpressions of the block's graph, as Transformer Engine's fused QKV and fc1 cast
+    once), and under TP the shared input is cast once on its sequence shard, before the fp8
+    all-gather (torchao's ``PrepareFloat8ModuleInput``)."""
     c = min(runtime.float8_cast_bytes, FUSED_FLOAT8_CAST_BYTES) if runtime.fused_elementwise else runtime.float8_cast_bytes
-    fwd = sum(c * (m * k + k * n) for m, k, n in mms)
+    inputs = sum(m * k for m, k, _ in mms)
+    if runtime.fused_elementwise or tp > 1:
+        shared = [0, 4]  # q's input (k, v read it too) and the MLP's first (up reads it too, gated)
+        inputs = sum(mms[i][0] * mms[i][1] / (tp if i in shared else 1) for i in (0, 3, 4, len(mms) - 1))
+    fwd = c * (inputs + sum(k * n for _, k, n in mms))
     bwd = sum(c * (m * n + k * n) for m, k, n in mms)
     return fwd, bwd
 
@@ -150,7 +160,7 @@ def block_times(model: ModelShape, cluster: Cluster, lay: ClusterLayout, seq_len
     attn_b = attention_s(tokens, seq_len, width, cluster, runtime.attention_kernel, backward=True)
     flat = cluster.efficiency is not None
     elem = 0.0 if flat else memory_s(_elementwise_bytes(model, tokens, lay.tp, runtime), cluster)
-    cast_f, cast_b = _float8_cast_bytes(mms, runtime) if fp8 and not flat else (0.0, 0.0)
+    cast_f, cast_b = _float8_cast_bytes(mms, runtime, lay.tp) if fp8 and not flat else (0.0, 0.0)
     if flat:  # the old roofline over the whole block: its weights and four t x h activations
         moved = (model.layer_params + 4 * tokens * model.hidden) * dtype_bytes / lay.tp
         compute_f = max(sum(fwd_mm) + attn_f, moved / cluster.hbm_bw)
