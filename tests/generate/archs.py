@@ -18,12 +18,12 @@ import torch
 MATRIX = ["qwen3", "qwen2_moe", "phi3", "mistral_tied", "gpt_neox", "opt", "bloom", "falcon", "granite",
           "deepseek_v3", "mamba", "mamba6", "jamba", "recurrent_gemma"]
 BALANCE = ["mixtral", "gemma2"]
-RECURRENT = {"recurrent_gemma", "rwkv"}
-"""Refused by name: their recurrent state lives outside Hugging Face's cache (RecurrentGemma's
-layers keep it themselves; RWKV takes ``state=``)."""
-STATEFUL = {"mamba", "mamba6", "jamba", "zamba"}
-"""A recurrent state (conv / SSM states) in Hugging Face's cache: decoded by a prefill and a step
-program (``pippy_split/generate/phased.py``)."""
+RECURRENT = {"rwkv"}
+"""Refused by name: RWKV takes its state as ``state=`` (and Hugging Face's batched RWKV step mixes
+the rows, so it is no reference to match)."""
+STATEFUL = {"mamba", "mamba6", "jamba", "zamba", "recurrent_gemma"}
+"""A recurrent state (conv / SSM / RG-LRU states): decoded by a prefill and a step program
+(``pippy_split/generate/phased.py``), equal to Hugging Face generate."""
 VOCAB = 128
 
 

@@ -1,11 +1,12 @@
 """Generation follows training: every causal LM the project trains, cut between its blocks,
 greedy-decodes as Hugging Face ``generate`` does on the unsplit model, token for token (and
-log-probabilities to 1e-5) with left-padded prompts; a model whose cache is a recurrent state
-is refused by name at generate's first line (never an ``IndexError`` from deep inside).
+log-probabilities to 1e-5) with left-padded prompts, Mamba, Jamba, Zamba and RecurrentGemma
+(a recurrent state) included; RWKV (``state=``) is refused by name at generate's first line
+(never an ``IndexError`` from deep inside).
 
 Before: OLMoE and Qwen2-MoE as trained (router aux loss on) failed to trace their decode step,
 MPT (no ``position_ids``) was refused, Mamba-style models raised ``IndexError`` in transformers'
-cache code."""
+cache code, then were refused by name (issue 39 made them decode: ``test_generate_recurrent.py``)."""
 
 from __future__ import annotations
 
