@@ -6,7 +6,8 @@ error, so a change that closes one turns it into a failure to promote.
 
 Also the issue-43 fixes one by one (each failed before): presets in PyTorch's units, ``only=``
 refusing a batch its layout cannot form, loss-parallel bytes only under TP, matmul efficiency
-rising with width, Float8 pricing its casts."""
+rising with width, Float8 pricing its casts (a shared input cast once when compiled or under
+TP), what op-level SAC keeps, FSDP2's peak without PP and its copy-out on the compute stream."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ import pytest
 import pippy_split as ps
 from benchmarks.published_runs import LLAMA3_8B, RUNS, TITAN, errors, price, table_ratios
 from pippy_split.plan.cluster import ClusterLayout, Runtime
-from pippy_split.plan.cluster.block import block_times
+from pippy_split.plan.cluster.block import _float8_cast_bytes, block_matmuls, block_times
+from pippy_split.plan.cluster.costs import copy_out_s, data_parallel_exposed_s
 from pippy_split.plan.cluster.kernels import gemm_s
-from pippy_split.plan.cluster.memory import head_bytes, loss_peak_bytes
+from pippy_split.plan.cluster.memory import activation_bytes, head_bytes, loss_peak_bytes, unsharded_without_pp
 
 GiB = 2**30
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cluster_planning.md"
@@ -189,3 +191,44 @@ def test_launch_refuses_a_layout_pippy_split_train_cannot_run():
     nemo = price(next(r for r in RUNS if r.name == "LLAMA2-7B"))
     with pytest.raises(ValueError, match=r"data parallelism without FSDP"):
         nemo.launch()
+
+
+def test_op_sac_keeps_the_block_input_four_matmul_outputs_and_attention():
+    """torchtitan's op SAC saves the block's input, q, v, gate, down and attention's output,
+    ``t (4 h + kv + I)`` a block; the residual sum between attention and MLP is recomputed
+    (before: ``5 h``, 4 GiB too much on Table 1's 8B)."""
+    t, h, kv, i = 16384, LLAMA3_8B.hidden, 1024, LLAMA3_8B.intermediate
+    assert activation_bytes(LLAMA3_8B, t, 1, "selective-op") == t * (4 * h + kv + i) * 2
+
+
+def test_fsdp_without_pp_peaks_at_the_loss_with_no_unsharded_gradient():
+    """At the loss only the root group and the last block are unsharded and no gradient exists
+    yet; a block's backward holds two blocks, their gradients and the output projection's."""
+    lay = ClusterLayout(pp=1, dp=8, tp=1, v=1, m=1, mb=2, ac="selective-op")
+    root, block = 2 * LLAMA3_8B.vocab * LLAMA3_8B.hidden, LLAMA3_8B.layer_params
+    assert unsharded_without_pp(LLAMA3_8B, lay, loss_bytes=25e9, recompute_bytes=3e9) == ((root + block) * 2, 0.0, 25e9)
+    params, grads, work = unsharded_without_pp(LLAMA3_8B, lay, loss_bytes=0.0, recompute_bytes=3e9)
+    assert (params, work) == ((root + 2 * block) * 2, 3e9) and grads == (root / 2 + 2 * block) * 2
+
+
+def test_fsdp_copy_out_is_priced_on_the_compute_stream():
+    """FSDP2 splits each gathered buffer into the unsharded parameters on the compute stream:
+    4 bytes a parameter per gather, not hidden behind compute (none at a flat efficiency)."""
+    c = ps.Cluster.preset("a100-80gb", gpus=64)
+    lay = ClusterLayout(pp=1, dp=64, tp=1, v=1, m=1, mb=1, ac="selective-op")
+    assert copy_out_s(LLAMA3_8B, c, lay, 64) == pytest.approx(4 * LLAMA3_8B.layer_params * 64 / (c.hbm_bw * 0.8))
+    exposed = data_parallel_exposed_s(LLAMA3_8B, c, lay, 32, compute_s=100.0, one_backward_s=1.0, runtime=TITAN)
+    assert exposed > copy_out_s(LLAMA3_8B, c, lay, 64) > 0 == copy_out_s(LLAMA3_8B, c.with_(efficiency=0.5), lay, 64)
+
+
+def test_float8_casts_a_shared_input_once_when_compiled_or_under_tp():
+    """q, k, v share an input, gate and up another: eager, each Float8 linear casts its own;
+    compiled, one cast each; under TP, one cast on the sequence shard before the fp8 gather."""
+    mms = block_matmuls(LLAMA3_8B, 16384, 1)
+    eager, _ = _float8_cast_bytes(mms, TITAN.with_(float8_linears=True, float8_cast_bytes=3.0))
+    fused, _ = _float8_cast_bytes(mms, TITAN.with_(float8_linears=True, fused_elementwise=True))
+    h = LLAMA3_8B.hidden
+    assert eager - fused == pytest.approx(3.0 * 16384 * 3 * h)  # k's, v's and up's casts of a shared input
+    tp8, _ = _float8_cast_bytes(block_matmuls(LLAMA3_8B, 16384, 8), TITAN.with_(float8_linears=True), tp=8)
+    untp, _ = _float8_cast_bytes(block_matmuls(LLAMA3_8B, 16384, 8), TITAN.with_(float8_linears=True), tp=1)
+    assert tp8 < untp
