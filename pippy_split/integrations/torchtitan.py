@@ -144,6 +144,8 @@ def _build_stages(pipe: Pipe, model: torch.nn.Module, cls: type[PipelineSchedule
     group = process_group(pp_mesh, "pipeline_llm")
     placement = cls.stage_placement(pipe.num_stages, pp_mesh.size())
     cut = TensorParallelCut.of(model, setup.parallel_dims)
+    if cut is not None:
+        cut.check([pipe.get_stage_module(s) for s in range(pipe.num_stages)])
     stages = []
     for s in sorted(s for s, r in placement.items() if r == pp_mesh.get_local_rank()):
         stage = adopt(pipe.build_stage(s, device, group))

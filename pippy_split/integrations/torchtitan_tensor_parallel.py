@@ -55,12 +55,17 @@ class TensorParallelCut:
         mesh = parallel_dims.resolve_shared_mesh([layout])
         return cls(mesh, tuple(resolve_placements(layout, mesh)))
 
+    @staticmethod
+    def check(stage_modules: list[torch.nn.Module]) -> None:
+        """Refuse, by name, a split whose stage holds a tensor outside every module that shards
+        itself (a cut entered its module). Run on every rank over every stage, so each refuses."""
+        for i, module in enumerate(stage_modules):
+            _refuse_traced_state(module, i)
+
     def prepare(self, stage: PipelineStage) -> None:
-        """Make ``stage``'s module a TP-ready part: every tensor in a torchtitan module (refused
-        by name where a cut entered one), received activations rebuilt as DTensors, and DTensor
-        outputs sent whole (hooks on the stage module, which pippy_split built)."""
+        """Make ``stage``'s module a TP-ready part: received activations rebuilt as DTensors, and
+        DTensor outputs sent whole (hooks on the stage module, which pippy_split built)."""
         part = stage.submod
-        _refuse_traced_state(part, stage.stage_index)
         received = [slot.index for slot in stage.in_slots or [] if slot.edge is not None
                     and slot.edge.src_stage != MODEL_INPUT and slot.edge.spec.dtype.is_floating_point]
         if received:

@@ -107,17 +107,19 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def trainer_replay(rank: int, world: int, name: str, route: str, schedule: str, fsdp: int = 1, n_layers: int = 4,
-                   ac: bool = False, tp: int = 1, compile: bool = False, group: Any = None) -> dict[str, Any]:
+                   ac: bool = False, tp: int = 1, compile: bool = False, sp: bool = True,
+                   group: Any = None) -> dict[str, Any]:
     """torchtitan's Trainer sequence on this rank; returns what this rank saw (losses on the last
     stage's rank, the rope caches init_weights computed, counters, the parts' final parameters,
     what ran in the first step: checkpointed block forwards, compiled graphs, tp-sharded weights).
     ``pp = world / (fsdp * tp)``; ``ac``: torchtitan's full AC; ``compile``: its per-block
-    ``torch.compile`` with a backend counting the compiled graphs' runs."""
+    ``torch.compile`` with a backend counting the compiled graphs' runs; ``sp``: TP's sequence
+    parallelism (activations between blocks ``Shard(1)`` over tp, else replicated)."""
     tt_parallel_dims.device_type = "cpu"  # torchtitan assumes CUDA when it finds no accelerator
     tt_dist_utils.set_spmd_backend("partial_dtensor")  # as the Trainer sets it from the job config
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = config(name, n_layers).build()
+        model = config(name, n_layers, sequence_parallel=sp).build()
     pp = world // (fsdp * tp)
     parallel_dims = ParallelDims(dp_replicate=1, dp_shard=fsdp, cp=1, tp=tp, pp=pp, ep=1, world_size=world,
                                  spmd_backend="partial_dtensor")
@@ -125,13 +127,13 @@ def trainer_replay(rank: int, world: int, name: str, route: str, schedule: str, 
     training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, mixed_precision_param="float32")
     parallelism = ParallelismConfig(pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule,
                                     pipeline_parallel_microbatch_size=1, data_parallel_shard_degree=fsdp,
-                                    tensor_parallel_degree=tp,
+                                    tensor_parallel_degree=tp, enable_sequence_parallel=sp,
                                     spmd_backend="partial_dtensor")
     ac_config = FullAC.Config() if ac else None  # torchtitan's full AC: each block checkpoint-wrapped
     sched, parts, has_first, has_last = ROUTES[route](
         model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
         compile_config=CompileConfig(enable=compile, components=["model"], backend=COUNTING_BACKEND), ac_config=ac_config, dump_folder="/tmp", device=torch.device("cpu"),
-        model_config=config(name, n_layers), parallelize_fn=PARALLELIZE[name],
+        model_config=config(name, n_layers, sequence_parallel=sp), parallelize_fn=PARALLELIZE[name],
         loss_fn=CrossEntropyLoss(CrossEntropyLoss.Config()))
     del model
     for m in parts:

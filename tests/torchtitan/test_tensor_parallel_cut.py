@@ -25,15 +25,14 @@ class _Sharded(torch.nn.Linear):
 
 
 def test_a_tensor_in_traced_glue_is_refused_under_tp() -> None:
-    from pippy_split.integrations.torchtitan_tensor_parallel import _refuse_traced_state
-
-    part = torch.nn.Module()
+    first, part = torch.nn.Module(), torch.nn.Module()
+    first.tok_embeddings = _Sharded(2, 2)
     part.layers = torch.nn.ModuleDict({"0": _Sharded(2, 2)})
-    _refuse_traced_state(part, 1)  # every tensor in a module that shards itself
+    TensorParallelCut.check([first, part])  # every tensor in a module that shards itself
     part.glue = torch.nn.Module()
     part.glue.register_parameter("w", torch.nn.Parameter(torch.ones(2)))
     with pytest.raises(NotImplementedError, match=r"stage 1 holds \['glue.w'\] as traced ops"):
-        _refuse_traced_state(part, 1)
+        TensorParallelCut.check([first, part])
 
 
 def test_parallelize_reaches_through_containers_and_wrappers() -> None:

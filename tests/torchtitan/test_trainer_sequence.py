@@ -34,12 +34,12 @@ TWO = [  # (model, route, schedule)
     ("llama3", "pipeline_llm", "1F1B", 1, 4, False, 1, True),  # its per-block torch.compile
 ]
 AC, COMPILED = TWO[-2], TWO[-1]
-FOUR = [  # (model, route, schedule, fsdp, layers, ac, tp): PP2 x FSDP2, PP4, PP2 x TP2 (sequence parallel)
+FOUR = [  # (model, route, schedule, fsdp, layers, ac, tp, compile, sp): PP2 x FSDP2, PP4, PP2 x TP2
     ("llama3", "pipeline_llm", "1F1B", 2),
     ("deepseek_v3", "compat", "Interleaved1F1B", 2),
     ("qwen3", "pipeline_llm", "1F1B", 1),
-    ("llama3", "pipeline_llm", "ZBVZeroBubble", 1, 4, True, 2),  # with full AC; ZBV's I runs the whole backward
-    ("deepseek_v3", "pipeline_llm", "1F1B", 1, 4, False, 2),
+    ("llama3", "pipeline_llm", "ZBVZeroBubble", 1, 4, True, 2),  # sequence parallel, full AC; ZBV's I runs all of B
+    ("deepseek_v3", "pipeline_llm", "1F1B", 1, 4, False, 2, False, False),  # no sequence parallelism: replicated
 ]
 TP = [c for c in FOUR if len(c) > 6 and c[6] > 1]
 
