@@ -6,15 +6,18 @@ parameters already summed across stages) and before the optimizer.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from .schedule.pipeline_schedule import PipelineSchedule
+
 __all__ = ["clip_grad_norm_"]
 
 
-def clip_grad_norm_(sched: Any, max_norm: float, norm_type: float = 2.0, *,
+def clip_grad_norm_(sched: PipelineSchedule, max_norm: float, norm_type: float = 2.0, *,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip the gradients of every rank's stages to one total norm, like
     ``torch.nn.utils.clip_grad_norm_`` on the unsplit model.
@@ -77,7 +80,7 @@ def _norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
     return norm.to(torch.float32)
 
 
-def _parameters(sched: Any) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+def _parameters(sched: PipelineSchedule) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
     """(parameters whose gradients count towards the norm, parameters to scale) on this rank.
 
     A parameter shared by several stages counts only where its first holder lives;

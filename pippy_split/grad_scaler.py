@@ -9,12 +9,15 @@ keeps the same scale.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 import torch.distributed as dist
 
 from .stage.groups import process_group
+
+if TYPE_CHECKING:
+    from .schedule.pipeline_schedule import PipelineSchedule
 
 __all__ = ["PipelineGradScaler"]
 
@@ -46,7 +49,7 @@ class PipelineGradScaler:
         >>> optimizer.zero_grad()
     """
 
-    def __init__(self, sched: Any, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+    def __init__(self, sched: PipelineSchedule, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000,
                  extra_groups: Iterable[Any] = ()) -> None:
         if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval >= 1 and init_scale > 0):
@@ -62,12 +65,12 @@ class PipelineGradScaler:
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale this rank's gradients, agree with every rank on whether any overflowed,
         then step ``optimizer`` or skip it everywhere. Returns whether it stepped."""
-        params = [p for st in self.sched.stages for p in st.module.parameters() if p.grad is not None]
+        grads = [p.grad for st in self.sched.stages for p in st.module.parameters() if p.grad is not None]
         inv = 1.0 / self.scale
         found = torch.zeros((), device=self.sched.stages[0].device)
-        for p in params:
-            p.grad.mul_(inv)
-            found = torch.maximum(found, (~torch.isfinite(p.grad)).any().to(found.dtype))
+        for grad in grads:
+            grad.mul_(inv)
+            found = torch.maximum(found, (~torch.isfinite(grad)).any().to(found.dtype))
         if self.sched.world > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.sched.group)
         for group in self.extra_groups:

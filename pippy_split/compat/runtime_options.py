@@ -24,12 +24,15 @@ a rank holding an FSDP2 stage, a send bound anywhere), warns once with what appl
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..schedule.pipeline_schedule import PipelineSchedule
 
 __all__ = ["check_runtime_options"]
 
 
-def check_runtime_options(sched: Any, max_active_stages: int, unshard_lookahead: Any, defer_reduce_grad_wait: bool,
+def check_runtime_options(sched: PipelineSchedule, max_active_stages: int, unshard_lookahead: Any, defer_reduce_grad_wait: bool,
                           max_outstanding_sends: int | None) -> None:
     """Check the four options on the schedule ``sched`` was just built as; warn where one is not driven.
 
@@ -74,7 +77,7 @@ def check_runtime_options(sched: Any, max_active_stages: int, unshard_lookahead:
                       stacklevel=3)
 
 
-def _holds_fsdp(sched: Any) -> bool:
+def _holds_fsdp(sched: PipelineSchedule) -> bool:
     if not sched.stages:
         return False
     from torch.distributed.fsdp import FSDPModule

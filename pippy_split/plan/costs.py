@@ -338,7 +338,7 @@ def price_split(traced: Traced, model: torch.nn.Module, flat_inputs: Sequence[An
     return SplitCosts(pipe, metric, stages, links, [c.index for c in plan.cuts], model, example, batch)
 
 
-def _link_bytes(plan: Any) -> dict[tuple[int, int], float]:
+def _link_bytes(plan: PartitionPlan) -> dict[tuple[int, int], float]:
     """Bytes of the values each stage's ops send to each later stage (one microbatch)."""
     out: dict[tuple[int, int], float] = {}
     for op in plan.ops:

@@ -138,7 +138,7 @@ class LeafCaptureHook:
             self.handle.remove()
 
     @torch.compiler.disable
-    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         for sink in list(self.sinks):
             sink.capture_module(module, args, output)
 

@@ -182,13 +182,13 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1  # as FSDP2 tells (a recompute runs forwards in backward)
 
 
-def _forward_starts(module: torch.nn.Module, args: Any) -> None:
+def _forward_starts(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
     plan = _PLANS.get(module)
     if plan is not None and plan.rank.active and not _in_backward():
         plan.rank.release(keep=plan.first)
 
 
-def _watch_backward(module: torch.nn.Module, args: Any, out: Any) -> None:
+def _watch_backward(module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
     """Hook the start of this microbatch's backward of the stage (its outputs' gradients)."""
     plan = _PLANS.get(module)
     if plan is None or not plan.rank.active or plan.first is None or not torch.is_grad_enabled() or _in_backward():

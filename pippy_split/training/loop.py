@@ -17,7 +17,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from .planned import planned_config
 from .run_dir import METRICS_FILE, TRAIN_STATE_DIR, saved_position
 from .setup import SUM_MAX, Prepared, pack_budget, prepare
 from .stop import StopRequest
+
+if TYPE_CHECKING:
+    from ..schedule.pipeline_schedule import PipelineSchedule
 
 __all__ = ["worker", "train_rank", "RunState", "TRAIN_STATE_DIR", "saved_position"]
 
@@ -159,7 +162,7 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def _start(cfg: TrainConfig, sched: Any, opt: torch.optim.Optimizer, dcp_dir: str,
+def _start(cfg: TrainConfig, sched: PipelineSchedule, opt: torch.optim.Optimizer, dcp_dir: str,
            log: Callable[..., None]) -> RunState:
     """Step 0, or (after a restart) the last complete checkpoint of this run; --resume's optimizer state."""
     state = RunState(0, torch.Generator().manual_seed(cfg.seed))  # same stream on every rank -> same batches
@@ -224,7 +227,7 @@ def _maybe_fail(cfg: TrainConfig, rank: int, step: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _loop(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimizer, state: RunState,
+def _loop(cfg: TrainConfig, prep: Prepared, sched: PipelineSchedule, opt: torch.optim.Optimizer, state: RunState,
           rank: int, device: torch.device, console: Any, dcp_dir: str, bubble: float, layout: Layout,
           stop: StopRequest) -> bool:
     """Train to ``cfg.steps``; True where every rank agreed to stop early (SIGINT / SIGTERM)."""
@@ -279,7 +282,7 @@ def _loop(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimiz
     return stopped
 
 
-def _train_step(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.Optimizer, state: RunState, lr: float,
+def _train_step(cfg: TrainConfig, prep: Prepared, sched: PipelineSchedule, opt: torch.optim.Optimizer, state: RunState, lr: float,
                 device: torch.device, layout: Layout) -> tuple[float, float, int]:
     """One optimizer step (``--grad-accum`` pipeline steps) at ``lr``: ``(loss, grad norm, tokens)``, the loss
     and norm the same on every rank."""
@@ -290,6 +293,7 @@ def _train_step(cfg: TrainConfig, prep: Prepared, sched: Any, opt: torch.optim.O
     for _ in range(cfg.grad_accum):  # gradients add up over the pipeline steps, then are averaged
         a, k, y = train_batch(cfg, prep, state.data_gen, layout)
         sched.step(*(to_device(t, device) for t in a), target=to_device(y, device), **k)
+        assert sched.loss is not None  # step() sets it on every rank
         loss += layout.mean_over_replicas(float(sched.loss), device) / cfg.grad_accum
         tokens += (count_tokens(a[0]) if a else 0) * layout.dp
     average_accumulated(sched, cfg.grad_accum)
@@ -310,7 +314,7 @@ def _rank0_says(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
-def held_out_loss(sched: Any, batch: tuple[tuple, dict, Any], prep: Prepared, device: torch.device) -> float:
+def held_out_loss(sched: PipelineSchedule, batch: tuple[tuple, dict, Any], prep: Prepared, device: torch.device) -> float:
     """The held-out loss (forward only, no gradients), the same value on every rank: the last
     stage's rank computes it and broadcasts it."""
     a, k, y = batch

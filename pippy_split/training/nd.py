@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ import pippy_split as ps
 from ..zoo.entry import layer_split
 from .config import TrainConfig
 from .errors import JobError
+
+if TYPE_CHECKING:
+    from ..schedule.pipeline_schedule import PipelineSchedule
 
 __all__ = ["Layout", "fsdp_patterns", "tp_plan_for", "parallelize_stages", "block_split"]
 
@@ -179,7 +182,7 @@ def check_tp_heads(model: torch.nn.Module, tp: int) -> None:
             raise JobError(f"--tp {tp}: {field} = {heads} does not split over {tp} ranks; choose a --tp dividing it")
 
 
-def parallelize_stages(cfg: TrainConfig, sched: Any, model: torch.nn.Module, layout: Layout) -> None:
+def parallelize_stages(cfg: TrainConfig, sched: PipelineSchedule, model: torch.nn.Module, layout: Layout) -> None:
     """FSDP2 (``--dp``) and the tensor-parallel plan (``--tp``) on this rank's stages."""
     if layout.mesh is None:
         return

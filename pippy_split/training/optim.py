@@ -6,11 +6,14 @@ Where this sits: called by :mod:`pippy_split.training.loop` once per optimizer s
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import TrainConfig
+
+if TYPE_CHECKING:
+    from ..schedule.pipeline_schedule import PipelineSchedule
 
 __all__ = ["lr_at", "warmup_steps", "average_accumulated", "make_optimizer"]
 
@@ -49,7 +52,7 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * decay)
 
 
-def average_accumulated(sched: Any, n: int) -> None:
+def average_accumulated(sched: PipelineSchedule, n: int) -> None:
     """Gradients summed over ``n`` pipeline steps become their mean (each parameter once)."""
     if n == 1:
         return
