@@ -29,6 +29,7 @@ except ImportError:
 
 from ..compat import schedules as _compat_schedules
 from ..compat.stage import PipelineStage
+from .torchtitan_tensor_parallel import TensorParallelCut
 
 __all__ = ["compat_pipeline_llm", "compat_pipelining", "PIPELINING_NAMES"]
 
@@ -98,11 +99,18 @@ def compat_pipeline_llm(model: torch.nn.Module, **kwargs: Any) -> tuple[Any, lis
     Returns:
         What torchtitan's ``pipeline_llm`` returns: ``(schedule, model_parts, has_first_stage,
         has_last_stage)``; the schedule takes the Trainer's ``step(arg_mbs=, kwarg_mbs=,
-        target_mbs=, losses=, loss_kwargs=, return_outputs=False)``.
+        target_mbs=, losses=, loss_kwargs=, return_outputs=False)``. Under tensor parallelism the
+        activations torchtitan's parts exchange as DTensors cross each cut whole
+        (:class:`~pippy_split.integrations.torchtitan_tensor_parallel.TensorParallelCut`).
 
     Example:
         >>> callable(compat_pipeline_llm)   # spec = dataclasses.replace(spec, pipelining_fn=compat_pipeline_llm)
         True
     """
     with compat_pipelining():
-        return _tt_pp.pipeline_llm(model, **kwargs)
+        schedule, parts, has_first, has_last = _tt_pp.pipeline_llm(model, **kwargs)
+    cut = TensorParallelCut.of(model, kwargs["parallel_dims"])  # TP: torchtitan's DTensors cross the cuts
+    if cut is not None:
+        for stage in schedule.stages:
+            cut.prepare(stage)
+    return schedule, parts, has_first, has_last

@@ -64,22 +64,33 @@ class TensorParallelCut:
 
     def prepare(self, stage: PipelineStage) -> None:
         """Make ``stage``'s module a TP-ready part: received activations rebuilt as DTensors, and
-        DTensor outputs sent whole (hooks on the stage module, which pippy_split built)."""
+        DTensor outputs sent whole (hooks on the stage module, made for the pipeline: pippy_split's
+        stage module or torchtitan's copy of its part). A hand-built stage (the compat route) gets
+        the previous stage's outputs as its floating-point arguments."""
         part = stage.submod
-        received = [slot.index for slot in stage.in_slots or [] if slot.edge is not None
-                    and slot.edge.src_stage != MODEL_INPUT and slot.edge.spec.dtype.is_floating_point]
-        if received:
+        received: list[int] | None = None  # None: every floating-point argument
+        if stage.in_slots is not None:
+            received = [slot.index for slot in stage.in_slots if slot.edge is not None
+                        and slot.edge.src_stage != MODEL_INPUT and slot.edge.spec.dtype.is_floating_point]
+        if stage.stage_index > 0 and received != []:
             part.register_forward_pre_hook(lambda _, args: self.received(args, received))
         if not stage.is_last:
             part.register_forward_hook(lambda _, __, out: self.sent(out, stage.stage_index))
 
-    def received(self, args: tuple[Any, ...], indices: list[int]) -> tuple[Any, ...]:
-        """``args`` with each received activation (plain, whole) as the layout's DTensor."""
+    def received(self, args: tuple[Any, ...], indices: list[int] | None) -> tuple[Any, ...]:
+        """``args`` with each received activation (plain, whole) as the layout's DTensor: those at
+        ``indices``, or (None) every floating-point tensor that is not a DTensor yet."""
         from torch.distributed.tensor import DTensor, Replicate
 
         whole = [Replicate()] * len(self.placements)
+
+        def is_received(i: int, a: Any) -> bool:
+            if indices is not None:
+                return i in indices
+            return isinstance(a, torch.Tensor) and a.is_floating_point() and not isinstance(a, DTensor)
+
         return tuple(DTensor.from_local(a, self.mesh, whole, run_check=False).redistribute(self.mesh, self.placements)
-                     if i in indices else a for i, a in enumerate(args))
+                     if is_received(i, a) else a for i, a in enumerate(args))
 
     def sent(self, out: Any, stage_index: int) -> Any:
         """``out`` with each DTensor (it must have the layout) as its full tensor."""

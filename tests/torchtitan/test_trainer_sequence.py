@@ -40,6 +40,7 @@ FOUR = [  # (model, route, schedule, fsdp, layers, ac, tp, compile, sp): PP2 x F
     ("qwen3", "pipeline_llm", "1F1B", 1),
     ("llama3", "pipeline_llm", "ZBVZeroBubble", 1, 4, True, 2),  # sequence parallel, full AC; ZBV's I runs all of B
     ("deepseek_v3", "pipeline_llm", "1F1B", 1, 4, False, 2, False, False),  # no sequence parallelism: replicated
+    ("qwen3", "compat", "1F1B", 1, 4, False, 2),  # torchtitan's own split, its parts' DTensors across the cut
 ]
 TP = [c for c in FOUR if len(c) > 6 and c[6] > 1]
 
