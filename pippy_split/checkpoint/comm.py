@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
 from ..stage.groups import GroupArg, process_group
 
@@ -66,8 +67,6 @@ def dcp_write(flat: dict, directory: str, comm: "Comm") -> None:
     installed (torch does not depend on it). The files are DCP's own.
     Raises :class:`RanksFailed` on every rank when any rank fails a step.
     """
-    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-
     planner = DefaultSavePlanner(flatten_state_dict=False, dedup_save_to_lowest_rank=True)
     writer = FileSystemWriter(directory)
     coordinator = comm.rank == 0

@@ -17,12 +17,12 @@ import sys
 import tempfile
 from typing import Any, Callable
 
+from torch.distributed.checkpoint import FileSystemReader
+
 from .layout import METADATA_FILE, CheckpointError
 
 
 def read_metadata(path: str) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
         return FileSystemReader(path).read_metadata()
     except Exception as e:

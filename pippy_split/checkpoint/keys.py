@@ -12,16 +12,17 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
+from ..split import Pipe
+from ..stage import PipelineStage
 from .comm import Comm
 from .layout import EXTRA_KEY, GROUPS_PREFIX, MODEL_PREFIX, OPTIM_PREFIX, STATE_PREFIX, CheckpointError, show_keys
 
 
 def holders_of(obj: Any) -> list[tuple[int | None, nn.Module]]:
     """``[(stage index or None, module)]`` in stage order for a schedule, Pipe, stage, module or list."""
-    from ..split import Pipe
-    from ..stage import PipelineStage
-
     if isinstance(obj, nn.Module):
         return [(None, _unwrap(obj))]
     if isinstance(obj, Pipe):
@@ -42,8 +43,6 @@ def holders_of(obj: Any) -> list[tuple[int | None, nn.Module]]:
 
 def _unwrap(module: nn.Module) -> nn.Module:
     """The module whose names are the model's: without a DDP or ``torch.compile`` wrapper."""
-    from torch.nn.parallel import DistributedDataParallel
-
     while True:
         if isinstance(module, DistributedDataParallel):
             module = module.module
@@ -137,10 +136,6 @@ def drop_keys_owned_elsewhere(flat: dict, order: dict, comm: Comm) -> None:
 
 def _is_sharded(value: Any) -> bool:
     """A DTensor (FSDP2, tensor parallel): each rank holds a shard of one key."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
     return isinstance(value, DTensor)
 
 

@@ -11,6 +11,10 @@ import os
 import warnings
 from typing import Any
 
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint.api import CheckpointException
+
 from ..stage.groups import GroupArg
 from .comm import Comm, describe_dcp_error, quiet_dcp
 from .files import find_checkpoint, read_metadata
@@ -97,10 +101,6 @@ def _check_keys(path: str, plan: LoadPlan, comm: Comm, strict: bool) -> None:
 
 def _read(path: str, found: str, plan: LoadPlan, comm: Comm) -> dict:
     """Read this rank's keys from ``found`` into the plan's tensors; the ranks agree on the outcome."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-    from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.api import CheckpointException
-
     # Reading needs no coordination: DCP's global load plan is each rank's own plan
     # (``create_default_global_load_plan`` returns them unchanged), so every rank reads
     # alone, without DCP's object collectives (they need numpy, which torch does not

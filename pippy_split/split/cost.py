@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from .calls import region_nodes
+
 __all__ = ["node_flops", "hint_int", "is_view", "mutated_args", "value_bytes", "BALANCE_METRICS", "node_costs"]
 
 _aten = torch.ops.aten
@@ -96,8 +98,6 @@ def node_flops(node: torch.fx.Node) -> int:
     val = node.meta.get("val")
     target = node.target
     if isinstance(target, torch._ops.HigherOrderOperator):
-        from .calls import region_nodes
-
         return sum(node_flops(n) for n in region_nodes(node))
     if target is _aten.linear.default:
         x, w = _shape(node.args[0]), _shape(node.args[1])

@@ -25,6 +25,7 @@ from .errors import SplitError
 from .functions import check_cuts, sealed_calls
 from .grad import infer_requires_grad
 from .markers import SplitPoint, is_split_marker
+from .profile import graph_tensors, node_times
 from .trace import Traced
 
 __all__ = ["Cut", "Plan", "plan_stages", "plan_from_cuts", "module_paths", "check_balance", "op_costs"]
@@ -169,7 +170,6 @@ def op_costs(ops: list[torch.fx.Node], balance: str, model: torch.nn.Module, tra
         return node_costs(ops, "flops", {})
     if traced is None:
         raise ValueError(f"balance={balance!r} needs the traced model (traced=)")
-    from .profile import graph_tensors, node_times
 
     if balance == "time":
         if flat_inputs is None:

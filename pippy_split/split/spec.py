@@ -72,7 +72,7 @@ class TensorSpec:
             return self.shape  # type: ignore[return-value]
         if not bindings:
             raise ValueError(f"shape {self.shape} is dynamic but no symbol values were given")
-        from ..stage.arguments import concrete_shape  # the one home, which a step runs without this class
+        from ..stage.arguments import concrete_shape  # local: stage/__init__ imports this module (a cycle at import)
 
         return concrete_shape(self.shape, bindings)
 
@@ -236,6 +236,6 @@ def gather_inputs(inputs: Sequence[StageInput], flat_inputs: Sequence[Any] | Non
         >>> gather_inputs(slots, ["x", "y"], {(0, 0): "h"}, {})
         ['y', 'h']
     """
-    from ..stage.arguments import StageArgs  # the one home: the runtime keeps one per stage, made once
+    from ..stage.arguments import StageArgs  # local: stage/__init__ imports this module (a cycle at import)
 
     return StageArgs(inputs)(flat_inputs, produced, bindings, on_missing)

@@ -9,6 +9,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from .balance import TARGET_RATIO
 from .spec import Edge
 from .stage_graph import StageInfo
 
@@ -70,8 +71,6 @@ def imbalance_warning(pipe: _DrawnPipe) -> str | None:
         >>> imbalance_warning(ps.pipeline(model, ["layers.2"], (x,))) is None
         True
     """
-    from .balance import TARGET_RATIO
-
     report = getattr(pipe, "balance", None)
     metric, shares = stage_shares(pipe)
     if len(shares) < 2:

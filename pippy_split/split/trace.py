@@ -96,7 +96,7 @@ class Traced:
     functions: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from ..stage.model_io import ModelInputs  # the one home of the call's checks, which steps keep
+        from ..stage.model_io import ModelInputs  # local: stage/__init__ -> split/__init__ -> trace (a cycle at import)
 
         # ExportedProgram.call_spec builds a new NamedTuple class on every access: read it once.
         spec = self.ep.call_spec
@@ -233,7 +233,7 @@ def trace_model(
         >>> sorted(traced.module_signatures), sorted(traced.params.values())
         (['0', '1'], ['0.bias', '0.weight'])
     """
-    from ..stage.model_io import input_check  # what a call must match; checked where steps run it
+    from ..stage.model_io import input_check  # local, as ModelInputs above: a cycle through stage/__init__ at import
 
     args, kwargs = tuple(args), dict(kwargs or {})
     ep, effects = _export(model, args, kwargs, dynamic_shapes, strict, cuts, keep_calls)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from . import gather_once
 
@@ -85,16 +87,12 @@ def holds_sharded_state(module: torch.nn.Module) -> bool:
     """Whether ``module`` (or any submodule) is an FSDP2 module or holds a DTensor parameter
     or buffer (tensor parallelism): a fake forward cannot run it (FSDP's hooks all-gather
     real shards, DTensor ops refuse mixed tensors) and would leave FSDP's state out of step."""
-    from torch.distributed.tensor import DTensor
-
     if _has_fsdp(module):
         return True
     return any(isinstance(t, DTensor) for t in [*module.parameters(), *module.buffers()])
 
 
 def _has_fsdp(module: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["GatherUnit", "choose_kept", "fsdp_units", "plan_gather_once", "kept_modules", "begin_step", "end_step"]
 
@@ -95,8 +96,6 @@ def fsdp_units(stage_index: int, module: torch.nn.Module, reshard_after_forward:
     as an all-gather over the data-parallel mesh (its first ``dp_dims`` dimensions) returns
     them (in ``param_dtype``, a mixed-precision policy's, or each parameter's own dtype).
     The sizes come from global shapes, so every data-parallel peer of a stage chooses alike."""
-    from torch.distributed.fsdp import FSDPModule
-
     wrapped = {id(m) for m in module.modules() if isinstance(m, FSDPModule)}
     fsdp = [(n, m) for n, m in module.named_modules() if id(m) in wrapped]
     units = []

@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..split.spec import InputKind, StageInput, TensorSpec
 from .errors import PipelineError
@@ -63,8 +64,6 @@ def autocast_edge_specs(pipe: PipeView, dtype: torch.dtype, device_type: str) ->
 
 def _fake_autocast_specs(pipe: PipeView, dtype: torch.dtype, device_type: str) -> dict[int, TensorSpec]:
     """The edges' specs from one run of every stage under autocast on fake tensors, in stage order."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     inputs, bindings = pipe.example_inputs()
     specs: dict[int, TensorSpec] = {id(e): e.spec for e in pipe.edges}
     for info in pipe.stages:

@@ -202,7 +202,7 @@ def build_train_parser(parser: argparse.ArgumentParser | None = None) -> argpars
 
 def load_toml(path: str) -> dict[str, Any]:
     """A TOML file's keys, checked against :class:`TrainConfig` (an unknown key names the closest ones)."""
-    try:
+    try:  # local: on Python 3.10 only --config needs a TOML reader (tomli, not a dependency)
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         try:

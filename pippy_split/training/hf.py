@@ -35,7 +35,7 @@ def is_hf(cfg: TrainConfig) -> bool:
 
 def _transformers() -> Any:
     try:
-        import transformers
+        import transformers  # the job extra's, optional (and slow to import): only hf: models need it
     except ImportError:
         raise JobError("--model hf:... needs transformers: pip install 'pippy-split[job]' "
                          "(or pip install transformers)") from None
@@ -114,7 +114,7 @@ class SafetensorsStateDict(Mapping):
             single = os.path.join(directory, "model.safetensors")
             if not os.path.isfile(single):
                 raise JobError(f"{directory} has no model.safetensors or model.safetensors.index.json")
-            from safetensors import safe_open
+            from safetensors import safe_open  # the job extra's, optional: only hf: models read it
 
             with safe_open(single, "pt") as f:
                 self.files = {k: single for k in f.keys()}  # noqa: SIM118 - safe_open has keys(), no __iter__
@@ -122,7 +122,7 @@ class SafetensorsStateDict(Mapping):
         self.read: list[str] = []
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
+        from safetensors import safe_open  # the job extra's, optional: only hf: models read it
 
         name = self.aliases.get(key, key)
         if name not in self.files:

@@ -112,7 +112,7 @@ def _line(step: int, m: dict) -> str:
 
 def _tensorboard(directory: str) -> Any:
     try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is an optional extra
+        from torch.utils.tensorboard import SummaryWriter  # local: tensorboard is the job extra's, optional
+    except ImportError:
         return None
     return SummaryWriter(directory)

@@ -83,7 +83,7 @@ def _jsonl_field(line: str, name: str, path: str, n: int) -> str:
 
 def _dataset_documents(path: str, name: str) -> tuple[list[str], list[str]]:
     try:
-        import datasets
+        import datasets  # the job extra's, optional: only a saved dataset's directory needs it
     except ImportError:
         raise JobError(f"--data {path} is a directory: reading a saved dataset needs `datasets` "
                          "(pip install 'pippy-split[job]')") from None
