@@ -119,6 +119,11 @@ class PhasedProgram:
             self._check(prog)
         return prog
 
+    def prepare(self, prompt_len: int) -> None:
+        """Trace the prefill of ``prompt_len`` tokens now (a driver calls it before its first
+        message, so that no rank traces while another waits for it)."""
+        self.program(PREFILL, prompt_len)
+
     def stage_module(self, s: int) -> torch.nn.Module:
         """Stage ``s``'s reference prefill module (the one a driver binds to its live tensors;
         the other programs' modules take them from it: :func:`share_tensors`)."""

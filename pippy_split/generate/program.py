@@ -68,6 +68,10 @@ class DecodeProgram:
     def stage_module(self, s: int) -> torch.nn.Module:
         return self.pipe.stages[s].module
 
+    def prepare(self, prompt_len: int) -> None:
+        """Nothing to do: one program serves every prompt length (a recurrent model's
+        :class:`~.phased.PhasedProgram` traces its prefill of that length here)."""
+
     def inputs(self, s: int) -> list[StageInput]:
         return self.pipe.stages[s].inputs
 

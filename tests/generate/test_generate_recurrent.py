@@ -45,6 +45,34 @@ def test_a_phase_spec_is_empty_in_the_other_phase() -> None:
     assert spec.concrete_shape(PhaseBindings("step", 1, {})) == (0,)
 
 
+def _tiny_mamba() -> torch.nn.Module:
+    import transformers as t
+
+    torch.manual_seed(0)
+    cfg = t.MambaConfig(vocab_size=128, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
+                        conv_kernel=3, time_step_rank=2)
+    return t.MambaForCausalLM(cfg).eval()
+
+
+@pytest.mark.timeout(120)
+def test_a_tiny_mamba_decodes_as_hf_generate_with_one_message_layout_per_phase() -> None:
+    import pippy_split as ps
+
+    model = _tiny_mamba()
+    ids, mask = prompts(True, batch=3, length=4)
+    pipe = ps.pipeline(model, ["backbone.layers.1"], (ids[:2],))
+    out = pipe.generate(ids, attention_mask=mask, max_new_tokens=3, return_logprobs=True)
+    ref, ref_logprobs = hf_reference(model, ids, mask, 3)
+    assert torch.equal(out.sequences, ref)
+    torch.testing.assert_close(out.logprobs, ref_logprobs, atol=1e-5, rtol=0)
+    program = pipe.derived["decode_program"]
+    assert isinstance(program, PhasedProgram)
+    prefill, step = program.message_layout(0, 1, 3, 4, 0), program.message_layout(0, 1, 3, 1, 4)
+    assert [s for s, _ in prefill if s != (0,)] and [s for s, _ in step if s != (0,)]
+    assert len(prefill) == len(step)  # the same values, the other phase's empty
+    assert all((a == (0,)) != (b == (0,)) for (a, _), (b, _) in zip(prefill, step))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_jamba_continuous_batching_equals_hf_generate() -> None:
