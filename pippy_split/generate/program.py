@@ -3,7 +3,9 @@
 :func:`decode_program` traces :class:`~.decode_model.DecodeRoot` once, with the batch, the
 new tokens ``T`` and the past ``P`` dynamic, and cuts it where the training pipe was cut
 (:func:`pippy_split.split.retrace.trace_again`). One program serves the prefill (``P = 0``)
-and every decode step (``T = 1``).
+and every decode step (``T = 1``) of a model with a KV cache; a model with a recurrent state
+gets a :class:`~.phased.PhasedProgram` (a step program and a prefill program per prompt
+length) with the same methods.
 
 The cache tensors are the trace's own inputs and outputs, so the splitter sees them as
 model inputs and as values flowing to the output. :class:`DecodeProgram` turns them into
