@@ -31,6 +31,11 @@ class TensorParallelCut:
     (replicated, then redistributed to the layout; in backward the gradient is gathered whole,
     the same on every ``tp`` rank, and sent back). A DTensor leaving a stage in another layout is
     refused by name on its forward, never sent as something else.
+
+    Example (without TP there is no cut to carry):
+        >>> from types import SimpleNamespace
+        >>> TensorParallelCut.of(torch.nn.Linear(2, 2), SimpleNamespace(tp_enabled=False)) is None
+        True
     """
 
     def __init__(self, mesh: Any, placements: tuple[Any, ...]) -> None:
@@ -137,7 +142,12 @@ def _in_parallelizable(part: torch.nn.Module, name: str) -> bool:
 def parallelize_children(part: torch.nn.Module, parallel_dims: Any) -> None:
     """A model part's ``parallelize(parallel_dims)`` (what torchtitan's ``parallelize_fn`` calls for
     TP): as torchtitan's root ``Module.parallelize``, each child module that speaks its protocol
-    parallelizes itself; wrappers that do not (AC's) are looked through."""
+    parallelizes itself; wrappers that do not (AC's) are looked through.
+
+    Example:
+        >>> part = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> parallelize_children(part, parallel_dims=None)  # no module speaks torchtitan's protocol: nothing to do
+    """
     queue = list(part.children())
     while queue:
         child = queue.pop()
