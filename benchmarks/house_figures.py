@@ -55,7 +55,8 @@ from .import_graph import (
 )
 
 ROOT = PACKAGE_DIR.parent
-SEAM_NAMES = frozenset({"group", "mesh", "pipe", "stage", "stages", "device", "options", "config", "cfg", "args"})
+SEAM_NAMES = frozenset({"group", "mesh", "pipe", "stage", "stages", "sched", "schedule", "device", "options", "config", "cfg",
+                        "args"})
 BIG_FILE, BIG_FUNCTION = 400, 60
 STEP_N_MB = 4
 
