@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 import pippy_split as ps
-from pippy_split.plan import Plan, evaluate
+from pippy_split.plan import Plan, predict_candidate
 from pippy_split.testing import run_ranks
 
 from . import common
@@ -95,7 +95,7 @@ def _predictions(plan: "Plan") -> tuple[list[dict], list[dict]]:
     for c in _pick(plan):
         configs.append({"schedule": c.schedule, "stages": c.split.num_stages, "m": c.n_microbatches,
                         "ac": c.activation_checkpoint})
-        saved_only = evaluate(c.split, c.schedule, 2, c.n_microbatches, c.activation_checkpoint,
+        saved_only = predict_candidate(c.split, c.schedule, 2, c.n_microbatches, c.activation_checkpoint,
                               c.microbatch_size / c.split.batch, plan.comm, 2.0, plan.budget, saved_only=True)
         preds.append({"s": c.step_time, "rank": c.rank, "peak": [c.peak_bytes[r] for r in range(2)],
                       "peak_saved_only": [saved_only.peak_bytes[r] for r in range(2)], "bubble": c.bubble})
