@@ -9,7 +9,8 @@ ranks). It prints, for the package ``pippy_split``:
     edge (``if TYPE_CHECKING:``, a type that lives above its users), then those that also
     need a function-local import (a cycle dodged at import time); **imports that run up the
     layers** (:data:`.import_graph.LAYERS`, every kind of import counted); **public names
-    defined twice** (:func:`.import_graph.name_collisions`).
+    defined twice** (:func:`.import_graph.name_collisions`); private names imported from
+    another package.
 (b) **Function-local imports**: ``import`` statements inside a function body, per package
     (a package is a directory: ``pippy_split.schedule.orders`` apart from
     ``pippy_split.schedule``) and in total.
@@ -50,6 +51,7 @@ from .import_graph import (
     import_graph,
     modules,
     name_collisions,
+    private_imports,
     type_only_cycles,
     upward_imports,
 )
@@ -234,6 +236,9 @@ def static_report(mods: dict[str, Module]) -> list[str]:
     collisions = name_collisions(mods)
     lines.append(f"  public names defined in more than one module (compat apart): {len(collisions)}")
     lines += [f"    {name}: {', '.join(map(_short, where))}" for name, where in collisions.items()]
+    private = private_imports(mods)
+    lines.append(f"  private names imported from another package: {len(private)}")
+    lines += [f"    {_short(a)} imports {_short(b)}.{name}" for a, b, name in private]
     lines += ["", "(b) function-local imports per package", *_table(function_local_imports(mods), packages)]
     all_any, seam, seam_names, namespace = any_params(mods)
     lines += ["", "(c) parameters annotated Any (no *args/**kwargs/self/cls), per package", *_table(all_any, packages)]

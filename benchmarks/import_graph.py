@@ -29,7 +29,7 @@ from typing import Iterator
 
 __all__ = ["Module", "modules", "ImportGraph", "import_graph", "function_level_imports", "cycles",
            "type_only_cycles", "dodged_cycles", "LAYERS", "layer_of", "UpwardImport", "upward_imports",
-           "all_cycles", "public_names", "name_collisions"]
+           "all_cycles", "public_names", "name_collisions", "private_imports"]
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "pippy_split"
 
@@ -314,3 +314,19 @@ def name_collisions(mods: dict[str, Module], exempt: tuple[str, ...] = COLLISION
     """Public names defined by more than one module (modules under ``exempt`` left out)."""
     names = public_names({n: m for n, m in mods.items() if not n.startswith(exempt)})
     return {name: where for name, where in sorted(names.items()) if len(where) > 1}
+
+
+def private_imports(mods: dict[str, Module]) -> list[tuple[str, str, str]]:
+    """``(importer, module, name)`` for each private name (``_x``) a module imports from a
+    module of another package (a layer reading another's private name), any kind of import."""
+    out = []
+    for mod in mods.values():
+        for node in ast.walk(mod.tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            for target in _targets(node, mod, mods) - {mod.name}:
+                if mods[target].package == mod.package:
+                    continue
+                out += [(mod.name, target, a.name) for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__") and f"{target}.{a.name}" not in mods]
+    return sorted(set(out))

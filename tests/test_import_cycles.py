@@ -23,6 +23,7 @@ from benchmarks.import_graph import (
     layer_of,
     modules,
     name_collisions,
+    private_imports,
     type_only_cycles,
     upward_imports,
 )
@@ -86,6 +87,11 @@ def test_no_cycle_counting_every_import() -> None:
     time still ties the modules together)."""
     found = [_short_cycle(c) for c in all_cycles(import_graph())]
     assert [" -> ".join(c + c[:1]) for c in found if not _edges(c) & BEING_REMOVED_CYCLE_EDGES] == []
+
+
+def test_no_private_name_is_imported_from_another_package() -> None:
+    """Layers ask each other through public names."""
+    assert private_imports(modules()) == []
 
 
 def test_every_module_has_a_layer() -> None:
@@ -153,3 +159,5 @@ def test_the_walker_sees_an_import_up_the_layers(tmp_path: Path) -> None:
     found = upward_imports(import_graph(modules(pkg)), layers)
     assert [str(u) for u in found] == ["low.leaf -> high (local; layer low -> high)"]
     assert LAYERS[0][0] == "leaves"
+    (pkg / "high.py").write_text("from .low import _hidden\nH = 1\n")
+    assert private_imports(modules(pkg)) == [("pkg.high", "pkg.low", "_hidden")]
