@@ -16,9 +16,8 @@ validated, simulated by ``ps.simulate``, run by the training runtime's ``Interpr
 from __future__ import annotations
 
 from ..split.generation_slot import provide
-from .distributed import generate_on_schedule
+from .distributed import generate_in_process, generate_on_schedule
 from .errors import GenerationError
-from .local import generate_in_process
 from .options import GenerateOptions
 from .result import Generation
 

@@ -32,6 +32,7 @@ from ..split.module_calls import parent_of
 from ..stage.groups import PipelineGroup
 from ..stage.stage import PipelineStage
 from .agreement import agreed_call
+from .checks import CheckedCall, checked_call
 from .errors import GenerationError
 from .gathered import unsharded_stages
 from .lanes import Lane, Progress, make_lanes
@@ -40,7 +41,7 @@ from .result import Generation
 from .stage_step import StageDecoder
 from .stand_ins import is_stand_in
 
-__all__ = ["generate_on_schedule", "bind_live", "pack", "unpack", "packed_size", "DecodeRun", "lowered_decode"]
+__all__ = ["generate_on_schedule", "generate_in_process", "run_decode", "bind_live", "pack", "unpack", "packed_size", "DecodeRun", "lowered_decode"]
 
 _ALIGN = 16  # bytes: each value of a packed message starts at a multiple (any dtype's view is aligned)
 
@@ -253,34 +254,57 @@ def generate_on_schedule(sched: ScheduleView, runtime: Interpreter, failures: Fa
         return _generate(sched, pipe, call, input_ids, runtime, failures)
 
 
-def _generate(sched: ScheduleView, pipe: Any, call: Any, input_ids: torch.Tensor, runtime: Interpreter,
+def _generate(sched: ScheduleView, pipe: Any, call: CheckedCall, input_ids: torch.Tensor, runtime: Interpreter,
               failures: FailureChannel | None) -> Generation:
     program = decode_program(pipe)
-    opts = call.options
     device = sched.stages[0].device
-    prompt, mask = input_ids.to(device), call.mask.to(device)
-    lanes = make_lanes(prompt, mask, call.lanes or program.num_stages, call.slots, opts)
-    placement = dict(sched.placement)
-    lowered, lag = lowered_decode(placement, program, lanes)
     decoders = {}
     for st in sched.stages:
         module = program.stage_module(st.stage_index)
         bind_live(module, st.module, st.stage_index)
         decoders[st.stage_index] = StageDecoder(program, st.stage_index, module, device, call.dtype)
-    last_rank = placement[program.num_stages - 1]
-    progress = Progress(prompt, opts) if last_rank == sched.rank else None
-    run = DecodeRun(program, lanes, decoders, progress, lag, device)
+    prompt = input_ids.to(device)
+    placement = dict(sched.placement)
     # A rank that fails mid-generation posts its cause and every other rank stops with
     # PipelineAborted naming it, as in step().
     with failures.guard("generate()") if failures is not None else contextlib.nullcontext() as guard:
         if guard is not None:
             guard.communicating("in generate()")
-        try:
-            runtime.decode(lowered.get(sched.rank, []), run)
-        finally:
-            for d in decoders.values():
-                d.reset()  # the lanes' caches are freed at the end of the call
-        return _shared_result(sched, progress, prompt, opts, last_rank, device)
+        progress = run_decode(program, decoders, placement, sched.rank, runtime, call, prompt)
+        return _shared_result(sched, progress, prompt, call.options, placement[program.num_stages - 1], device)
+
+
+def generate_in_process(pipe: Any, input_ids: torch.Tensor, **kwargs: Any) -> Generation:
+    """See :meth:`pippy_split.Pipe.generate`: every stage in this process, on a runtime of one
+    rank (no transport: values between stages are handed over in memory)."""
+    call = checked_call(pipe, input_ids, **kwargs)
+    program = decode_program(pipe)
+    device = input_ids.device
+    decoders = {s: StageDecoder(program, s, program.stage_module(s), device, call.dtype)
+                for s in range(program.num_stages)}
+    placement = dict.fromkeys(range(program.num_stages), 0)
+    progress = run_decode(program, decoders, placement, 0, Interpreter({}, placement, 0, None), call, input_ids)
+    assert progress is not None
+    return Generation(progress.sequences, progress.logprobs if call.options.return_logprobs else None)
+
+
+def run_decode(program: DecodeProgram, decoders: dict[int, StageDecoder], placement: dict[int, int], rank: int,
+               runtime: Interpreter, call: CheckedCall, prompt: torch.Tensor) -> Progress | None:
+    """The one decode driver: ``call``'s lanes, their decode order for ``placement`` lowered and
+    validated, this rank's part run by ``runtime`` with ``decoders`` (this rank's stages) as
+    the session. Returns the tokens chosen (on the rank of the last stage; None elsewhere);
+    the lanes' caches are freed before it returns."""
+    opts = call.options
+    lanes = make_lanes(prompt, call.mask.to(prompt.device), call.lanes or program.num_stages, call.slots, opts)
+    lowered, lag = lowered_decode(placement, program, lanes)
+    progress = Progress(prompt, opts) if placement[program.num_stages - 1] == rank else None
+    run = DecodeRun(program, lanes, decoders, progress, lag, prompt.device)
+    try:
+        runtime.decode(lowered.get(rank, []), run)
+    finally:
+        for d in decoders.values():
+            d.reset()
+    return progress
 
 
 def _shared_result(sched: ScheduleView, progress: Progress | None, prompt: torch.Tensor, opts: Any, last_rank: int,

@@ -15,38 +15,29 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 import torch
 
-from ..microbatch import MicrobatchError, Microbatches, merge_chunks, split_args_kwargs
-from ..microbatch.chunking import any_per_microbatch
+from ..microbatch import Microbatches, merge_chunks
 from ..split.generation_slot import driver
-from ..split.spec import InputKind
 from ..stage.data_parallel import sync_data_parallel
-from ..stage.errors import PipelineError
 from ..stage.groups import PipelineGroup
 from ..stage.loss import LossRule
 from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
-from .actions import Action, ActionKind, Order
+from .actions import Action, Order
 from .agree import FailureChannel, StepGuard, agree_before_step
-from .collectives import agree_on_order, gather_links, item_count, refuse_no_items, share_loss, sync_shared_grads
-from .deps import edge_links
-from .dynamic_sizes import SizeReader, inputs_given_anyway, share_sizes
-from .errors import ScheduleError
-from .lower import lower
-from .manual_shapes import refuse_unequal_microbatches
+from .collectives import agree_on_order, item_count, refuse_no_items, share_loss, sync_shared_grads
+from .dynamic_sizes import share_sizes
 from .orders import get_order_spec
-from .placement import replace_placement
 from .run_controls import RunControls
 from .runtime import Interpreter, StepContext
+from .schedule_plan import SchedulePlan, stage_links
 from .simulate import simulate
-from .target_check import TargetCheck
+from .step_inputs import Chunking, StepInputs
 from .train_mode import refuse_train_mode_graph
-from .validate import validate
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from ..generate.result import Generation
-    from ..stage.model_io import ModelInputs
 
 __all__ = ["PipelineSchedule"]
 
@@ -114,8 +105,7 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         if not stages:
             raise ValueError("a schedule needs at least one stage")
         self.stages = sorted(stages, key=lambda s: s.stage_index)
-        self._first = next((s for s in self.stages if s.is_first), None)  # where this rank holds them
-        self._last = next((s for s in self.stages if s.is_last), None)
+        self._last = next((s for s in self.stages if s.is_last), None)  # where this rank holds it
         self.n_microbatches = int(n_microbatches)
         self.loss_fn = loss_fn
         self.on_nonfinite = on_nonfinite  # handed to the last stage with each step (LossRule)
@@ -129,26 +119,17 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
                              f"{[s.stage_index for s in self.stages]}")
         if self.n_microbatches < 1:
             raise ValueError(f"{type(self).__name__}: n_microbatches must be >= 1, got {self.n_microbatches}")
-        self.links = self._links()
-        order, self.placement = self._plan()
-        for st in self.stages:
-            if self.placement.get(st.stage_index) != self.rank:
-                mine = sorted(s for s, r in self.placement.items() if r == self.rank)
-                raise ValueError(f"{type(self).__name__}: stage {st.stage_index} belongs on rank "
-                                 f"{self.placement.get(st.stage_index)}, not rank {self.rank}; this rank should hold "
-                                 f"stages {mine}")
-        self._splits_backward = any(a is not None and a.kind in (ActionKind.I, ActionKind.W)
-                                    for acts in order.values() for a in acts)
-        if self._splits_backward:
+        self.links = stage_links(self.stages, self.pipeline_group)
+        self.schedule_plan = self._make_plan()
+        self.placement = self.schedule_plan.placement
+        self.schedule_plan.check_holds(self.rank, [st.stage_index for st in self.stages], type(self).__name__)
+        if self.schedule_plan.splits_backward:
             for st in self.stages:
                 st.enable_split_backward()
-        given_lowered = any(a is not None and a.kind.is_comm for acts in order.values() for a in acts)
-        lowered = order if given_lowered else lower(order, self.links, self.placement)
-        validate(lowered, self.num_stages, self.n_microbatches, links=self.links, placement=self.placement)
-        self.order: Order = order
-        self.lowered: Order = lowered
-        self.actions: list[Action] = [a for a in lowered[self.rank] if a is not None]
-        self._eval_actions = self._forward_only(self.n_microbatches)
+        self.order: Order = self.schedule_plan.order
+        self.lowered: Order = self.schedule_plan.lowered
+        self.actions: list[Action] = self.schedule_plan.actions(self.rank)
+        self._eval_actions = self.schedule_plan.forward_only(self.rank, self.n_microbatches)
         self._runtime = Interpreter({s.stage_index: s for s in self.stages}, self.placement, self.rank,
                                     P2P(self.group, timeout) if self.world > 1 else None)
         if self.world > 1:
@@ -156,14 +137,7 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
                            self.pipeline_group)
         # last: a schedule whose construction failed on some rank takes no key (see FailureChannel)
         self._failures = FailureChannel(self.pipeline_group, self._runtime.p2p, owner=self)
-        self._target_check: TargetCheck | None = None  # made at the first step (loss_fn may change until then)
-        # what a step reads of the split, made once so that a step runs no code of split/
-        pipe = self.stages[0].pipe
-        self._model_inputs: ModelInputs | None = pipe.model_inputs if pipe is not None else None
-        self._arg_names: list[str] | None = pipe.arg_names if pipe is not None else None
-        self._sizes = SizeReader(pipe.symbols, pipe.input_names) if pipe is not None and pipe.symbols else None
-        self._reads_inputs = self._first is not None or any(  # a later stage may read a model input itself
-            s.pipe is not None and any(sl.kind is InputKind.MODEL for sl in s.in_slots or []) for s in self.stages)
+        self._inputs = StepInputs(self.stages, self.rank)  # what a step reads of its call, made once
         self._loss: torch.Tensor | None = None
         self._ran: set[bool] = set()  # the kinds of call (train: True, eval: False) that have run a step
         self.agree_every_step = False
@@ -172,20 +146,12 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         self._unchecked: tuple[LossRule | None, list] = (None, [])  # the step's rule and losses, until checked
 
     # ---- set-up checks ----------------------------------------------------------
-    def _plan(self) -> tuple[Order, dict[int, int]]:
-        """The compute order and the placement it needs (the family's generator)."""
-        self.spec = get_order_spec(self.order_name)
-        self.spec.check_stages(type(self).__name__, [s.stage_index for s in self.stages], self.num_stages, self.world)
-        order = self.spec.compute_order(self.world, self.n_microbatches, len(self.stages))
-        style = self._placement_override or self.spec.placement
-        if style != self.spec.placement:
-            order = replace_placement(order, self.num_stages, self.world, self.spec.placement, style)
-            try:
-                validate(order, self.num_stages, self.n_microbatches, links=self.links)
-            except ScheduleError as e:
-                raise ScheduleError(f"{type(self).__name__}'s order does not run under {style!r} placement: "
-                                    f"{e.reason}", rank=e.rank, step=e.step, action=e.action) from e
-        return order, self.stage_placement(self.num_stages, self.world, style)
+    def _make_plan(self) -> SchedulePlan:
+        """The family's order for these stages, lowered and validated (a subclass given its own order overrides this)."""
+        return SchedulePlan.of_family(self.order_name, num_stages=self.num_stages, world=self.world,
+                                      n_microbatches=self.n_microbatches, links=self.links, owner=type(self).__name__,
+                                      stages_per_rank=len(self.stages), placement=self._placement_override,
+                                      held=[s.stage_index for s in self.stages])
 
     @classmethod
     def stage_placement(cls, num_stages: int, num_ranks: int, placement: str | None = None) -> dict[int, int]:
@@ -203,18 +169,6 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         spec = get_order_spec(cls.order_name)
         return spec.compute_order(num_ranks, n_microbatches, stages_per_rank or spec.default_stages_per_rank())
 
-    def _links(self) -> list[tuple[int, int, bool]]:
-        pipe = self.stages[0].pipe
-        if pipe is not None:
-            return edge_links(pipe.edges)
-        return gather_links([link for st in self.stages for link in st.links()], self.pipeline_group)
-
-    def _forward_only(self, n: int) -> list[Action]:
-        # Stage-major forward order is a valid forward-only schedule for any placement.
-        order: Order = {r: [Action(s, ActionKind.F, mb) for s in sorted(self.placement) if self.placement[s] == r
-                            for mb in range(n)] for r in range(self.world)}
-        return [a for a in lower(order, self.links, self.placement)[self.rank] if a is not None]
-
     # ---- running ---------------------------------------------------------------------
     def _context(self, args: tuple, kwargs: dict, target: Any, train: bool, n: int, guard: StepGuard) -> StepContext:
         """This step's inputs: first every check this rank can make alone, then, where the step
@@ -230,7 +184,10 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
             guard.communicating("in its own checks before its first message")
         sizes = None
         try:
-            sizes = self._local_context(ctx, args, kwargs, target, train)
+            if self.schedule_plan.splits_backward and train:  # a wrapper (fully_shard) applied after construction
+                for st in self.stages:
+                    st.check_split_backward()  # I runs the whole backward
+            sizes = self._inputs.read(ctx, args, kwargs, target, self._chunking, self.loss_fn)
             if counted and self._last is not None and ctx.targets is not None:
                 assert self.loss_count is not None
                 local_items = item_count(self.loss_count, ctx.targets, last_where)
@@ -240,19 +197,24 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
             error = e
         share = None
         if agrees:  # else nothing to share: no loss_count, static shapes (see _agrees)
-            if self._sizes is not None and sizes is None:  # this rank failed before reading them
-                sizes = self._sizes(None, n)
+            sizes_reader = self._inputs.sizes
+            if sizes_reader is not None and sizes is None:  # this rank failed before reading them
+                sizes = sizes_reader(None, n)
             agreed = agree_before_step(error, self.pipeline_group, "step()" if train else "eval()",
                                        share=local_items, sizes=sizes)
             share = agreed.share
             if counted:
                 refuse_no_items(share if share is not None else 0.0, last_where)
-            if self._sizes is not None and agreed.sizes is not None and sizes is not None:
-                ctx.bindings = share_sizes(self._sizes.symbols, agreed.sizes, sizes, self.pipeline_group)
+            if sizes_reader is not None and agreed.sizes is not None and sizes is not None:
+                ctx.bindings = share_sizes(sizes_reader.symbols, agreed.sizes, sizes, self.pipeline_group)
         if self.loss_fn is not None:
             ctx.loss = LossRule.for_step(self.loss_fn, n_microbatches=self.n_microbatches, scale_grads=self.scale_grads,
                                          items=share, scale=self.loss_scale, on_nonfinite=self.on_nonfinite)
         return ctx
+
+    @property
+    def _chunking(self) -> Chunking:
+        return Chunking(self.args_chunk_spec, self.kwargs_chunk_spec)
 
     def _agrees(self, train: bool) -> bool:
         """Whether this step starts with the agreement (the same answer on every rank): while no
@@ -260,51 +222,8 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         with ``loss_count`` (its items), with dynamic shapes (their sizes), or when
         ``agree_every_step`` is set. Otherwise a step runs no collective before its messages,
         and a rank failing its own checks stops every rank through the failure channel."""
-        return (self.agree_every_step or train not in self._ran or self._sizes is not None
+        return (self.agree_every_step or train not in self._ran or self._inputs.sizes is not None
                 or (train and self.loss_count is not None))
-
-    def _local_context(self, ctx: StepContext, args: tuple, kwargs: dict, target: Any, train: bool) -> Any:
-        """Split this rank's inputs and targets into ``ctx``; no communication. Returns the
-        dynamic sizes this rank read off its inputs (a tensor, zeros where it has none)."""
-        n = ctx.n_microbatches
-        first, last = self._first, self._last
-        needs_inputs = self._reads_inputs
-        pipe = self.stages[0].pipe
-        if needs_inputs:
-            if not args and not kwargs:
-                raise PipelineError(f"rank {self.rank} holds stage {first.stage_index if first else '?'} which reads "
-                                    "the model inputs, but step() was called without inputs")
-            mbs = split_args_kwargs(tuple(args), dict(kwargs), n, self.args_chunk_spec, self.kwargs_chunk_spec,
-                                    names=self._arg_names)
-            if self._model_inputs is not None:
-                ctx.flat_inputs = [_flat_microbatch(self._model_inputs, mb, a, k) for mb, (a, k) in enumerate(mbs)]
-            ctx.mb_args = [a for a, _ in mbs]
-            ctx.mb_kwargs = [k for _, k in mbs]
-        if last is not None and train:
-            if self.loss_fn is None:
-                raise PipelineError(f"rank {self.rank} holds the last stage ({last.stage_index}) but the schedule has "
-                                    "no loss_fn: pass loss_fn= to the schedule (or use eval() for forward only)")
-            if target is None:
-                raise PipelineError(f"rank {self.rank} holds the last stage ({last.stage_index}) and needs target= in "
-                                    "step()")
-            ctx.targets = [t[0][0] for t in split_args_kwargs((target,), {}, n, names=["target"])]
-        if self._splits_backward and train:  # a wrapper (fully_shard) applied after construction: I runs it whole
-            for st in self.stages:
-                st.check_split_backward()
-        ctx.per_microbatch = any_per_microbatch(args, kwargs, target)
-        if pipe is None and ctx.mb_args is not None:
-            refuse_unequal_microbatches(ctx.mb_args, ctx.mb_kwargs or [])
-        if pipe is None or self._model_inputs is None:
-            return None
-        flat = ctx.flat_inputs if needs_inputs or self._sizes is None else inputs_given_anyway(
-            self._model_inputs, self._arg_names, args, kwargs, n, self.args_chunk_spec, self.kwargs_chunk_spec)
-        sizes = self._sizes(flat, n) if self._sizes is not None else None
-        if ctx.targets is not None and last is not None and self.loss_fn is not None:
-            if self._target_check is None or self._target_check.loss_fn is not self.loss_fn:
-                self._target_check = TargetCheck(self.loss_fn, pipe, last.stage_index, last.device)
-            # dynamic dims: only the sizes of stage 0's inputs are the step's (others are checked against them later)
-            self._target_check(ctx.targets, flat if first is not None or not pipe.symbols else None)
-        return sizes
 
     def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
         """One training step over ``n_microbatches``; the same call on every rank.
@@ -474,13 +393,3 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
 
         small = sum(a is not None for acts in self.order.values() for a in acts) <= render.SVG_MAX_ACTIONS
         return render.render_schedule_html(self, simulate(self.order, links=self.links) if small else None)
-
-
-def _flat_microbatch(inputs: ModelInputs, mb: int, args: tuple, kwargs: dict) -> list[Any]:
-    """One microbatch's model inputs, flat; a shape the trace cannot take names the microbatch."""
-    try:
-        return inputs.flatten(args, kwargs)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, MicrobatchError):
-            raise
-        raise type(e)(f"microbatch {mb}: {e}") from e

@@ -22,11 +22,11 @@ from .actions import Order, order_from_csv
 from .errors import ScheduleError
 from .orders import get_order_spec
 from .pipeline_schedule import PipelineSchedule
-from .placement import placement_of_order, replace_placement
+from .placement import replace_placement
+from .schedule_plan import SchedulePlan
 from .simulate import simulate  # noqa: F401 - the class docstrings' timelines run it
 from .timing import ActionTiming
 from .train_mode import train_mode_ops
-from .validate import validate
 
 if TYPE_CHECKING:
     from ..split.pipe import Pipe
@@ -192,12 +192,11 @@ class ScheduleFromOrder(PipelineSchedule):
         self._given_order = order_from_csv(order) if isinstance(order, (str, Path)) else order
         super().__init__(stage_or_stages, n_microbatches, loss_fn, **kwargs)
 
-    def _plan(self) -> tuple[Order, dict[int, int]]:
+    def _make_plan(self) -> SchedulePlan:
         order = {int(r): list(acts) for r, acts in self._given_order.items()}
         if sorted(order) != list(range(self.world)):
             raise ScheduleError(f"the order has rows for ranks {sorted(order)} but the group has {self.world} ranks")
-        validate(order, self.num_stages, self.n_microbatches, links=self.links)
-        return order, placement_of_order(order)
+        return SchedulePlan.of_order(order, None, self.n_microbatches, self.links)
 
     @property
     def placement_name(self) -> str:
