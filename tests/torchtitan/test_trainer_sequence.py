@@ -132,3 +132,19 @@ def test_tensor_parallel_shards_every_stage(four_ranks, case) -> None:
     exactness of the same run is checked above)."""
     for r in case_results(four_ranks, _key(case)):
         assert r["tp_sharded"], f"rank holds no tp-sharded weight: {r['tp_sharded']}"
+
+
+def test_torchtitan_refuses_tied_embeddings_with_pp_itself() -> None:
+    """Why pipeline_llm refuses enable_weight_tying: the Trainer's update_from_config refuses it
+    with pp > 1 before any pipelining_fn runs (pipeline_llm also names what the Trainer would
+    get wrong past it; tests/torchtitan/test_refusals.py)."""
+    from types import SimpleNamespace
+
+    from torchtitan.config import ParallelismConfig
+
+    from .models import config
+
+    cfg = config("qwen3")
+    cfg.enable_weight_tying = True
+    with pytest.raises(NotImplementedError, match="Weight tying is not supported with Pipeline Parallel"):
+        cfg.update_from_config(config=SimpleNamespace(parallelism=ParallelismConfig(pipeline_parallel_degree=2)))
