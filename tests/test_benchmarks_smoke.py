@@ -109,3 +109,32 @@ def test_nd_parallel_smoke(tmp_path: Path) -> None:
             assert 0 < x["max_gather"] <= block, (r["rank"], tool, x["max_gather"], block)
             assert x["state"] == x["params"] + x["grads"] + x["opt"]
     assert row["ours_over_peer"]["n"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_generate_startup_smoke(tmp_path: Path) -> None:
+    """``python -m benchmarks.generate_startup --smoke`` on a 1-rank run of a small TinyGPT written here: one
+    timed ``pippy-split generate``, whose phases (each a function of the library, none missing) add up to its
+    wall time. No timing is asserted."""
+    from pippy_split.training.finish import save_model_file
+    from pippy_split.zoo.gpt import TinyGPT
+
+    gpt = dict(vocab_size=13, d_model=16, n_layer=2, n_head=2, block_size=64)
+    config = dict(schedule="GPipe", ranks=1, batch_size=8, microbatches=4, seq_len=16)
+    save_model_file(str(tmp_path / "run"), TinyGPT(**gpt).state_dict(),
+                    {"gpt_config": gpt, "chars": "\n+0123456789=", "config": config, "split": None})
+    out = tmp_path / "startup.json"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.generate_startup", "--smoke", "--run-dir",
+                           str(tmp_path / "run"), "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert out.with_suffix(".md").read_text().startswith("`python -m benchmarks.generate_startup --smoke")
+    res = json.loads(out.read_text())
+    assert {"command", "load_avg_before", "load_avg_after", "turns"} <= set(res["meta"]) and res["missing"] == []
+    phases = res["summary"]["this tree"]["timeline"]
+    for name in ("launcher imports", "rank 0: run's Pipe rebuilt (trace)", "rank 0: sched.generate",
+                 "rank 0: sched.generate / decode program (trace)", "rank 0: sched.generate / decode (the rest)"):
+        assert phases[name] >= 0, name
+    steps = sum(v for k, v in phases.items() if " / " not in k and k != "total")
+    assert steps == pytest.approx(phases["total"], abs=1e-6)  # one rank: the phases tile the wall time

@@ -4,6 +4,7 @@ on the run's trained weights in one process; what is wrong is one line."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -211,3 +212,33 @@ def test_a_folder_of_runs_lists_them(sums, capsys, monkeypatch):
         "generate from one: pippy-split generate runs/a --prompt TEXT"]
     assert _one_line(capsys, "runs", "--prompt", "1") == \
         "runs holds runs, not one (a, b): name one, e.g. pippy-split generate runs/a --prompt TEXT"
+
+
+def test_a_run_of_one_rank_generates_in_this_process(sums, capsys, monkeypatch):
+    """Issue 39: a run of one rank is generated in the command's own process (no launcher, no second
+    interpreter), with the same tokens as `pipe.generate`; what fails there still reads `rank 0 failed: ...`."""
+    where, reference = sums
+    monkeypatch.chdir(where)
+    saved = load_model_file(str(where / "sums"))
+    meta = dict(saved["meta"], ranks=1, num_stages=1, split=None, schedule="GPipe")
+    meta["config"] = dict(meta["config"], ranks=1, schedule="GPipe", split=None)
+    save_model_file(str(where / "one"), saved["state_dict"], meta)
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a run of one rank launched a process")
+
+    monkeypatch.setattr("pippy_split.training.generate_run.launch", no_launch)
+    threads = torch.get_num_threads()
+    try:
+        assert main(["generate", "one", "--prompt", "07+45=", "--prompt", "1+2=", "--max-new-tokens", "6",
+                     "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert [g["completion"] for g in got] == reference(["07+45=", "1+2="], max_new_tokens=6)
+        first, *rest = saved["state_dict"].items()  # weights the model does not match: found in the rank
+        save_model_file(str(where / "one"), dict(rest), meta)
+        assert main(["generate", "one", "--prompt", "1+2="]) == 1
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith("pippy-split generate: rank 0 failed: ") and f"missing ['{first[0]}']" in line, line
+    finally:  # what the command does to its own process before it exits: undone for the tests after this one
+        torch.set_num_threads(threads)
+        gc.unfreeze()

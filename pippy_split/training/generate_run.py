@@ -8,9 +8,14 @@ holds its trained weights (original FQNs) and, in its ``meta``, the run's whole
 (:func:`pippy_split.training.setup.model_source`; the built-in TinyGPT from its recorded
 config), the trained weights loaded before it is split, the same split (checked against the
 stages the run recorded), the same schedule and mesh over the same number of local ranks
-(launched as ``train`` launches them, or under ``torchrun``). Then every rank calls
-``sched.generate`` with the prompts, read in the run's own vocabulary
-(:mod:`pippy_split.training.prompts`), and the text of rank 0's result is printed.
+(launched as ``train`` launches them, or under ``torchrun``; a run of one rank in this process,
+with no launcher). Then every rank calls ``sched.generate`` with the prompts, read in the run's
+own vocabulary (:mod:`pippy_split.training.prompts`), and the text of rank 0's result is printed.
+
+The launching process only checks the request and prints: it imports no model, split or schedule
+code, which the ranks import where they rebuild the run (:func:`rebuild_pipe`,
+:func:`generate_rank`). Those imports are the ranks' own work, and the launcher starts them some
+seconds sooner (``benchmarks/generate_startup.py`` says where the start goes).
 
     pippy-split train --steps 400 --checkpoint checkpoints/sums
     pippy-split generate checkpoints/sums --prompt "07+45=" --prompt "12+30=" --max-new-tokens 3
@@ -24,9 +29,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
+import signal
 import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,18 +44,14 @@ import torch.distributed as dist
 import pippy_split as ps
 
 from ..generate import GenerateOptions, GenerationError
-from ..zoo.gpt import TinyGPT
 from .config import TrainConfig
 from .errors import JobError, RankFailed, as_job_error, report
-from .factory import vocab_size_of
 from .launch import Interrupted, launch
-from .nd import Layout, block_split, parallelize_stages
 from .prompts import PromptCodec
 from .run_dir import CHECKPOINT_FILE, TRAIN_STATE_DIR, load_model_file, runs_in
-from .setup import fresh_model, gpt_split, model_source, parse_split, stages_per_rank
 
-__all__ = ["GenerateRequest", "make_request", "render", "run", "generate_worker", "generate_rank", "run_config",
-           "rebuild_pipe"]
+__all__ = ["GenerateRequest", "make_request", "render", "run", "generate_worker", "generate_here", "generate_rank",
+           "run_config", "rebuild_pipe", "process_ends"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +145,10 @@ def rebuild_pipe(cfg: TrainConfig, saved: dict, pp: int) -> Rebuilt:
     """The run's model with its trained weights, split as the run split it (``pp`` pipeline ranks): the model
     and split as :func:`~pippy_split.training.setup.model_source` makes them for ``train``, the weights loaded
     as ``train --resume`` loads ``model.pt``. A split that differs from the one the run recorded is refused."""
+    from ..zoo.gpt import TinyGPT  # the ranks' imports (see the module docstring)
+    from .nd import block_split
+    from .setup import fresh_model, gpt_split, model_source, parse_split, stages_per_rank
+
     meta = saved["meta"]
     num_stages = pp * stages_per_rank(cfg.schedule)
     dynamic = None
@@ -175,6 +183,8 @@ def rebuild_pipe(cfg: TrainConfig, saved: dict, pp: int) -> Rebuilt:
 
 
 def _check_vocabulary(model: Any, ids: Any) -> None:
+    from .factory import vocab_size_of
+
     vocab = vocab_size_of(model)
     if vocab is not None and int(ids.max()) >= vocab:
         raise JobError(f"a prompt has token id {int(ids.max())}, beyond the model's vocab_size {vocab}")
@@ -183,6 +193,8 @@ def _check_vocabulary(model: Any, ids: Any) -> None:
 def generate_rank(req: GenerateRequest, rank: int, world: int, device: Any) -> list[list[int]]:
     """This rank's part: rebuild the run's stages on the run's mesh, ``sched.generate``; every rank
     returns each row's new tokens (up to and with its EOS)."""
+    from .nd import Layout, parallelize_stages
+
     saved = read_run(req.run_dir)
     cfg = run_config(saved["meta"], req.run_dir)
     if world != cfg.ranks:
@@ -210,9 +222,11 @@ def _until_eos(tokens: list[int], eos: int | list[int] | None) -> list[int]:
     return tokens
 
 
-def generate_worker(req: GenerateRequest) -> list[list[int]]:
+def generate_worker(req: GenerateRequest, alone: bool = False) -> list[list[int]]:
     """One rank of ``pippy-split generate`` (under torchrun or the launcher): its process group, then
-    :func:`generate_rank`. An error the command found reaches the launcher as its message alone."""
+    :func:`generate_rank`. An error the command found reaches the launcher as its message alone.
+
+    ``alone``: the run's one rank, in this process (a group of one on an in-memory store, no rendezvous)."""
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
@@ -220,7 +234,11 @@ def generate_worker(req: GenerateRequest) -> list[list[int]]:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    backend = "nccl" if use_cuda else "gloo"
+    if alone:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend)
     try:
         return generate_rank(req, dist.get_rank(), dist.get_world_size(), device)
     except BaseException as e:
@@ -230,6 +248,32 @@ def generate_worker(req: GenerateRequest) -> list[list[int]]:
         raise found from None
     finally:
         dist.destroy_process_group()
+        if not alone:
+            process_ends()  # a launched rank, or a torchrun rank that prints and exits
+
+
+def process_ends() -> None:
+    """This process ends once its rank has generated: the objects the traces left (hundreds of thousands) are
+    frozen (:func:`gc.freeze`), so that the interpreter's exit frees them by reference count without walking
+    them in a collection after each module it clears. That walk took 10-15 s of a rank's exit on a loaded
+    2-core machine (0.5-1 s frozen), and the launcher waits for every rank's exit."""
+    gc.freeze()
+
+
+def generate_here(req: GenerateRequest) -> list[list[int]]:
+    """A run of one rank, generated in this process (no rank is launched: the launcher's start, a second
+    interpreter's imports and its exit are saved). What fails reads as the launcher would say it: ``rank 0
+    failed: CAUSE``, a bug with its traceback."""
+    try:
+        completions = generate_worker(req, alone=True)
+        process_ends()  # the command prints and exits
+        return completions
+    except JobError as e:
+        raise RankFailed(f"rank 0 failed: {e.line}", e.frames) from None
+    except Exception as e:
+        first = str(e).strip().splitlines()
+        cause = f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
+        raise RankFailed(f"rank 0 failed: {cause}", traceback.format_exc().rstrip()) from None
 
 
 # --------------------------------------------------------------------------- the command
@@ -366,9 +410,13 @@ def _run(args: argparse.Namespace) -> int:
             _print(args, codec, completions, sums)
         return 0
     try:
-        results = launch(generate_worker, (req,), ranks=ranks, name="pippy-split-generate", command="generate")
-    except Interrupted as e:
+        if ranks == 1:
+            completions = generate_here(req)
+        else:
+            completions = launch(generate_worker, (req,), ranks=ranks, name="pippy-split-generate",
+                                 command="generate")[0]
+    except (Interrupted, KeyboardInterrupt) as e:
         print("pippy-split generate: interrupted", file=sys.stderr, flush=True)
-        return 128 + e.signum
-    _print(args, codec, results[0], sums)
+        return 128 + (e.signum if isinstance(e, Interrupted) else signal.SIGINT)
+    _print(args, codec, completions, sums)
     return 0
