@@ -18,6 +18,7 @@ phase's values, without knowing there are two programs.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -213,7 +214,9 @@ def phased_program(pipe: Any, root: DecodeRoot, layout: list[LayoutEntry], devic
         if p == 0:  # the prefill: every size but the batch as traced
             shapes = {**shapes, "input_ids": {0: shapes["input_ids"][0]}, "attention_mask": {0: shapes["input_ids"][0]},
                       "position_ids": {0: shapes["input_ids"][0]}}
-        with meta_stood_in(pipe.model, device):
+        with meta_stood_in(pipe.model, device), warnings.catch_warnings():
+            # a custom autograd Function traced through (RecurrentGemma's): decoding takes no gradient
+            warnings.filterwarnings("ignore", message=".*custom autograd Function.*")
             return DecodeProgram(trace_again(pipe, root, args, {}, dynamic_shapes=shapes), layout, fresh=p == 0)
 
     return PhasedProgram(trace)
