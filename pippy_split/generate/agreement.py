@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..schedule.agree import agree_before_step
+from ..split.pipe import Pipe
 from ..stage.groups import PipelineGroup
 from .checks import CheckedCall, checked_call
 from .errors import GenerationError
@@ -78,7 +79,7 @@ def argument_digest(input_ids: Any, kwargs: dict[str, Any]) -> torch.Tensor:
     return torch.stack(parts)[None]
 
 
-def agreed_call(pipe: Any, pg: PipelineGroup, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> CheckedCall:
+def agreed_call(pipe: Pipe, pg: PipelineGroup, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> CheckedCall:
     """This rank's checked call, once every rank of ``pg`` has checked its own and all gave
     the same arguments (one all-reduce).
 

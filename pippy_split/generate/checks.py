@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..split.pipe import Pipe
 from .decode_model import decode_signature
 from .errors import GenerationError
 from .options import GenerateOptions, prompt_mask
@@ -50,7 +51,7 @@ def _generation_default(model: torch.nn.Module, name: str) -> Any:
     return getattr(config, name, None)
 
 
-def checked_call(pipe: Any, input_ids: torch.Tensor, *, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
+def checked_call(pipe: Pipe, input_ids: torch.Tensor, *, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, eos_token_id: int | list[int] | None = None,
                  pad_token_id: int | None = None, lanes: int | None = None, slots: int | None = None,

@@ -29,6 +29,7 @@ from ..schedule.agree import FailureChannel
 from ..schedule.decode_order import content_round, decision_lag, decode_order, lower_decode, validate_decode
 from ..schedule.runtime import Interpreter
 from ..split.module_calls import parent_of
+from ..split.pipe import Pipe
 from ..stage.groups import PipelineGroup
 from ..stage.stage import PipelineStage
 from .agreement import agreed_call
@@ -134,7 +135,7 @@ class ScheduleView(Protocol):
     pipeline_group: PipelineGroup
 
 
-def _pipe_of(sched: ScheduleView) -> Any:
+def _pipe_of(sched: ScheduleView) -> Pipe:
     pipe = getattr(sched.stages[0], "pipe", None)
     if pipe is None or not hasattr(pipe, "derived"):
         raise GenerationError(f"{type(sched).__name__}.generate needs stages built from a Pipe "
@@ -254,7 +255,7 @@ def generate_on_schedule(sched: ScheduleView, runtime: Interpreter, failures: Fa
         return _generate(sched, pipe, call, input_ids, runtime, failures)
 
 
-def _generate(sched: ScheduleView, pipe: Any, call: CheckedCall, input_ids: torch.Tensor, runtime: Interpreter,
+def _generate(sched: ScheduleView, pipe: Pipe, call: CheckedCall, input_ids: torch.Tensor, runtime: Interpreter,
               failures: FailureChannel | None) -> Generation:
     program = decode_program(pipe)
     device = sched.stages[0].device
@@ -274,7 +275,7 @@ def _generate(sched: ScheduleView, pipe: Any, call: CheckedCall, input_ids: torc
         return _shared_result(sched, progress, prompt, call.options, placement[program.num_stages - 1], device)
 
 
-def generate_in_process(pipe: Any, input_ids: torch.Tensor, **kwargs: Any) -> Generation:
+def generate_in_process(pipe: Pipe, input_ids: torch.Tensor, **kwargs: Any) -> Generation:
     """See :meth:`pippy_split.Pipe.generate`: every stage in this process, on a runtime of one
     rank (no transport: values between stages are handed over in memory)."""
     call = checked_call(pipe, input_ids, **kwargs)

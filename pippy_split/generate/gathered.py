@@ -40,6 +40,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..split.module_calls import parent_of
+from ..split.pipe import Pipe
+from ..stage.stage import PipelineStage
 from .program import decode_program
 from .stand_ins import stand_in
 
@@ -68,7 +70,7 @@ class Gathered:
 
 
 @contextlib.contextmanager
-def unsharded_stages(stages: Sequence[Any], pipe: Any) -> Iterator[Gathered]:
+def unsharded_stages(stages: Sequence[PipelineStage], pipe: Pipe) -> Iterator[Gathered]:
     """For the duration of the ``with``: the DTensor parameters and buffers of ``stages``
     whole, torch.distributed's forward hooks on their modules suspended, and ``pipe``'s
     decode program traced. Every rank of each DP/TP group calls it with the same stages.
