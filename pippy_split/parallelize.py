@@ -26,6 +26,8 @@ import math
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
 
 from .plan.costs import parse_bytes
 from .split.module_calls import called_module_names
@@ -217,8 +219,6 @@ def _check_match(patterns: Sequence[str], names: set[str]) -> None:
 
 
 def _apply_tp(module: torch.nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, Any]) -> None:
-    from torch.distributed.tensor.parallel import parallelize_module
-
     resolved = {}
     for name, _ in module.named_modules():
         style = next((s for p, s in plan.items() if name and fnmatch.fnmatchcase(name, p)), None)
@@ -229,8 +229,6 @@ def _apply_tp(module: torch.nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, A
 
 
 def _apply_fsdp(module: torch.nn.Module, dp_mesh: DeviceMesh, patterns: Sequence[str], kwargs: Mapping[str, Any]) -> None:
-    from torch.distributed.fsdp import fully_shard
-
     blocks: list[str] = []
     for name, _ in module.named_modules():
         if name and not any(name.startswith(b + ".") for b in blocks) and any(
