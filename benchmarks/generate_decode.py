@@ -39,7 +39,7 @@ import pippy_split as ps
 from pippy_split.generate.distributed import lowered_decode
 from pippy_split.generate.lanes import make_lanes
 from pippy_split.generate.options import GenerateOptions
-from pippy_split.generate.program import decode_program
+from pippy_split.generate.programs import decode_program
 from pippy_split.testing import run_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results"

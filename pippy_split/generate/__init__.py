@@ -15,11 +15,10 @@ validated, simulated by ``ps.simulate``, run by the training runtime's ``Interpr
 
 from __future__ import annotations
 
-from ..split.generation_slot import provide
+from ..split.generation_slot import Generation, provide
 from .distributed import generate_in_process, generate_on_schedule
 from .errors import GenerationError
 from .options import GenerateOptions
-from .result import Generation
 
 provide("pipe", generate_in_process)  # Pipe.generate and PipelineSchedule.generate call these
 provide("schedule", generate_on_schedule)

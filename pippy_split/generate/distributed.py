@@ -28,7 +28,8 @@ from ..schedule.actions import Action, ActionKind
 from ..schedule.agree import FailureChannel
 from ..schedule.decode_order import content_round, decision_lag, decode_order, lower_decode, validate_decode
 from ..schedule.runtime import Interpreter
-from ..split.module_calls import parent_of
+from ..split.generation_slot import Generation
+from ..split.materialize import named_tensors, share_tensors
 from ..split.pipe import Pipe
 from ..stage.groups import PipelineGroup
 from ..stage.stage import PipelineStage
@@ -37,12 +38,11 @@ from .checks import CheckedCall, checked_call
 from .errors import GenerationError
 from .gathered import unsharded_stages
 from .lanes import Lane, Progress, make_lanes
-from .program import DecodeProgram, decode_program
-from .result import Generation
+from .programs import Program, decode_program
 from .stage_step import StageDecoder
 from .stand_ins import is_stand_in
 
-__all__ = ["generate_on_schedule", "generate_in_process", "run_decode", "bind_live", "pack", "unpack", "packed_size", "DecodeRun", "lowered_decode"]
+__all__ = ["generate_on_schedule", "generate_in_process", "run_decode", "bind_live", "pack_message", "unpack_message", "packed_size", "DecodeRun", "lowered_decode"]
 
 _ALIGN = 16  # bytes: each value of a packed message starts at a multiple (any dtype's view is aligned)
 
@@ -52,17 +52,17 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def packed_size(layout: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
-    """Bytes of a message of values of these ``(shape, dtype)`` packed by :func:`pack`."""
+    """Bytes of a message of values of these ``(shape, dtype)`` packed by :func:`pack_message`."""
     return sum(n + (-n % _ALIGN) for n in (_nbytes(shape, dtype) for shape, dtype in layout))
 
 
-def pack(values: list[torch.Tensor]) -> torch.Tensor:
+def pack_message(values: list[torch.Tensor]) -> torch.Tensor:
     """``values`` as one flat ``uint8`` buffer, each row-major and padded to :data:`_ALIGN` bytes:
     one message (one rendezvous on the transport) instead of one per value.
 
     Example:
         >>> x, m = torch.arange(3.0), torch.tensor([True, False])
-        >>> y, n = unpack(pack([x, m]), [((3,), torch.float32), ((2,), torch.bool)])
+        >>> y, n = unpack_message(pack_message([x, m]), [((3,), torch.float32), ((2,), torch.bool)])
         >>> y.tolist(), n.tolist()
         ([0.0, 1.0, 2.0], [True, False])
     """
@@ -78,8 +78,8 @@ def pack(values: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
 
-def unpack(buffer: torch.Tensor, layout: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    """The values :func:`pack` put in ``buffer``, each a view of it with its ``(shape, dtype)``."""
+def unpack_message(buffer: torch.Tensor, layout: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """The values :func:`pack_message` put in ``buffer``, each a view of it with its ``(shape, dtype)``."""
     out, offset = [], 0
     for shape, dtype in layout:
         n = _nbytes(shape, dtype)
@@ -100,23 +100,9 @@ def bind_live(decode_module: torch.nn.Module, live: torch.nn.Module, stage: int 
         GenerationError: where a tensor the decode step of ``stage`` reads was traced on a
             stand-in (a pipe built on ``meta``) and this rank's training stage does not hold it.
     """
-    tensors: dict[str, torch.Tensor] = dict(live.named_parameters(remove_duplicate=False))
-    tensors.update(live.named_buffers(remove_duplicate=False))
-    unbound = []
-    for name, t in [*decode_module.named_parameters(remove_duplicate=False),
-                    *decode_module.named_buffers(remove_duplicate=False)]:
-        new = tensors.get(name)
-        if new is None:
-            if is_stand_in(t) or t.device.type == "meta":
-                unbound.append(name)
-            continue
-        if new is t:
-            continue
-        parent, leaf = parent_of(decode_module, name)
-        if leaf in parent._parameters:
-            parent._parameters[leaf] = new  # type: ignore[assignment]
-        else:
-            parent._buffers[leaf] = new
+    held = named_tensors(decode_module)
+    unbound = [name for name in share_tensors(decode_module, live)
+               if is_stand_in(held[name]) or held[name].device.type == "meta"]
     if unbound:
         raise GenerationError(f"stage {stage}'s decode step reads {', '.join(sorted(unbound)[:4])}"
                               f"{' ...' if len(unbound) > 4 else ''}, which the model held on meta and this rank's "
@@ -149,7 +135,7 @@ class DecodeRun:
     :class:`~pippy_split.schedule.decode_exchange.DecodeSession`: the lanes, the values in
     flight and the tokens."""
 
-    def __init__(self, program: DecodeProgram, lanes: list[Lane], decoders: dict[int, StageDecoder],
+    def __init__(self, program: Program, lanes: list[Lane], decoders: dict[int, StageDecoder],
                  progress: Progress | None, lag: int, device: torch.device) -> None:
         self.program, self.lanes, self.decoders = program, lanes, decoders
         self.progress, self.lag, self.device = progress, lag, device
@@ -188,7 +174,7 @@ class DecodeRun:
             return self.tokens[(a.lane, _round(a))]
         assert a.peer is not None
         produced = self.values[(a.lane, _round(a))]
-        return pack([produced[(a.stage, e.src_output)] for e in self._edges(a.stage, a.peer)])
+        return pack_message([produced[(a.stage, e.src_output)] for e in self._edges(a.stage, a.peer)])
 
     def landing(self, a: Action) -> tuple[tuple[int, ...], torch.dtype]:
         if a.kind is ActionKind.RECV_T:
@@ -204,7 +190,7 @@ class DecodeRun:
         assert a.peer is not None
         produced = self.values.setdefault((a.lane, t), {})
         layout = self._layout(a.peer, a.stage, a.lane, t)
-        for e, v in zip(self._edges(a.peer, a.stage), unpack(value, layout)):
+        for e, v in zip(self._edges(a.peer, a.stage), unpack_message(value, layout)):
             produced[(a.peer, e.src_output)] = v
 
     def _edges(self, src: int, dst: int) -> list[Any]:
@@ -227,7 +213,7 @@ def _round(a: Action) -> int:
     return a.round
 
 
-def lowered_decode(placement: dict[int, int], program: DecodeProgram, lanes: list[Lane]
+def lowered_decode(placement: dict[int, int], program: Program, lanes: list[Lane]
                    ) -> tuple[dict[int, list[Action]], int]:
     """The decode order for ``lanes`` on ``placement``, lowered and validated, and its
     :func:`~pippy_split.schedule.decode_order.decision_lag`. Every rank but the last stage's
@@ -289,13 +275,14 @@ def generate_in_process(pipe: Pipe, input_ids: torch.Tensor, **kwargs: Any) -> G
     return Generation(progress.sequences, progress.logprobs if call.options.return_logprobs else None)
 
 
-def run_decode(program: DecodeProgram, decoders: dict[int, StageDecoder], placement: dict[int, int], rank: int,
+def run_decode(program: Program, decoders: dict[int, StageDecoder], placement: dict[int, int], rank: int,
                runtime: Interpreter, call: CheckedCall, prompt: torch.Tensor) -> Progress | None:
     """The one decode driver: ``call``'s lanes, their decode order for ``placement`` lowered and
     validated, this rank's part run by ``runtime`` with ``decoders`` (this rank's stages) as
     the session. Returns the tokens chosen (on the rank of the last stage; None elsewhere);
     the lanes' caches are freed before it returns."""
     opts = call.options
+    program.prepare(int(prompt.shape[1]))  # a recurrent model's prefill for this length, traced before any message
     lanes = make_lanes(prompt, call.mask.to(prompt.device), call.lanes or program.num_stages, call.slots, opts)
     lowered, lag = lowered_decode(placement, program, lanes)
     progress = Progress(prompt, opts) if placement[program.num_stages - 1] == rank else None

@@ -39,10 +39,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ..split.materialize import set_tensor
 from ..split.module_calls import parent_of
 from ..split.pipe import Pipe
 from ..stage.stage import PipelineStage
-from .program import decode_program
+from .programs import decode_program
 from .stand_ins import stand_in
 
 __all__ = ["Gathered", "unsharded_stages"]
@@ -193,6 +194,4 @@ def _unbind(program: Any, stages: Sequence[Any], back: dict[int, torch.Tensor]) 
             old = back.get(id(t))
             if old is None:
                 continue
-            parent, leaf = parent_of(module, name)
-            store: dict[str, Any] = parent._parameters if leaf in parent._parameters else parent._buffers
-            store[leaf] = old
+            set_tensor(module, name, old)

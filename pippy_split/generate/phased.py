@@ -24,12 +24,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..split.module_calls import parent_of
+from ..split.retrace import trace_again
 from .decode_model import DecodeRoot, LayoutEntry
 from .errors import GenerationError
 from .program import DecodeProgram, example_step
+from .stand_ins import meta_stood_in
 
-__all__ = ["PhasedProgram", "phased_program", "PhaseBindings", "share_tensors"]
+__all__ = ["PhasedProgram", "phased_program", "PhaseBindings"]
 
 PREFILL, STEP = "prefill", "step"
 
@@ -127,7 +128,7 @@ class PhasedProgram:
 
     def stage_module(self, s: int) -> torch.nn.Module:
         """Stage ``s``'s reference prefill module (the one a driver binds to its live tensors;
-        the other programs' modules take them from it: :func:`share_tensors`)."""
+        the other programs' modules take them from it: :func:`~pippy_split.split.materialize.share_tensors`)."""
         return self._prefills[2].stage_module(s)
 
     def bindings(self, batch: int, new: int, past: int) -> PhaseBindings:
@@ -185,29 +186,11 @@ def _device_of(outs: Sequence[Any]) -> torch.device:
     return next((o.device for o in outs if isinstance(o, torch.Tensor)), torch.device("cpu"))
 
 
-def share_tensors(dst: torch.nn.Module, src: torch.nn.Module) -> None:
-    """Point ``dst``'s parameters and buffers at ``src``'s of the same name (the step module at
-    the prefill module's, after a driver bound the latter to the live stage)."""
-    tensors: dict[str, torch.Tensor] = dict(src.named_parameters(remove_duplicate=False))
-    tensors.update(src.named_buffers(remove_duplicate=False))
-    for name, t in [*dst.named_parameters(remove_duplicate=False), *dst.named_buffers(remove_duplicate=False)]:
-        new = tensors.get(name)
-        if new is None or new is t:
-            continue
-        parent, leaf = parent_of(dst, name)
-        if leaf in parent._parameters:
-            parent._parameters[leaf] = new  # type: ignore[assignment]
-        else:
-            parent._buffers[leaf] = new
-
-
 def phased_program(pipe: Any, root: DecodeRoot, layout: list[LayoutEntry], device: torch.device,
                    dtype: torch.dtype) -> PhasedProgram:
     """``root`` traced as a one-token step and as a prefill of each prompt length (a fresh
     cache; the reference length 2 now, any other on first use), all cut where ``pipe`` was cut.
     A prompt length per prefill: Hugging Face's Mamba scan is a Python loop over the tokens."""
-    from ..split.retrace import trace_again
-    from .stand_ins import meta_stood_in
 
     def trace(t: int, p: int) -> DecodeProgram:
         args, shapes = example_step(layout, device, dtype, t=t, p=p)

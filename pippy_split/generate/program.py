@@ -23,12 +23,11 @@ from typing import Any, Sequence
 import torch
 
 from ..split.spec import MODEL_INPUT, InputKind, StageInput, gather_inputs
-from .decode_model import DecodeRoot, LayoutEntry, kv_layout
+from .decode_model import LayoutEntry
 from .errors import GenerationError
 from .recurrent import FixedState
-from .stand_ins import meta_stood_in
 
-__all__ = ["DecodeProgram", "StagePlan", "decode_program", "example_step", "past_shape", "N_STEP_INPUTS"]
+__all__ = ["DecodeProgram", "StagePlan", "example_step", "past_shape", "N_STEP_INPUTS"]
 
 N_STEP_INPUTS = 3  # input_ids, attention_mask, position_ids; the cache tensors follow
 
@@ -220,41 +219,3 @@ def example_step(layout: list[LayoutEntry], device: torch.device | str, dtype: t
     shapes = {"input_ids": new, "attention_mask": {0: dyn, 1: dyn}, "position_ids": new,
               "past": [{0: dyn} if isinstance(e, FixedState) else {0: dyn, 2: dyn} for e in (layout if p else [])]}
     return (ids, mask, pos, past), shapes
-
-
-def decode_program(pipe: Any) -> DecodeProgram:  # or a PhasedProgram (every method the drivers use)
-    """The pipe's decode program, traced on first use and kept in ``pipe.derived``: one
-    :class:`DecodeProgram` for a model with a KV cache, a :class:`~.phased.PhasedProgram`
-    (a prefill and a step program behind the same methods) for one with a recurrent state.
-
-    Example:
-        >>> program = decode_program(pipe)  # doctest: +SKIP
-        >>> program.num_stages, program.logits_output  # doctest: +SKIP
-        (2, 0)
-    """
-    cached = pipe.derived.get("decode_program")
-    if cached is not None:
-        return cached
-    from ..split.retrace import trace_again
-
-    model = pipe.model
-    if model is None:
-        raise GenerationError("this Pipe does not hold its model (it was not built by pipeline()); generation "
-                              "traces the model's decode step, so build the Pipe with pippy_split.pipeline()")
-    root = DecodeRoot(model)
-    tensors = [*model.parameters(), *model.buffers()]
-    # A pipe built on meta and filled per rank: the trace reads shapes only, on stand-ins
-    # (each stage binds its live tensors before it decodes; bind_live refuses a stand-in left)
-    device = next((t.device for t in tensors if t.device.type != "meta"), torch.device("cpu"))
-    dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
-    with meta_stood_in(model, device):
-        layout = kv_layout(model, device)
-        if root.signature.recurrent:  # a prefill and a step: two programs (phased.py)
-            from .phased import phased_program
-
-            program: Any = phased_program(pipe, root, layout, device, dtype)
-        else:
-            args, shapes = example_step(layout, device, dtype)
-            program = DecodeProgram(trace_again(pipe, root, args, {}, dynamic_shapes=shapes), layout)
-    pipe.derived["decode_program"] = program
-    return program

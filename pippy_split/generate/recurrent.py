@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .errors import GenerationError
+
 __all__ = ["FixedState", "recurrent_cache", "filled_cache", "cache_tensors", "state_rows_reset"]
 
 
@@ -192,8 +194,6 @@ def cache_tensors(cache: Any) -> list[torch.Tensor]:
             for k in range(layer.number_of_states):
                 conv, rec = layer.conv_states[k], layer.recurrent_states[k]
                 if conv is None or rec is None:
-                    from .errors import GenerationError
-
                     raise GenerationError(f"layer {j} of the model's cache holds no conv or recurrent state after a "
                                           "step: the model keeps its recurrent state outside the cache")
                 out += [conv, rec]

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from .phased import PhasedProgram, share_tensors
+from ..split.materialize import share_tensors
+from .phased import PhasedProgram
 from .program import DecodeProgram, past_shape
 from .recurrent import FixedState, state_rows_reset
 

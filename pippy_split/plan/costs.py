@@ -27,7 +27,7 @@ import torch
 from ..split.calls import all_module_paths
 from ..split.cost import value_bytes
 from ..split.partition import Cut, plan_stages
-from ..split.partition import Plan as PartitionPlan
+from ..split.partition import Partition as PartitionPlan
 from ..split.pipe import Pipe
 from ..split.profile import DEFAULT_PASSES, OpProfile, op_profiles
 from ..split.stage_graph import build_stages

@@ -23,6 +23,7 @@ from ..stage.groups import PipelineGroup
 from ..stage.loss import LossRule
 from ..stage.transport import P2P
 from .actions import Order
+from .deps import Link
 from .errors import ScheduleError
 
 if TYPE_CHECKING:
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["agree_on_order", "gather_links", "item_count", "refuse_no_items", "share_loss",
            "sync_shared_grads"]
 
-Link = tuple[int, int, bool]
 
 
 def agree_on_order(name: str, lowered: Order, n_microbatches: int, num_stages: int, links: Sequence[Link],

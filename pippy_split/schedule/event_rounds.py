@@ -31,7 +31,7 @@ import torch
 from .actions import Action, Order
 from .event_loop import CODE, COMPUTE_KINDS, Encoded, LoopRun, LoweredOrder
 
-__all__ = ["Packed", "pack", "placement", "worth_it", "run_rounds", "count_peaks", "busy_time"]
+__all__ = ["Packed", "pack_order", "placement", "worth_it", "run_rounds", "count_peaks", "busy_time"]
 
 _COMPUTE_CODE = {k.value: CODE[k.value] for k in COMPUTE_KINDS}
 _B = CODE["B"]
@@ -83,7 +83,7 @@ def _ints(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.zeros(0, dtype=torch.int64)
 
 
-def pack(order: Order) -> Packed:
+def pack_order(order: Order) -> Packed:
     """Encode ``order`` (as :func:`.event_loop.encode`, the same keys) with C-level maps.
 
     Raises:

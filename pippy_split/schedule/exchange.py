@@ -21,11 +21,11 @@ from ..stage.errors import PipelineError
 from ..stage.stage import PipelineStage
 from ..stage.transport import P2POp
 
-__all__ = ["Channel", "Outgoing", "Wiring", "Arrival", "InFlight", "wire", "refuse_crossing", "release_storage"]
+__all__ = ["PeerExchange", "Outgoing", "Wiring", "Arrival", "InFlight", "wire", "refuse_crossing", "release_storage"]
 
 
 @dataclass(frozen=True)
-class Channel:
+class PeerExchange:
     """What one comm action exchanges with one peer stage, its k-th tensor at index k of each
     list, in the order both ends share. ``tag`` is the first tensor's tag for microbatch 0:
     a transport with ``ordered=False`` tags the k-th tensor of microbatch ``mb``
@@ -63,10 +63,10 @@ class Wiring:
     slots: list[StageInput]  # the stage's inputs
     args: StageArgs  # its forward's arguments from them, made once
     outgoing: list[Outgoing]
-    send_forward: list[Channel]
-    recv_forward: list[Channel]
-    send_backward: list[Channel]
-    recv_backward: list[Channel]
+    send_forward: list[PeerExchange]
+    recv_forward: list[PeerExchange]
+    send_backward: list[PeerExchange]
+    recv_backward: list[PeerExchange]
 
 
 class Arrival(NamedTuple):
@@ -101,13 +101,13 @@ def wire(stage: PipelineStage, slots: list[StageInput], stage_rank: Mapping[int,
     index = {id(r): i for i, r in enumerate(stage.routes)}
 
     def channels(items: list[Any], peer_of: Callable, order: Callable, key: Callable, spec: Callable,
-                 backward: int, sending: bool) -> list[Channel]:
+                 backward: int, sending: bool) -> list[PeerExchange]:
         out = []
         for peer in sorted({peer_of(x) for x in items}):
             mine = sorted((x for x in items if peer_of(x) == peer), key=order)
             specs = [spec(x) for x in mine]
             sender, receiver = (me, peer) if sending else (peer, me)
-            out.append(Channel(peer, stage_rank[peer], [key(x) for x in mine], specs,
+            out.append(PeerExchange(peer, stage_rank[peer], [key(x) for x in mine], specs,
                                [None if s is None or s.is_dynamic else s.shape for s in specs],
                                [None if s is None else s.dim_order for s in specs],
                                [s is not None and s.carries_grad for s in specs],

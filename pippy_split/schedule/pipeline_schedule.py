@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 import torch
 
 from ..microbatch import Microbatches, merge_chunks
-from ..split.generation_slot import driver
+from ..split.generation_slot import Generation, driver
 from ..stage.data_parallel import sync_data_parallel
 from ..stage.groups import PipelineGroup
 from ..stage.loss import LossRule
@@ -31,13 +31,12 @@ from .run_controls import RunControls
 from .runtime import Interpreter, StepContext
 from .schedule_plan import SchedulePlan, stage_links
 from .simulate import simulate
-from .step_inputs import Chunking, StepInputs
+from .step_inputs import Chunking, StepCallReader
 from .train_mode import refuse_train_mode_graph
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from ..generate.result import Generation
 
 __all__ = ["PipelineSchedule"]
 
@@ -137,7 +136,7 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
                            self.pipeline_group)
         # last: a schedule whose construction failed on some rank takes no key (see FailureChannel)
         self._failures = FailureChannel(self.pipeline_group, self._runtime.p2p, owner=self)
-        self._inputs = StepInputs(self.stages, self.rank)  # what a step reads of its call, made once
+        self._inputs = StepCallReader(self.stages, self.rank)  # what a step reads of its call, made once
         self._loss: torch.Tensor | None = None
         self._ran: set[bool] = set()  # the kinds of call (train: True, eval: False) that have run a step
         self.agree_every_step = False

@@ -227,7 +227,7 @@ class Interpreter:
     def _shape(self, spec: TensorSpec, ctx: StepContext, mb: int) -> tuple[int, ...]:
         """Concrete shape of a dynamic spec for microbatch ``mb`` of this step (its own sizes:
         microbatches may differ in a dynamic dim); evaluated once per distinct sizes, not per
-        message. Static shapes are read off the wiring (``Channel.shapes``, ``Outgoing.shape``)."""
+        message. Static shapes are read off the wiring (``PeerExchange.shapes``, ``Outgoing.shape``)."""
         bindings = ctx.bindings[mb]
         key = (id(spec), tuple(bindings.values()))
         shape = self._shapes.get(key)

@@ -199,7 +199,7 @@ def simulate(
     try:
         if event_rounds.worth_it(order):  # many ranks: the same loop in rounds over tensors
             with gc_paused():
-                return _simulate_rounds(order, event_rounds.pack(order), costs, links, latency, activation_bytes,
+                return _simulate_rounds(order, event_rounds.pack_order(order), costs, links, latency, activation_bytes,
                                         workspace_bytes, input_grad_bytes, scale)
         enc = encode(order)
     except LoweredOrder:  # a SEND/RECV: a lowered order, run under the batch rule

@@ -1,4 +1,4 @@
-"""What a step reads from its call on this rank: :class:`StepInputs`.
+"""What a step reads from its call on this rank: :class:`StepCallReader`.
 
 Part of the schedule layer, under :class:`~.pipeline_schedule.PipelineSchedule`: a step's
 positional and keyword inputs split into microbatches (where this rank runs a stage that
@@ -11,7 +11,7 @@ when the schedule is built, so a step runs no code of ``split/``.
 Example:
     >>> import pippy_split as ps
     >>> pipe = ps.pipeline(torch.nn.Linear(4, 2), None, (torch.randn(2, 4),))
-    >>> inputs = StepInputs([pipe.build_stage(0)], rank=0)
+    >>> inputs = StepCallReader([pipe.build_stage(0)], rank=0)
     >>> ctx = StepContext(n_microbatches=2, train=False)
     >>> _ = inputs.read(ctx, (torch.randn(4, 4),), {}, None, Chunking(None, None), None)
     >>> [len(flat) for flat in ctx.flat_inputs], ctx.flat_inputs[0][0].shape
@@ -37,7 +37,7 @@ from .target_check import TargetCheck
 if TYPE_CHECKING:
     from ..stage.model_io import ModelInputs
 
-__all__ = ["StepInputs", "Chunking"]
+__all__ = ["StepCallReader", "Chunking"]
 
 
 class Chunking(NamedTuple):
@@ -48,7 +48,7 @@ class Chunking(NamedTuple):
     kwargs: Any
 
 
-class StepInputs:
+class StepCallReader:
     """What this rank's stages read of a step's call, made once per schedule."""
 
     def __init__(self, stages: Sequence[PipelineStage], rank: int) -> None:

@@ -1,4 +1,4 @@
-"""Where the generation layer plugs into the split and schedule layers below it.
+"""Where the generation layer plugs into the split and schedule layers below it, and what it returns.
 
 ``Pipe.generate`` and ``PipelineSchedule.generate`` are public methods of classes that
 ``generate/`` builds on, so they cannot import it (the layers import one way). Instead
@@ -15,9 +15,12 @@ Example:
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["provide", "driver"]
+import torch
+
+__all__ = ["provide", "driver", "Generation"]
 
 _PROVIDER = "pippy_split.generate"
 
@@ -35,3 +38,22 @@ def driver(kind: str) -> Callable[..., Any]:
     if kind not in _drivers:
         importlib.import_module(_PROVIDER)  # it calls provide() for both kinds
     return _drivers[kind]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The output of ``sched.generate`` / ``pipe.generate``, the same on every rank.
+
+    Example:
+        >>> out = Generation(torch.tensor([[5, 6, 7]]), None)
+        >>> out.sequences.shape
+        torch.Size([1, 3])
+    """
+
+    sequences: torch.Tensor
+    """``(batch, prompt_len + max_new_tokens)`` int64: each prompt followed by its new tokens;
+    after a row's ``eos_token_id`` the rest of the row is ``pad_token_id``."""
+    logprobs: torch.Tensor | None
+    """``(batch, max_new_tokens)`` float32: ``log_softmax`` of the model's logits at the chosen
+    token (before temperature, top-k, top-p), 0 where the row had finished; None unless
+    ``return_logprobs=True``."""

@@ -17,24 +17,47 @@ import torch
 
 from .errors import SplitError
 
-__all__ = ["materialize_stage", "check_state_dict", "load_stage_state", "fill_stage", "init_from_owners"]
+__all__ = ["materialize_stage", "check_state_dict", "load_stage_state", "fill_stage", "init_from_owners", "named_tensors",
+           "set_tensor", "share_tensors"]
 
 _SHOW = 10  # keys named per kind in an error message
 
 
-def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` by name, a tied tensor under each of its names."""
     out: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     out.update(dict(module.named_buffers(remove_duplicate=False)))
     return out
 
 
-def _set(module: torch.nn.Module, fqn: str, value: torch.Tensor) -> None:
+def set_tensor(module: torch.nn.Module, fqn: str, value: torch.Tensor) -> None:
+    """Make ``value`` the parameter or buffer ``fqn`` of ``module`` (the object itself, no copy)."""
     owner_path, _, leaf = fqn.rpartition(".")
     owner = module.get_submodule(owner_path)
     if leaf in owner._parameters:
         owner._parameters[leaf] = cast(torch.nn.Parameter, value)
     else:
         owner._buffers[leaf] = value
+
+
+def share_tensors(dst: torch.nn.Module, src: torch.nn.Module) -> list[str]:
+    """Point ``dst``'s parameters and buffers at ``src``'s tensors of the same name (the same
+    objects: an update of one is seen by the other); returns the names ``src`` does not hold.
+
+    Example:
+        >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        >>> share_tensors(a, b), a.weight is b.weight
+        ([], True)
+    """
+    tensors = named_tensors(src)
+    missing = []
+    for name, t in named_tensors(dst).items():
+        new = tensors.get(name)
+        if new is None:
+            missing.append(name)
+        elif new is not t:
+            set_tensor(dst, name, new)
+    return missing
 
 
 def materialize_stage(module: torch.nn.Module, model: torch.nn.Module, device: torch.device | str,
@@ -55,7 +78,7 @@ def materialize_stage(module: torch.nn.Module, model: torch.nn.Module, device: t
         strict: with a ``state_dict``, a tensor it lacks is an error; ``False``
             initialises those from their owners instead.
     """
-    tensors = _tensors(module)
+    tensors = named_tensors(module)
     meta = {n: t for n, t in tensors.items() if t.is_meta}
     if not meta:
         return module
@@ -68,8 +91,8 @@ def materialize_stage(module: torch.nn.Module, model: torch.nn.Module, device: t
         new = torch.empty_like(old, device=device)
         new = torch.nn.Parameter(new, requires_grad=old.requires_grad) if isinstance(old, torch.nn.Parameter) else new
         for name in names:  # tied names stay one tensor
-            _set(module, name, new)
-    fresh = _tensors(module)
+            set_tensor(module, name, new)
+    fresh = named_tensors(module)
     # Constants torch.export lifted out of forward (``_const_*``: e.g. the empty
     # tensors a KV cache starts from) are no part of any state dict. An empty one
     # needs no values; a non-empty one on meta lost its values when it was made.

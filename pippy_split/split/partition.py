@@ -28,7 +28,7 @@ from .markers import SplitPoint, is_split_marker
 from .profile import graph_tensors, node_times
 from .trace import Traced
 
-__all__ = ["Cut", "Plan", "plan_stages", "plan_from_cuts", "module_paths", "check_balance", "op_costs"]
+__all__ = ["Cut", "Partition", "plan_stages", "plan_from_cuts", "module_paths", "check_balance", "op_costs"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Cut:
 
 
 @dataclass
-class Plan:
+class Partition:
     """Every call node's stage, in graph order."""
 
     ops: list[torch.fx.Node]
@@ -202,7 +202,7 @@ def _balanced_cuts(ops: list[torch.fx.Node], n: int, costs: list[float], metric:
     return [Cut(p, f"balanced cut {k + 1}") for k, p in enumerate(positions)], report
 
 
-def _stage_costs(plan: Plan, costs: list[float]) -> tuple[float, ...]:
+def _stage_costs(plan: Partition, costs: list[float]) -> tuple[float, ...]:
     out = [0.0] * plan.num_stages
     for op, c in zip(plan.ops, costs):
         out[plan.stage_of[op]] += c
@@ -210,7 +210,7 @@ def _stage_costs(plan: Plan, costs: list[float]) -> tuple[float, ...]:
 
 
 def plan_stages(graph: torch.fx.Graph, split_spec: Any, model: torch.nn.Module, *, balance: str = "flops",
-                traced: Traced | None = None, flat_inputs: Sequence[Any] | None = None) -> Plan:
+                traced: Traced | None = None, flat_inputs: Sequence[Any] | None = None) -> Partition:
     """Assign every call node of ``graph`` to a stage according to ``split_spec``.
 
     An int ``split_spec`` is balanced by the ``balance`` cost model (see :func:`op_costs`);
@@ -242,7 +242,7 @@ def plan_stages(graph: torch.fx.Graph, split_spec: Any, model: torch.nn.Module, 
     return plan
 
 
-def plan_from_cuts(ops: list[torch.fx.Node], cuts: list[Cut]) -> Plan:
+def plan_from_cuts(ops: list[torch.fx.Node], cuts: list[Cut]) -> Partition:
     """The plan that cuts ``ops`` (a graph's call nodes, in order) before each cut's op;
     an empty stage is a ``SplitError``."""
     positions = [c.index for c in cuts]
@@ -251,7 +251,7 @@ def plan_from_cuts(ops: list[torch.fx.Node], cuts: list[Cut]) -> Plan:
         # A getitem on a multi-output op stays with the op: tuples never cross a cut.
         if op.target is operator.getitem and isinstance(op.args[0], torch.fx.Node) and op.args[0] in stage_of:
             stage_of[op] = stage_of[op.args[0]]
-    plan = Plan(ops=ops, cuts=cuts, stage_of=stage_of)
+    plan = Partition(ops=ops, cuts=cuts, stage_of=stage_of)
     _check_no_empty_stage(plan)
     return plan
 
@@ -260,7 +260,7 @@ def _is_real(op: torch.fx.Node) -> bool:
     return not is_split_marker(op.target) and isinstance(op.meta.get("val"), (torch.Tensor, tuple, list))
 
 
-def _check_no_empty_stage(plan: Plan) -> None:
+def _check_no_empty_stage(plan: Partition) -> None:
     counts = [0] * plan.num_stages
     for op, s in plan.stage_of.items():
         if _is_real(op):

@@ -18,9 +18,9 @@ from .autocast_trace import TraceRecipe
 from .calls import call_tree
 from .errors import SplitError
 from .functions import check_functions_called
-from .generation_slot import driver
+from .generation_slot import Generation, driver
 from .module_calls import called_module_names
-from .partition import Plan, check_balance, check_split_spec, plan_from_cuts, plan_stages, split_fqns
+from .partition import Partition, check_balance, check_split_spec, plan_from_cuts, plan_stages, split_fqns
 from .spec import MODEL_INPUT, Edge, SymbolSource, gather_inputs
 from .stage_graph import StageInfo, build_stages
 from .trace import Traced, trace_model
@@ -50,7 +50,7 @@ class Pipe:
     def __init__(self, traced: Traced, stages: list[StageInfo], edges: list[Edge], symbols: list[SymbolSource],
                  output_leaves: list[tuple[str, Any]], shared_parameters: dict, model_name: str,
                  model: torch.nn.Module | None = None, balance: Any = None, *,
-                 recipe: TraceRecipe | None = None, plan: Plan | None = None,
+                 recipe: TraceRecipe | None = None, plan: Partition | None = None,
                  autocast: tuple[str, torch.dtype] | None = None) -> None:
         from ..stage.model_io import ModelOutputs  # the one home of the output structure, which steps keep
 
@@ -204,7 +204,7 @@ class Pipe:
             cache[key] = pipe
         return cache[key]
 
-    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> Generation:
         """Generate from the split model in this process, with a KV cache per stage: the same
         result as ``sched.generate`` (see :meth:`pippy_split.schedule.PipelineSchedule.generate`
         for the arguments), equal to the unsplit model's Hugging Face ``generate``.
@@ -361,7 +361,7 @@ def pipeline(
     return _build_pipe(model, traced, plan, recipe)
 
 
-def _build_pipe(model: torch.nn.Module, traced: Traced, plan: Plan, recipe: TraceRecipe) -> Pipe:
+def _build_pipe(model: torch.nn.Module, traced: Traced, plan: Partition, recipe: TraceRecipe) -> Pipe:
     built = build_stages(traced, plan, model)
     if traced.functions:
         called = {fqn for st in built.stages for fqn in called_module_names(st.module)}

@@ -24,7 +24,7 @@ from .errors import SplitError
 from .grad import infer_requires_grad
 from .markers import is_split_marker
 from .module_calls import call_inputs, parent_of, signature_key, swap_in_module_calls
-from .partition import Plan, module_paths
+from .partition import Partition, module_paths
 from .spec import MODEL_INPUT, Edge, InputKind, StageInput, SymbolSource, TensorSpec
 from .symbols import spec_of, symbol_sources, user_symbol_names
 from .trace import Traced, user_module_path
@@ -72,7 +72,7 @@ def _install(root: torch.nn.Module, fqn: str, value: torch.Tensor, *, buffer: bo
 
 
 class _Builder:
-    def __init__(self, traced: Traced, plan: Plan, model: torch.nn.Module) -> None:
+    def __init__(self, traced: Traced, plan: Partition, model: torch.nn.Module) -> None:
         self.traced, self.plan, self.model = traced, plan, model
         self.graph = traced.graph
         self.placeholders = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
@@ -352,6 +352,6 @@ def _name_module_ranges(stages: list[StageInfo]) -> None:
         st.modules = list(names)
 
 
-def build_stages(traced: Traced, plan: Plan, model: torch.nn.Module) -> Built:
+def build_stages(traced: Traced, plan: Partition, model: torch.nn.Module) -> Built:
     """Stage modules, edges, symbols and output mapping for ``plan``."""
     return _Builder(traced, plan, model).build()

@@ -13,10 +13,10 @@ import torch
 
 import pippy_split as ps
 from pippy_split.generate import GenerationError
-from pippy_split.generate.distributed import lowered_decode, pack, packed_size, unpack
+from pippy_split.generate.distributed import lowered_decode, pack_message, packed_size, unpack_message
 from pippy_split.generate.lanes import Lane, make_lanes
 from pippy_split.generate.options import GenerateOptions
-from pippy_split.generate.program import decode_program
+from pippy_split.generate.programs import decode_program
 from pippy_split.schedule.actions import ActionKind, parse_action
 from pippy_split.schedule.batch_loop import run_batches
 from pippy_split.schedule.decode_order import (
@@ -223,9 +223,9 @@ def test_a_packed_message_gives_back_every_value() -> None:
               torch.randint(0, 9, (3,), generator=g), torch.randn(3, 1, 5, generator=g).transpose(0, 2),
               torch.empty(0, 4), torch.tensor(2.5, dtype=torch.float64)]
     layout = [(tuple(v.shape), v.dtype) for v in values]
-    buffer = pack(values)
+    buffer = pack_message(values)
     assert buffer.dtype == torch.uint8 and buffer.numel() == packed_size(layout)
-    for v, back in zip(values, unpack(buffer.clone(), layout)):
+    for v, back in zip(values, unpack_message(buffer.clone(), layout)):
         assert back.dtype == v.dtype and torch.equal(back, v)
 
 

@@ -75,7 +75,7 @@ def test_zoo_greedy_equals_unsplit_model(name: str) -> None:
 @pytest.mark.timeout(600)
 def test_each_stage_keeps_its_own_layers_cache() -> None:
     """The cache of layer j lives on the stage that holds layer j; no message carries it."""
-    from pippy_split.generate.program import decode_program
+    from pippy_split.generate.programs import decode_program
 
     model, spec = hf_model("llama")  # 4 layers, cut before layer 2
     ids, _ = prompts(False)
@@ -105,7 +105,7 @@ def test_a_cut_between_a_cache_update_and_its_attention_generates() -> None:
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config)).eval()
     ids, mask = prompts(True)
     pipe = ps.pipeline(model, 4, (torch.randint(0, config["vocab_size"], (4, 64)),))
-    from pippy_split.generate.program import decode_program
+    from pippy_split.generate.programs import decode_program
 
     program = decode_program(pipe)
     kept_elsewhere = {j for p in program.plans[:-1] for j in p.kv}
