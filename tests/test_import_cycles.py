@@ -31,16 +31,8 @@ from benchmarks.import_graph import (
 # The allow-lists below are the lead's (issue 39/42: being removed); house_figures prints what
 # is left of each. Drop an entry when it goes: nothing new may join them.
 
-# issue 39/42: being removed (generation's runtime, the lead's: nothing in schedule/ imports
-# generate/, and generate/program.py no longer reaches back into generate/phased.py).
-BEING_REMOVED_UPWARD = {
-    "schedule.pipeline_schedule -> generate.result",  # PipelineSchedule.generate's return type
-}
-# A cycle through one of these imports (generate.phased -> generate.program -> generate.phased,
-# closed by program's function-local import):
-BEING_REMOVED_CYCLE_EDGES = {
-    "generate.program -> generate.phased",
-}
+BEING_REMOVED_UPWARD: set[str] = set()  # generate's: gone (Pipe and PipelineSchedule reach it through split/generation_slot)
+BEING_REMOVED_CYCLE_EDGES: set[str] = set()  # generate.program <-> generate.phased: gone (generate/programs.py)
 # issue 39/42: being removed. Pipe.build_stage's hand-over to PipelineStage.from_pipe and the
 # types of its parameters (GroupArg, StageOptions, PipelineStage): split/ knows no ranks.
 BUILD_STAGE_HAND_OVER = {
@@ -48,15 +40,7 @@ BUILD_STAGE_HAND_OVER = {
     "split.pipe -> stage.groups",
     "split.pipe -> stage.options",
 }
-# issue 39/42: being removed. Public names defined twice in the lead's files (schedule/, generate/;
-# split/partition.py's Plan is imported by split/pipe.py, so its rename waits for that file).
-BEING_REMOVED_COLLISIONS = {
-    "Channel": ["schedule.exchange", "schedule.messages"],
-    "Link": ["schedule.collectives", "schedule.deps"],
-    "pack": ["generate.distributed", "schedule.event_rounds"],
-    "Plan": ["plan.report", "split.partition"],
-    "StepInputs": ["generate.lanes", "schedule.step_inputs"],
-}
+BEING_REMOVED_COLLISIONS: dict[str, list[str]] = {}  # Channel, Link, pack, Plan, StepInputs: renamed
 
 
 def _short(name: str) -> str:
