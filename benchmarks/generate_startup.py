@@ -65,8 +65,8 @@ RANK_PHASES = (
     ("pippy_split", "build_schedule", "build_schedule"),
     ("pippy_split.schedule.pipeline_schedule", "PipelineSchedule.generate", "sched.generate"),
     ("pippy_split.generate.checks", "decode_signature", "checks (decode_signature)"),
-    ("pippy_split.generate.distributed", "decode_program", "decode program (trace)"),
-    ("pippy_split.generate.local", "decode_program", "decode program (trace)"),
+    ("pippy_split.generate.distributed", "decode_program", "decode program (trace)"),  # one driver, or
+    ("pippy_split.generate.local", "decode_program", "decode program (trace)"),  # two (before 3b7855e)
     ("torch.export", "export", "torch.export"),
     ("torch.export.ExportedProgram", "run_decompositions", "run_decompositions"),
     ("torch.distributed", "destroy_process_group", "process group teardown"),
@@ -130,12 +130,14 @@ def _resolve(module: str, attr: str) -> tuple[Any, str] | None:
 
 @contextlib.contextmanager
 def wrapped(phases: Phases, table: tuple[tuple[str, str, str], ...]) -> Iterator[Phases]:
-    """Every function of ``table`` the library has, wrapped to stamp ``phases``; put back on exit."""
+    """Every function of ``table`` the library has, wrapped to stamp ``phases``; put back on exit. A phase
+    found at none of its places is named in ``phases.missing``."""
     undo = []
+    absent: dict[str, str] = {}
     for module, attr, name in table:
         found = _resolve(module, attr)
         if found is None:
-            phases.missing.append(f"{module}.{attr}")
+            absent.setdefault(name, f"{module}.{attr}")
             continue
         owner, key = found
         old = owner.__dict__.get(key) if isinstance(owner, type) else getattr(owner, key)
@@ -143,6 +145,8 @@ def wrapped(phases: Phases, table: tuple[tuple[str, str, str], ...]) -> Iterator
             old = getattr(owner, key)
         setattr(owner, key, phases.wrap(getattr(owner, key), name))
         undo.append((owner, key, old))
+    wrapped_names = {name for module, attr, name in table if _resolve(module, attr) is not None}
+    phases.missing += [where for name, where in absent.items() if name not in wrapped_names]
     try:
         yield phases
     finally:
