@@ -31,15 +31,9 @@ from benchmarks.import_graph import (
 # The allow-lists below are the lead's (issue 39/42: being removed); house_figures prints what
 # is left of each. Drop an entry when it goes: nothing new may join them.
 
-BEING_REMOVED_UPWARD: set[str] = set()  # generate's: gone (Pipe and PipelineSchedule reach it through split/generation_slot)
+BEING_REMOVED_UPWARD: set[str] = set()  # generate's: gone (Pipe and PipelineSchedule reach it through split/hand_over)
 BEING_REMOVED_CYCLE_EDGES: set[str] = set()  # generate.program <-> generate.phased: gone (generate/programs.py)
-# issue 39/42: being removed. Pipe.build_stage's hand-over to PipelineStage.from_pipe and the
-# types of its parameters (GroupArg, StageOptions, PipelineStage): split/ knows no ranks.
-BUILD_STAGE_HAND_OVER = {
-    "split.pipe -> stage",
-    "split.pipe -> stage.groups",
-    "split.pipe -> stage.options",
-}
+BUILD_STAGE_HAND_OVER: set[str] = set()  # gone: the stage layer hands Pipe.build_stage its builder (split/hand_over)
 BEING_REMOVED_COLLISIONS: dict[str, list[str]] = {}  # Channel, Link, pack, Plan, StepInputs: renamed
 
 

@@ -10,12 +10,12 @@ produced, :mod:`.sampling` the token choice, :mod:`.local` the one-process drive
 of the schedule layer (:mod:`pippy_split.schedule.decode_order`: built, lowered,
 validated, simulated by ``ps.simulate``, run by the training runtime's ``Interpreter``).
 ``Pipe`` and ``PipelineSchedule`` sit below this package, so it hands them its drivers
-(:mod:`pippy_split.split.generation_slot`).
+(:mod:`pippy_split.split.hand_over`).
 """
 
 from __future__ import annotations
 
-from ..split.generation_slot import Generation, provide
+from ..split.hand_over import Generation, provide
 from .distributed import generate_in_process, generate_on_schedule
 from .errors import GenerationError
 from .options import GenerateOptions

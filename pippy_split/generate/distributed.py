@@ -28,7 +28,7 @@ from ..schedule.actions import Action, ActionKind
 from ..schedule.agree import FailureChannel
 from ..schedule.decode_order import content_round, decision_lag, decode_order, lower_decode, validate_decode
 from ..schedule.runtime import Interpreter
-from ..split.generation_slot import Generation
+from ..split.hand_over import Generation
 from ..split.materialize import named_tensors, share_tensors
 from ..split.pipe import Pipe
 from ..stage.groups import PipelineGroup

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 import torch
 
 from ..microbatch import Microbatches, merge_chunks
-from ..split.generation_slot import Generation, driver
+from ..split.hand_over import Generation, driver
 from ..stage.data_parallel import sync_data_parallel
 from ..stage.groups import PipelineGroup
 from ..stage.loss import LossRule

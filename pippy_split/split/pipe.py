@@ -18,7 +18,7 @@ from .autocast_trace import TraceRecipe
 from .calls import call_tree
 from .errors import SplitError
 from .functions import check_functions_called
-from .generation_slot import Generation, driver
+from .hand_over import Generation, driver
 from .module_calls import called_module_names
 from .partition import Partition, check_balance, check_split_spec, plan_from_cuts, plan_stages, split_fqns
 from .spec import MODEL_INPUT, Edge, SymbolSource, gather_inputs
@@ -26,10 +26,7 @@ from .stage_graph import StageInfo, build_stages
 from .trace import Traced, trace_model
 
 if TYPE_CHECKING:
-    from ..stage import PipelineStage
-    from ..stage.groups import GroupArg
     from ..stage.model_io import ModelInputs, ModelOutputs
-    from ..stage.options import StageOptions
 
 __all__ = ["Pipe", "pipeline"]
 
@@ -219,12 +216,15 @@ class Pipe:
         return driver("pipe")(self, input_ids, **kwargs)  # generate/ builds on the Pipe: it provides this
 
     # ---- building stages for ranks -------------------------------------------------
-    def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: GroupArg = None, *,
+    def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: Any = None, *,
                     state_dict: Any = None, seed: int = 0,
                     activation_checkpoint: str | Sequence[str] | None = None,
                     mixed_precision: torch.dtype | None = None, compile: bool | Mapping[str, Any] = False,
-                    strict: bool = True, options: StageOptions | None = None) -> PipelineStage:
-        """The :class:`pippy_split.PipelineStage` for one stage, its module moved to ``device``.
+                    strict: bool = True, options: Any = None) -> Any:
+        """The :class:`pippy_split.PipelineStage` for one stage, its module moved to ``device``
+        (built by ``PipelineStage.from_pipe``, which the stage layer hands this layer: see
+        :mod:`.hand_over`). ``group``: the stage's process group, ``None`` or a DeviceMesh
+        dimension (:data:`pippy_split.stage.groups.GroupArg`).
 
         ``activation_checkpoint="full"`` recomputes the stage before its backward
         instead of keeping its activations, a list of module FQN patterns
@@ -246,9 +246,7 @@ class Pipe:
         keys and their closest matches. ``strict=False`` loads the keys that match
         and keeps (or, on meta, initialises) the rest.
         """
-        from ..stage import PipelineStage  # the stage layer builds stages; the Pipe fills their tensors
-
-        return PipelineStage.from_pipe(self, stage_index, device=device, group=group, state_dict=state_dict,
+        return driver("stage")(self, stage_index, device=device, group=group, state_dict=state_dict,
                                        seed=seed, strict=strict, activation_checkpoint=activation_checkpoint,
                                        mixed_precision=mixed_precision, compile=compile, options=options)
 
