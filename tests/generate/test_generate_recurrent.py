@@ -1,8 +1,9 @@
 """Models with a recurrent state (Mamba, Jamba, Zamba: conv and SSM states in Hugging Face's
 cache; RecurrentGemma: states on its blocks) generate as Hugging Face ``generate`` does on the
 unsplit model: greedy tokens equal and log-probabilities within 1e-5, left-padded prompts, in
-one process (``test_generate_archs.py``, every family) and on 2 gloo ranks under 1F1B and
-ZBVZeroBubble (here); a slot refilled with a waiting prompt starts from a fresh state. The
+one process and on 2 gloo ranks under 1F1B and ZBVZeroBubble (``test_generate_archs.py``,
+every family); here the pieces, a tiny Mamba in one process, and a slot refilled with a waiting
+prompt starting from a fresh state. The
 prefill and a step are two programs (``pippy_split/generate/phased.py``); RWKV stays refused
 by name (``test_generate_archs.py``)."""
 
@@ -14,21 +15,9 @@ import torch
 from pippy_split.generate.phased import PhaseBindings, PhasedProgram
 from pippy_split.generate.recurrent import FixedState, state_rows_reset
 
-from .archs import build, hf_kwargs, mid_cut
+from .archs import build, mid_cut
 from .models import hf_reference, prompts
-from .test_generate_local import _live
-
-N_NEW = 6
-
-
-def _assert_equal(name: str, sequences: torch.Tensor, logprobs: torch.Tensor) -> None:
-    model = build(name)
-    ids, mask = prompts(True)
-    ref, ref_logprobs = hf_reference(model, ids, mask, N_NEW, **hf_kwargs(model))
-    assert torch.equal(sequences[:, : ref.shape[1]], ref), name
-    n = ref.shape[1] - ids.shape[1]
-    live = _live(ref[:, ids.shape[1]:], model.generation_config.eos_token_id)
-    torch.testing.assert_close(logprobs[:, :n][live], ref_logprobs[live], atol=1e-5, rtol=0)
+from .test_generate_archs import N_NEW, assert_equals_hf
 
 
 def test_a_refilled_slot_starts_from_a_fresh_state() -> None:
@@ -83,34 +72,4 @@ def test_jamba_continuous_batching_equals_hf_generate() -> None:
     pipe = ps.pipeline(model, mid_cut(model), (ids[:2],))
     out = pipe.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, return_logprobs=True, lanes=1, slots=2)
     assert isinstance(pipe.derived["decode_program"], PhasedProgram)
-    _assert_equal("jamba", out.sequences, out.logprobs)
-
-
-# one schedule per family keeps the suite short; every family ran under both when issue 39 was done
-RANKED = [("mamba", "1F1B", 2), ("jamba", "ZBVZeroBubble", 4), ("recurrent_gemma", "1F1B", 2),
-          ("zamba", "ZBVZeroBubble", 4)]
-
-
-@pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
-    from pippy_split.testing import run_ranks
-
-    from .archs import arch_generate_body
-    from .gen_bodies import cases_body
-
-    cases = {f"{n}-{s}": (arch_generate_body, (n, s, stages, {"max_new_tokens": N_NEW})) for n, s, stages in RANKED}
-    return run_ranks(cases_body, 2, cases, timeout=840)
-
-
-@pytest.mark.dist
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("name,schedule,stages", RANKED, ids=[f"{n}-{s}" for n, s, _ in RANKED])
-def test_recurrent_sched_generate_on_two_ranks_equals_hf_generate(two_ranks, name: str, schedule: str,
-                                                                  stages: int) -> None:
-    from .gen_bodies import case_results
-
-    results = case_results(two_ranks, f"{name}-{schedule}")
-    for r in results:
-        assert torch.equal(r["sequences"], results[0]["sequences"])
-    _assert_equal(name, results[0]["sequences"], results[0]["logprobs"])
+    assert_equals_hf("jamba", out.sequences, out.logprobs)
