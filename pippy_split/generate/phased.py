@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..split.pipe import Pipe
 from ..split.retrace import trace_again
 from .decode_model import DecodeRoot, LayoutEntry
 from .errors import GenerationError
@@ -186,18 +187,20 @@ def _device_of(outs: Sequence[Any]) -> torch.device:
     return next((o.device for o in outs if isinstance(o, torch.Tensor)), torch.device("cpu"))
 
 
-def phased_program(pipe: Any, root: DecodeRoot, layout: list[LayoutEntry], device: torch.device,
+def phased_program(pipe: Pipe, root: DecodeRoot, layout: list[LayoutEntry], device: torch.device,
                    dtype: torch.dtype) -> PhasedProgram:
     """``root`` traced as a one-token step and as a prefill of each prompt length (a fresh
     cache; the reference length 2 now, any other on first use), all cut where ``pipe`` was cut.
     A prompt length per prefill: Hugging Face's Mamba scan is a Python loop over the tokens."""
+    model = pipe.model
+    assert model is not None  # decode_program refused a Pipe without its model
 
     def trace(t: int, p: int) -> DecodeProgram:
         args, shapes = example_step(layout, device, dtype, t=t, p=p)
         if p == 0:  # the prefill: every size but the batch as traced
             shapes = {**shapes, "input_ids": {0: shapes["input_ids"][0]}, "attention_mask": {0: shapes["input_ids"][0]},
                       "position_ids": {0: shapes["input_ids"][0]}}
-        with meta_stood_in(pipe.model, device), warnings.catch_warnings():
+        with meta_stood_in(model, device), warnings.catch_warnings():
             # a custom autograd Function traced through (RecurrentGemma's): decoding takes no gradient
             warnings.filterwarnings("ignore", message=".*custom autograd Function.*")
             return DecodeProgram(trace_again(pipe, root, args, {}, dynamic_shapes=shapes), layout, fresh=p == 0)

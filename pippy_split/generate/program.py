@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..split.pipe import Pipe
 from ..split.spec import MODEL_INPUT, InputKind, StageInput, gather_inputs
 from .decode_model import LayoutEntry
 from .errors import GenerationError
@@ -55,7 +56,7 @@ class StagePlan:
 class DecodeProgram:
     """The decode Pipe with each stage's :class:`StagePlan` and the cache layout."""
 
-    def __init__(self, pipe: Any, layout: list[LayoutEntry], *, fresh: bool = False) -> None:
+    def __init__(self, pipe: Pipe, layout: list[LayoutEntry], *, fresh: bool = False) -> None:
         self.pipe = pipe
         self.layout = layout
         self.fresh = fresh
@@ -151,7 +152,7 @@ def _model_input_of(slot: StageInput) -> int | None:
     return None
 
 
-def _stage_plans(pipe: Any, n_kv: int) -> list[StagePlan]:
+def _stage_plans(pipe: Pipe, n_kv: int) -> list[StagePlan]:
     n = pipe.num_stages
     last = pipe.stages[-1]
     _, kv_leaves = pipe.unflatten_outputs(list(range(len(last.output_names))))
