@@ -201,6 +201,7 @@ def timeline_child(run_dir: str, out: str, profile_dir: str) -> None:
         results = launch(timed_rank, (req, t_request, profile_dir), ranks=ranks, name="generate-startup",
                          command="generate")
     t_back = time.time()
+    getattr(generate_run, "process_ends", lambda: None)()  # as the command ends its process, where it does
     Path(out).write_text(json.dumps({"started": started, "up": t_up, "imports": t_imports, "request": t_request,
                                      "back": t_back, "ranks": {str(r): v for r, v in results.items()}}))
 
