@@ -133,3 +133,23 @@ def test_the_decode_step_is_traced_with_one_export(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(torch.export, "export", lambda *a, **k: calls.append(k) or real(*a, **k))
     pipe.generate(ids, attention_mask=mask, max_new_tokens=1)
     assert len(calls) == 1 and not calls[0].get("preserve_module_call_signature"), calls
+
+
+def test_generate_runs_on_the_schedules_own_runtime() -> None:
+    """``sched.generate`` runs the decode order on the schedule's Interpreter (the one its steps
+    run on): its observer sees every D action, one per stage, lane and round that ran, and a
+    training step after it still runs. Before, generation had its own loop the runtime never saw."""
+    from pippy_split import zoo
+    from pippy_split.schedule.actions import ActionKind
+
+    e = zoo.get("tiny_gpt")
+    pipe = ps.pipeline(e.model, e.split_spec, e.args)
+    sched = ps.build_schedule(pipe, "Interleaved1F1B", 2, loss_fn=lambda out, t: out.float().mean())
+    ids = e.args[0][:3, :4]
+    with sched.timed_actions() as times:
+        out = sched.generate(ids, max_new_tokens=3, lanes=2, eos_token_id=None)
+    assert torch.equal(out.sequences, pipe.generate(ids, max_new_tokens=3, lanes=2, eos_token_id=None).sequences)
+    decoded = {(t.action.stage, t.action.mb, t.action.round) for t in times}
+    assert {t.action.kind for t in times} == {ActionKind.D}
+    assert decoded == {(s, lane, r) for s in range(pipe.num_stages) for lane in range(2) for r in range(3)}
+    sched.step(torch.cat([e.args[0], e.args[0]]), target=torch.zeros(16))
