@@ -153,3 +153,15 @@ def test_generate_runs_on_the_schedules_own_runtime() -> None:
     assert {t.action.kind for t in times} == {ActionKind.D}
     assert decoded == {(s, lane, r) for s in range(pipe.num_stages) for lane in range(2) for r in range(3)}
     sched.step(torch.cat([e.args[0], e.args[0]]), target=torch.zeros(16))
+
+
+def test_a_balanced_split_cutting_inside_a_block_generates() -> None:
+    """``pipeline(model, 3)`` cuts inside ``model.layers.1`` (between its attention and its MLP):
+    the pipe generates what HF ``generate`` does, so any cut training takes can sample."""
+    model, _ = hf_model("llama")
+    ids, mask = prompts(True)
+    pipe = ps.pipeline(model, 3, (ids,))
+    assert any("in model.layers.1" in e.display_name for e in pipe.edges if e.src_stage == 0 and e.dst_stage == 1)
+    ref, ref_logprobs = hf_reference(model, ids, mask, 4)
+    out = pipe.generate(ids, attention_mask=mask, max_new_tokens=4, return_logprobs=True)
+    assert torch.equal(out.sequences[:, : ref.shape[1]], ref)
