@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -65,11 +66,10 @@ class KVCache:
 
 
 def _is_hf(model: torch.nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return False
-    return isinstance(model, PreTrainedModel)
+    """Whether ``model`` is a Hugging Face model, without importing transformers (seconds): no
+    ``PreTrainedModel`` exists before the module defining it is loaded."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(model, modeling.PreTrainedModel)
 
 
 @dataclass(frozen=True)

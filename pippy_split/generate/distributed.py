@@ -28,7 +28,7 @@ from ..schedule.actions import Action, ActionKind
 from ..schedule.agree import FailureChannel
 from ..schedule.decode_order import content_round, decision_lag, decode_order, lower_decode, validate_decode
 from ..schedule.runtime import Interpreter
-from ..split.hand_over import Generation
+from ..split.hand_over import Generation, provide
 from ..split.materialize import named_tensors, share_tensors
 from ..split.pipe import Pipe
 from ..stage.groups import PipelineGroup
@@ -307,3 +307,7 @@ def _shared_result(sched: ScheduleView, progress: Progress | None, prompt: torch
         dist.broadcast(sequences, group=group, group_src=last_rank)
         dist.broadcast(logprobs, group=group, group_src=last_rank)
     return Generation(sequences, logprobs if opts.return_logprobs else None)
+
+
+provide("pipe", generate_in_process)  # Pipe.generate and PipelineSchedule.generate call these
+provide("schedule", generate_on_schedule)

@@ -15,6 +15,7 @@ model's own mixers run their own prefill and step code (nothing of the model is 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,13 +53,11 @@ def recurrent_cache(model: torch.nn.Module) -> Any | None:
     config = getattr(model, "config", None)
     if config is None:
         return None
-    try:
-        from transformers import PreTrainedModel
-        from transformers.cache_utils import DynamicCache
-    except ImportError:
+    modeling = sys.modules.get("transformers.modeling_utils")  # no HF model exists before it is loaded
+    if modeling is None or not isinstance(model, modeling.PreTrainedModel):
         return None
-    if not isinstance(model, PreTrainedModel):
-        return None
+    from transformers.cache_utils import DynamicCache  # loaded with the model's own transformers
+
     try:
         cache = DynamicCache(config=config)
     except Exception:  # a config the cache cannot read: its layers are plain KV layers

@@ -23,7 +23,8 @@ import torch
 
 __all__ = ["provide", "driver", "Generation"]
 
-_PROVIDERS = {"pipe": "pippy_split.generate", "schedule": "pippy_split.generate", "stage": "pippy_split.stage"}
+_PROVIDERS = {"pipe": "pippy_split.generate.distributed", "schedule": "pippy_split.generate.distributed",
+              "stage": "pippy_split.stage"}
 
 _drivers: dict[str, Callable[..., Any]] = {}
 
