@@ -122,7 +122,8 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         self.schedule_plan = self._make_plan()
         self.placement = self.schedule_plan.placement
         self.schedule_plan.check_holds(self.rank, [st.stage_index for st in self.stages], type(self).__name__)
-        if self.schedule_plan.splits_backward:
+        self._splits_backward = self.schedule_plan.splits_backward  # read by every step: asked once
+        if self._splits_backward:
             for st in self.stages:
                 st.enable_split_backward()
         self.order: Order = self.schedule_plan.order
@@ -183,7 +184,7 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
             guard.communicating("in its own checks before its first message")
         sizes = None
         try:
-            if self.schedule_plan.splits_backward and train:  # a wrapper (fully_shard) applied after construction
+            if self._splits_backward and train:  # a wrapper (fully_shard) applied after construction
                 for st in self.stages:
                     st.check_split_backward()  # I runs the whole backward
             sizes = self._inputs.read(ctx, args, kwargs, target, self._chunking, self.loss_fn)
