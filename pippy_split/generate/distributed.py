@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..schedule.actions import Action, ActionKind
 from ..schedule.agree import FailureChannel
-from ..schedule.decode_order import content_round, decision_lag, decode_order, lower_decode, validate_decode
+from ..schedule.decode_order import content_round, decision_lag, decode_order, lower_decode, round_of, validate_decode
 from ..schedule.runtime import Interpreter
 from ..split.hand_over import Generation, provide
 from ..split.materialize import named_tensors, share_tensors
@@ -157,7 +157,7 @@ class DecodeRun:
         return content_round(a) >= self.stops_at(a.lane)
 
     def compute(self, a: Action) -> None:
-        lane, t = a.lane, _round(a)
+        lane, t = a.lane, round_of(a)
         step = self.lanes[lane].inputs(t).as_list()
         produced = self.values.setdefault((lane, t), {})
         outs = self.decoders[a.stage].run(lane, step, produced)
@@ -171,19 +171,19 @@ class DecodeRun:
 
     def payload(self, a: Action) -> torch.Tensor:
         if a.kind is ActionKind.SEND_T:
-            return self.tokens[(a.lane, _round(a))]
+            return self.tokens[(a.lane, round_of(a))]
         assert a.peer is not None
-        produced = self.values[(a.lane, _round(a))]
+        produced = self.values[(a.lane, round_of(a))]
         return pack_message([produced[(a.stage, e.src_output)] for e in self._edges(a.stage, a.peer)])
 
     def landing(self, a: Action) -> tuple[tuple[int, ...], torch.dtype]:
         if a.kind is ActionKind.RECV_T:
             return (self.lanes[a.lane].slots,), torch.long
         assert a.peer is not None
-        return (packed_size(self._layout(a.peer, a.stage, a.lane, _round(a))),), torch.uint8
+        return (packed_size(self._layout(a.peer, a.stage, a.lane, round_of(a))),), torch.uint8
 
     def deliver(self, a: Action, value: torch.Tensor) -> None:
-        t = _round(a)
+        t = round_of(a)
         if a.kind is ActionKind.RECV_T:
             self.lanes[a.lane].advance(t - 1, value)
             return
@@ -206,11 +206,6 @@ class DecodeRun:
         past = 0 if t == 0 else self.prompt_len + t - 1
         bindings = self.program.bindings(self.lanes[lane].slots, new, past)
         return [(e.spec.concrete_shape(bindings), e.spec.dtype) for e in self._edges(src, dst)]
-
-
-def _round(a: Action) -> int:
-    assert a.round is not None, f"{a} is not a decode action"
-    return a.round
 
 
 def lowered_decode(placement: dict[int, int], program: Program, lanes: list[Lane]

@@ -45,7 +45,7 @@ from .batch_loop import run_batches
 from .messages import Message, action_messages
 
 __all__ = ["DecodeOrderError", "DecodeOrder", "decode_order", "lower_decode", "validate_decode", "simulate_decode",
-           "DecodeSimulation", "content_round", "decision_lag", "is_decode_order", "decode_message"]
+           "DecodeSimulation", "content_round", "round_of", "decision_lag", "is_decode_order", "decode_message"]
 
 D, SEND_D, RECV_D, SEND_T, RECV_T = (ActionKind.D, ActionKind.SEND_D, ActionKind.RECV_D, ActionKind.SEND_T,
                                      ActionKind.RECV_T)
@@ -106,7 +106,7 @@ def lower_decode(order: DecodeOrder, placement: dict[int, int], *, links: dict[i
     needed later may be received early, and kept)."""
     stages = sorted(placement)
     last = stages[-1]
-    rounds = 1 + max((_round(a) for acts in order.values() for a in acts), default=-1)
+    rounds = 1 + max((round_of(a) for acts in order.values() for a in acts), default=-1)
     readers_of: dict[int, list[int]] = {p: sorted(s for s, srcs in links.items() if p in srcs) for p in stages}
     token_to: dict[int, int] = {}
     for s in sorted(token_readers, reverse=True):
@@ -116,7 +116,7 @@ def lower_decode(order: DecodeOrder, placement: dict[int, int], *, links: dict[i
     for r, actions in order.items():
         sends[r] = []
         for a in actions:
-            s, lane, t = a.stage, a.lane, _round(a)
+            s, lane, t = a.stage, a.lane, round_of(a)
             out = [Action(s, SEND_D, lane, d, t) for d in readers_of[s] if placement[d] != r]
             if s == last and t + 1 < rounds:
                 out += [Action(s, SEND_T, lane, d, t + 1) for q, d in sorted(token_to.items()) if q != r]
@@ -132,7 +132,7 @@ def lower_decode(order: DecodeOrder, placement: dict[int, int], *, links: dict[i
     for (src, dst), msgs in channel.items():
         for k, m in enumerate(msgs):
             sent = ticks[(m.stage, m.lane, content_round(m))] + 1
-            gap = next(i for i, a in enumerate(order[dst]) if ticks[(a.stage, a.lane, _round(a))] >= sent)
+            gap = next(i for i, a in enumerate(order[dst]) if ticks[(a.stage, a.lane, round_of(a))] >= sent)
             assert m.peer is not None
             recv = Action(m.peer, RECV_T if m.kind is SEND_T else RECV_D, m.lane, m.stage, m.round)
             gaps[dst].setdefault(gap, []).append((src, k, recv))
@@ -147,7 +147,8 @@ def lower_decode(order: DecodeOrder, placement: dict[int, int], *, links: dict[i
     return lowered
 
 
-def _round(a: Action) -> int:
+def round_of(a: Action) -> int:
+    """A decode action's round (asserting it is one)."""
     assert a.round is not None, f"{a} is not a decode action"
     return a.round
 
@@ -155,7 +156,7 @@ def _round(a: Action) -> int:
 def content_round(a: Action) -> int:
     """The round whose work ``a`` belongs to: its own, or for tokens the round that chose them
     (the tokens labelled ``t`` are round ``t - 1``'s)."""
-    return _round(a) - 1 if a.kind is SEND_T or a.kind is RECV_T else _round(a)
+    return round_of(a) - 1 if a.kind is SEND_T or a.kind is RECV_T else round_of(a)
 
 
 def decision_lag(lowered: DecodeOrder, placement: Mapping[int, int]) -> int:
@@ -216,7 +217,7 @@ def _start_ticks(order: DecodeOrder, placement: Mapping[int, int]) -> dict[tuple
         for r, acts in order.items():
             while pos[r] < len(acts):
                 a = acts[pos[r]]
-                t = _round(a)
+                t = round_of(a)
                 if a.stage != first:
                     need: tuple[int, int, int] | None = (stages[stages.index(a.stage) - 1], a.lane, t)
                 else:
@@ -271,7 +272,7 @@ def validate_decode(lowered: DecodeOrder, placement: Mapping[int, int], *, lanes
         if is_send and channels.get((src, dst, False), []) != msgs:
             raise DecodeOrderError(f"decode order: rank {src} sends to rank {dst} in another order than rank "
                                    f"{dst} receives (NCCL matches the k-th send with the k-th receive)")
-    run = run_batches(lowered, {})  # type: ignore[arg-type]
+    run = run_batches(lowered, {})  # type: ignore[arg-type]  # list[Action] is an Order with no idle step
     if run.blocked:
         stuck = {r: f"step {run.ptr[r]} ({lowered[r][run.ptr[r]]}) waits for {m}" for r, (m, _) in run.blocked.items()}
         raise DecodeOrderError(f"decode order deadlocks under NCCL's batch rule: {stuck}")
@@ -301,7 +302,7 @@ def is_decode_order(order: object) -> bool:
 def simulate_decode(lowered: DecodeOrder, cost: float = 1.0) -> DecodeSimulation:
     """Each compute takes ``cost``, messages none, under NCCL's batch rule: the event loop that
     times and checks training orders (:func:`~.batch_loop.run_batches`)."""
-    run = run_batches(lowered, {}, {D: cost})  # type: ignore[arg-type]
+    run = run_batches(lowered, {}, {D: cost})  # type: ignore[arg-type]  # as above
     if run.blocked:
         raise DecodeOrderError("simulate_decode: the order deadlocks (validate it first)")
     ends = {r: max((end for _, end, _ in spans), default=0.0) for r, spans in run.timeline.items()}
