@@ -61,7 +61,8 @@ T0_ENV = "GENERATE_STARTUP_T0"
 # reported under it; the decode is what generate spends outside its checks and the decode program.
 RANK_PHASES = (
     ("torch.distributed", "init_process_group", "process group"),
-    ("pippy_split.training.generate_run", "rebuild_pipe", "run's Pipe rebuilt (trace)"),
+    ("pippy_split.training.generate_rank", "rebuild_pipe", "run's Pipe rebuilt (trace)"),  # a rank's module, or
+    ("pippy_split.training.generate_run", "rebuild_pipe", "run's Pipe rebuilt (trace)"),  # the command's (before)
     ("pippy_split", "build_schedule", "build_schedule"),
     ("pippy_split.schedule.pipeline_schedule", "PipelineSchedule.generate", "sched.generate"),
     ("pippy_split.generate.checks", "decode_signature", "checks (decode_signature)"),
@@ -71,7 +72,7 @@ RANK_PHASES = (
     ("torch.export.ExportedProgram", "run_decompositions", "run_decompositions"),
     ("torch.distributed", "destroy_process_group", "process group teardown"),
 )
-FIRST_CALL_PHASES = RANK_PHASES[3:9]
+FIRST_CALL_PHASES = RANK_PHASES[4:10]  # sched.generate .. run_decompositions
 
 
 # --------------------------------------------------------------------------- phase timers

@@ -12,10 +12,12 @@ stages the run recorded), the same schedule and mesh over the same number of loc
 with no launcher). Then every rank calls ``sched.generate`` with the prompts, read in the run's
 own vocabulary (:mod:`pippy_split.training.prompts`), and the text of rank 0's result is printed.
 
-The launching process only checks the request and prints: it imports no model, split or schedule
-code, which the ranks import where they rebuild the run (:func:`rebuild_pipe`,
-:func:`generate_rank`). Those imports are the ranks' own work, and the launcher starts them some
-seconds sooner (``benchmarks/generate_startup.py`` says where the start goes).
+This module is the command's launching process: it checks the arguments, builds the request every
+rank gets (:mod:`pippy_split.training.generate_request`), launches the ranks and prints. It imports
+no model, split or schedule code: a rank's side (:mod:`pippy_split.training.generate_rank`, which
+rebuilds the run and generates) is imported only where a rank runs (:func:`generate_worker`). Those
+imports are the ranks' own work, and the launcher starts them some seconds sooner
+(``benchmarks/generate_startup.py`` says where the start goes).
 
     pippy-split train --steps 400 --checkpoint checkpoints/sums
     pippy-split generate checkpoints/sums --prompt "07+45=" --prompt "12+30=" --max-new-tokens 3
@@ -28,226 +30,39 @@ one line, as ``train``'s are.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
 import signal
 import sys
 import traceback
-from dataclasses import dataclass
 from typing import Any
-
-import torch
-import torch.distributed as dist
-
-import pippy_split as ps
 
 from ..generate import GenerateOptions, GenerationError
 from .config import TrainConfig
-from .errors import JobError, RankFailed, as_job_error, report
+from .errors import JobError, RankFailed, report
+from .generate_request import GenerateRequest, read_run, run_config
 from .launch import Interrupted, launch
 from .prompts import PromptCodec
-from .run_dir import CHECKPOINT_FILE, TRAIN_STATE_DIR, load_model_file, runs_in
+from .run_dir import runs_in
 
-__all__ = ["GenerateRequest", "make_request", "render", "run", "generate_worker", "generate_here", "generate_rank",
-           "run_config", "rebuild_pipe", "process_ends"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class GenerateRequest:
-    """What every rank is asked: the run, the prompts as ids (left-padded), how to choose tokens."""
-
-    run_dir: str
-    input_ids: list[list[int]]
-    attention_mask: list[list[int]]
-    max_new_tokens: int
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    eos_token_id: int | None = None
-    """Where a row stops (the task's end: the built-in sums' newline); None: the model's own EOS."""
-
-    def sampling(self) -> dict[str, Any]:
-        """The token-choice arguments of ``generate``."""
-        return dict(max_new_tokens=self.max_new_tokens, do_sample=self.do_sample, temperature=self.temperature,
-                    top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+__all__ = ["make_request", "render", "run", "generate_worker", "generate_here", "process_ends"]
 
 
-# --------------------------------------------------------------------------- the run directory
-
-
-def run_config(meta: dict, run_dir: str) -> TrainConfig:
-    """The run's :class:`TrainConfig` from its ``model.pt``'s ``meta``, its relative paths resolved
-    from the directory the run ran in, ``checkpoint`` the run directory as found now.
-
-    A ``model.pt`` from before the config was recorded still serves the built-in TinyGPT (its
-    schedule, ranks and split are recorded); other models need the config.
-
-    Example:
-        >>> meta = {"config": {"model": "hf:tiny.json", "schedule": "1F1B"}, "cwd": "/runs"}
-        >>> cfg = run_config(meta, "/runs/checkpoints/tiny"); cfg.model, cfg.schedule, cfg.checkpoint
-        ('hf:/runs/tiny.json', '1F1B', '/runs/checkpoints/tiny')
-    """
-    raw = meta.get("config")
-    if not isinstance(raw, dict):
-        if not (meta.get("chars") and meta.get("gpt_config") and meta.get("split")):
-            raise JobError(f"{os.path.join(run_dir, 'model.pt')} records no run configuration (it was written before "
-                           "pippy-split recorded one): train the run again to generate from it")
-        raw = {"schedule": meta["schedule"], "ranks": meta["ranks"],
-               "split": ",".join(stage[0] for stage in meta["split"][1:])}
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in raw.items() if k in names})
-    here = meta.get("cwd")
-
-    def resolved(path: str | None) -> str | None:
-        return path if not path or os.path.isabs(path) or not isinstance(here, str) else os.path.join(here, path)
-
-    model = cfg.model
-    if model and model.startswith("hf:"):
-        model = "hf:" + str(resolved(model[3:]))
-    return dataclasses.replace(cfg, model=model, tokenizer=resolved(cfg.tokenizer), data=resolved(cfg.data),
-                               checkpoint=run_dir, resume=False, plan=None)
-
-
-def read_run(run_dir: str) -> dict:
-    """``RUN_DIR/model.pt`` (weights and meta), or a :class:`JobError` saying what is missing."""
-    if not os.path.isdir(run_dir):
-        raise JobError(f"{run_dir}: no such run directory (the --checkpoint directory of a pippy-split train run)")
-    inside = runs_in(run_dir)
-    if inside:
-        first = os.path.join(run_dir, next(iter(inside)))
-        raise JobError(f"{run_dir} holds runs, not one ({', '.join(inside)}): name one, e.g. pippy-split generate "
-                       f"{first} --prompt TEXT")
-    if not os.path.isfile(os.path.join(run_dir, CHECKPOINT_FILE)):
-        unfinished = os.path.isdir(os.path.join(run_dir, TRAIN_STATE_DIR))
-        why = (f"the run has not finished (train writes {CHECKPOINT_FILE} at its end; its {TRAIN_STATE_DIR}/ is a "
-               "checkpoint to continue with train --resume)") if unfinished else "it is not a pippy-split train run"
-        raise JobError(f"{run_dir} holds no trained weights ({CHECKPOINT_FILE}): {why}")
-    return load_model_file(run_dir, advice="point generate at the directory of a run train finished, or train "
-                           "it again")
-
-
-# --------------------------------------------------------------------------- one rank
-
-
-@dataclass
-class Rebuilt:
-    """The run's model, its trained weights loaded, and its Pipe."""
-
-    model: Any
-    pipe: Any
-
-
-def rebuild_pipe(cfg: TrainConfig, saved: dict, pp: int) -> Rebuilt:
-    """The run's model with its trained weights, split as the run split it (``pp`` pipeline ranks): the model
-    and split as :func:`~pippy_split.training.setup.model_source` makes them for ``train``, the weights loaded
-    as ``train --resume`` loads ``model.pt``. A split that differs from the one the run recorded is refused."""
-    from ..zoo.gpt import TinyGPT  # the ranks' imports (see the module docstring)
-    from .nd import block_split
-    from .setup import fresh_model, gpt_split, model_source, parse_split, stages_per_rank
-
-    meta = saved["meta"]
-    num_stages = pp * stages_per_rank(cfg.schedule)
-    dynamic = None
-    model: torch.nn.Module
-    if meta.get("gpt_config"):  # the built-in TinyGPT: its config is recorded; its text is not needed
-        model = TinyGPT(**meta["gpt_config"])
-        given = parse_split(cfg.split) or gpt_split(meta["gpt_config"]["n_layer"], num_stages, cfg.schedule)
-        split = block_split(cfg, model, num_stages, given)
-        args: tuple = (torch.zeros(max(1, cfg.batch_size // cfg.microbatches), cfg.seq_len, dtype=torch.long),)
-        kwargs: dict = {}
-    else:
-        here = meta.get("cwd")
-        if isinstance(here, str) and here not in sys.path:
-            sys.path.append(here)  # a module:factory the run imported from its directory
-        prep, split, args, kwargs = model_source(cfg, num_stages)
-        model, dynamic = prep.model, prep.dynamic_shapes
-        if prep.state_dict is not None:
-            # A pretrained directory's model is built on meta to train (each stage filled from the files), but
-            # generate runs the whole model once on every rank (its KV layout), so here it is built whole.
-            model = fresh_model(cfg, prep)
-    missing, unexpected = model.load_state_dict(saved["state_dict"], strict=False)
-    if missing or unexpected:
-        raise JobError(f"{cfg.checkpoint}/model.pt does not match the run's model: missing {missing}, "
-                       f"unexpected {unexpected}")
-    model.eval()
-    pipe = ps.pipeline(model, split, args, kwargs or None, dynamic_shapes=dynamic)
-    stages = [list(s.modules) for s in pipe.stages]
-    if meta.get("split") is not None and stages != meta["split"]:
-        raise JobError(f"the run's model split into {meta['split']} when it trained, but {stages} now (has its "
-                       f"model source changed?); generate runs on the stages the run trained")
-    return Rebuilt(model, pipe)
-
-
-def _check_vocabulary(model: Any, ids: Any) -> None:
-    from .factory import vocab_size_of
-
-    vocab = vocab_size_of(model)
-    if vocab is not None and int(ids.max()) >= vocab:
-        raise JobError(f"a prompt has token id {int(ids.max())}, beyond the model's vocab_size {vocab}")
-
-
-def generate_rank(req: GenerateRequest, rank: int, world: int, device: Any) -> list[list[int]]:
-    """This rank's part: rebuild the run's stages on the run's mesh, ``sched.generate``; every rank
-    returns each row's new tokens (up to and with its EOS)."""
-    from .nd import Layout, parallelize_stages
-
-    saved = read_run(req.run_dir)
-    cfg = run_config(saved["meta"], req.run_dir)
-    if world != cfg.ranks:
-        raise JobError(f"the run trained on {cfg.ranks} ranks; generate runs on the same ranks, not {world}")
-    layout = Layout.of(cfg, world, rank, device)
-    built = rebuild_pipe(cfg, saved, layout.pp)
-    sched = ps.build_schedule(built.pipe, cfg.schedule, cfg.microbatches, device=device, group=layout.pp_group)
-    parallelize_stages(cfg, sched, built.model, layout)
-    ids, mask = torch.tensor(req.input_ids, device=device), torch.tensor(req.attention_mask, device=device)
-    _check_vocabulary(built.model, ids)
-    eos = req.eos_token_id
-    if eos is None:
-        eos = getattr(getattr(built.model, "generation_config", None), "eos_token_id", None)
-    out = sched.generate(ids, attention_mask=mask, eos_token_id=req.eos_token_id,
-                         **req.sampling())  # the same call and result on every rank
-    return [_until_eos(row, eos) for row in out.sequences[:, ids.shape[1]:].tolist()]
-
-
-def _until_eos(tokens: list[int], eos: int | list[int] | None) -> list[int]:
-    """A row's new tokens up to and with its first EOS (after it ``generate`` pads)."""
-    stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-    for i, t in enumerate(tokens):
-        if t in stops:
-            return tokens[: i + 1]
-    return tokens
+# --------------------------------------------------------------------------- a rank, where one runs
 
 
 def generate_worker(req: GenerateRequest, alone: bool = False) -> list[list[int]]:
-    """One rank of ``pippy-split generate`` (under torchrun or the launcher): its process group, then
-    :func:`generate_rank`. An error the command found reaches the launcher as its message alone.
+    """One rank of ``pippy-split generate`` (launched, under torchrun, or ``alone``: the run's one rank in this
+    process): :func:`~pippy_split.training.generate_rank.generate_in_group`, then, in a process that is only a
+    rank, :func:`process_ends`."""
+    # The ranks' code (model, split, schedule: seconds of imports) is imported where a rank runs, never in the
+    # launcher before it launches (see the module docstring; issue 39).
+    from .generate_rank import generate_in_group
 
-    ``alone``: the run's one rank, in this process (a group of one on an in-memory store, no rendezvous)."""
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(1)
-    backend = "nccl" if use_cuda else "gloo"
-    if alone:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    else:
-        dist.init_process_group(backend)
     try:
-        return generate_rank(req, dist.get_rank(), dist.get_world_size(), device)
-    except BaseException as e:
-        found = as_job_error(e)
-        if found is None or found is e:
-            raise
-        raise found from None
+        return generate_in_group(req, alone)
     finally:
-        dist.destroy_process_group()
         if not alone:
             process_ends()  # a launched rank, or a torchrun rank that prints and exits
 
