@@ -61,10 +61,8 @@ def parallelize(sched_or_stages: Any, *, dp_mesh: DeviceMesh | None = None, tp_m
             matches gets the style of the first pattern it matches. Needs ``tp_mesh``.
         fsdp_gather: ``"per_microbatch"`` (default): FSDP2 as ``fully_shard`` leaves it, a
             block all-gathered for every microbatch's forward and again for its backward.
-            ``"once"``: the FSDP2 modules ``gather_budget`` allows (blocks and stage roots)
-            stay gathered from their first forward of a training step to its end, and are
-            back to their shards when ``step()`` returns; which ones, and the hand-over of
-            those not kept between adjacent actions: :mod:`pippy_split.stage.gather_once`.
+            ``"once"``: the FSDP2 modules ``gather_budget`` allows stay gathered from their
+            first forward of a training step to its end (:mod:`pippy_split.stage.gather_once`).
             ``eval()`` gathers per microbatch either way.
         gather_budget: with ``fsdp_gather="once"``, the most full-size parameter bytes this
             rank keeps gathered across a step, on top of its shards (an int, or a string
@@ -80,9 +78,8 @@ def parallelize(sched_or_stages: Any, *, dp_mesh: DeviceMesh | None = None, tp_m
         PipelineError: an ``fsdp`` or ``tp_plan`` pattern naming a module a traced stage runs
             as traced ops (a split point enters it); names the stage, the module and what works.
         ValueError: a pattern matching no module of this rank's stages (with the closest
-            names), ``fsdp`` / ``tp_plan`` without their mesh, an ``fsdp_gather`` other than
-            the two, a ``gather_budget`` that is not a size (or without ``"once"``), or
-            ``"once"`` with a ``tp_plan`` (not tested exact yet).
+            names), or arguments that do not go together as said above (``"once"`` with a
+            ``tp_plan`` too: not tested exact yet).
 
     Example:
         >>> mesh = init_device_mesh("cuda", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))  # doctest: +SKIP
@@ -98,18 +95,34 @@ def parallelize(sched_or_stages: Any, *, dp_mesh: DeviceMesh | None = None, tp_m
         ...                fsdp_gather="once", gather_budget="2GiB")
     """
     stages = _stages_of(sched_or_stages)
-    budget = _gather_options(fsdp_gather, gather_budget, dp_mesh, fsdp_kwargs)
-    patterns, plan = list(fsdp or []), dict(tp_plan or {})
-    _check_meshes(patterns, plan, dp_mesh, tp_mesh, fsdp_gather)
-    _check_patterns(stages, [*patterns, *plan])
+    patterns, plan, budget = _checked(stages, fsdp, tp_plan, dp_mesh, tp_mesh, fsdp_gather, gather_budget, fsdp_kwargs)
     for st in stages:
-        if plan and tp_mesh is not None:  # checked above: a plan comes with its mesh
-            _apply_tp(st.module, tp_mesh, plan)
-        if dp_mesh is not None:
-            _apply_fsdp(st.module, dp_mesh, patterns, fsdp_kwargs)
+        _parallelize_stage(st.module, dp_mesh, tp_mesh, patterns, plan, fsdp_kwargs)
     if fsdp_gather == "once":
         _keep_gathered(stages, budget, dp_mesh, fsdp_kwargs)
     return stages
+
+
+def _checked(stages: Sequence[PipelineStage], fsdp: Sequence[str] | None, tp_plan: Mapping[str, Any] | None,
+             dp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None, fsdp_gather: str, gather_budget: int | str | None,
+             fsdp_kwargs: Mapping[str, Any]) -> tuple[list[str], dict[str, Any], int | None]:
+    """Everything :func:`parallelize` was given, checked before any module is touched (a mistake leaves the
+    stages as they were): the ``fsdp`` patterns, the ``tp_plan``, the gather budget in bytes (None: no limit)."""
+    patterns, plan = list(fsdp or []), dict(tp_plan or {})
+    budget = _gather_options(fsdp_gather, gather_budget, dp_mesh, fsdp_kwargs)
+    _check_meshes(patterns, plan, dp_mesh, tp_mesh, fsdp_gather)
+    _check_patterns(stages, [*patterns, *plan])
+    return patterns, plan, budget
+
+
+def _parallelize_stage(module: torch.nn.Module, dp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None,
+                       patterns: Sequence[str], plan: Mapping[str, Any], fsdp_kwargs: Mapping[str, Any]) -> None:
+    """One stage, in torchtitan's order: TP on the modules ``plan`` names, then FSDP2 on each outermost block
+    ``patterns`` name and on the stage root."""
+    if plan and tp_mesh is not None:  # checked: a plan comes with its mesh
+        _apply_tp(module, tp_mesh, plan)
+    if dp_mesh is not None:
+        _apply_fsdp(module, dp_mesh, patterns, fsdp_kwargs)
 
 
 def _check_meshes(patterns: Sequence[str], plan: Mapping[str, Any], dp_mesh: DeviceMesh | None,

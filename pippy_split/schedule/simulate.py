@@ -52,6 +52,10 @@ from .placement import placement_of_order
 __all__ = ["Simulation", "simulate", "DEFAULT_COSTS", "CostSpec", "stage_cost_table", "BatchRun", "run_batches"]
 
 
+PerStage = Mapping[int, float] | Sequence[float] | None
+"""A figure per stage: a list, or ``{stage: figure}``; ``None``: not given."""
+
+
 @dataclass
 class Simulation:
     """The outcome of :func:`simulate`."""
@@ -119,9 +123,9 @@ def simulate(
     *,
     links: Iterable[Link] | None = None,
     comm_latency: float | Mapping[tuple[int, int], float] = 0.0,
-    activation_bytes: Mapping[int, float] | Sequence[float] | None = None,
+    activation_bytes: PerStage = None,
     workspace_bytes: Mapping[Any, float] | Sequence[float] | None = None,
-    input_grad_bytes: Mapping[int, float] | Sequence[float] | None = None,
+    input_grad_bytes: PerStage = None,
     microbatch_scale: Sequence[float] | None = None,
 ) -> Simulation: ...
 
@@ -130,26 +134,17 @@ def simulate(
 def simulate(order: DecodeOrder, costs: float | Mapping[str, float] | None = None) -> DecodeSimulation: ...
 
 
-def simulate(
-    order: Any,
-    costs: Any = None,
-    *,
-    links: Iterable[Link] | None = None,
-    comm_latency: float | Mapping[tuple[int, int], float] = 0.0,
-    activation_bytes: Mapping[int, float] | Sequence[float] | None = None,
-    workspace_bytes: Mapping[Any, float] | Sequence[float] | None = None,
-    input_grad_bytes: Mapping[int, float] | Sequence[float] | None = None,
-    microbatch_scale: Sequence[float] | None = None,
-) -> Simulation | DecodeSimulation:
+def simulate(order: Any, costs: Any = None, *, links: Iterable[Link] | None = None,
+             comm_latency: float | Mapping[tuple[int, int], float] = 0.0, activation_bytes: PerStage = None,
+             workspace_bytes: Mapping[Any, float] | Sequence[float] | None = None,
+             input_grad_bytes: PerStage = None, microbatch_scale: Sequence[float] | None = None,
+             ) -> Simulation | DecodeSimulation:
     """Simulate ``order`` and report makespan, bubble and activation memory.
 
     Args:
         order: ``{rank: [Action | None, ...]}``, compute-only or lowered; or a lowered decode
-            order (:mod:`.decode_order`, what ``generate`` runs; the same batch-rule event
-            loop as a lowered training order), which gives a
-            :class:`~.decode_order.DecodeSimulation` (makespan, each rank's busy fraction,
-            bubble) with ``costs`` the time of one stage's decode step (a number, or
-            ``{"D": t}``; default 1).
+            order (:mod:`.decode_order`, what ``generate`` runs, on the same batch-rule loop),
+            ``costs`` then one stage's decode step (a number or ``{"D": t}``; default 1).
         costs: time per kind, keys among ``F``, ``I``, ``W`` (default 1 each) and ``B``
             (default ``I + W``); or per stage and kind, ``{(stage, "F"): t}`` (missing pairs
             take the kind's value); or a function ``(stage, kind) -> t``. SEND/RECV cost 0.
@@ -169,7 +164,8 @@ def simulate(
             sequences): multiplies its action times, message latencies and bytes.
 
     Returns:
-        A :class:`Simulation`.
+        A :class:`Simulation` (a :class:`~.decode_order.DecodeSimulation` for a decode order:
+        makespan, each rank's busy fraction, bubble).
 
     Raises:
         ValueError: when no rank can progress (deadlock), naming each stuck
@@ -194,36 +190,50 @@ def simulate(
     if is_decode_order(order):
         step = costs.get("D", 1.0) if isinstance(costs, Mapping) else 1.0 if costs is None else costs
         return simulate_decode(order, float(step))
-    latency = latency_fn(comm_latency)
-    scale = _checked_scale(order, microbatch_scale)
+    return _simulate_training(order, Pricing(costs, links, latency_fn(comm_latency), activation_bytes, workspace_bytes,
+                                             input_grad_bytes, _checked_scale(order, microbatch_scale)))
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What :func:`simulate` prices a training order with, as it got them (see its Args); ``latency`` made a
+    function of the stage pair, ``scale`` checked against the order's microbatches."""
+
+    costs: CostSpec
+    links: Iterable[Link] | None
+    latency: Callable[[int, int], float]
+    activation_bytes: PerStage
+    workspace_bytes: Mapping[Any, float] | Sequence[float] | None
+    input_grad_bytes: PerStage
+    scale: list[float] | None
+
+
+def _simulate_training(order: Order, p: Pricing) -> Simulation:
+    """A training order on the engine that fits it: a big compute-only order in rounds over tensors
+    (:mod:`.event_rounds`), another compute-only one on the event loop, a lowered one (SEND/RECV) under the
+    batch rule."""
     try:
         if event_rounds.worth_it(order):  # many ranks: the same loop in rounds over tensors
             with gc_paused():
-                return _simulate_rounds(order, event_rounds.pack_order(order), costs, links, latency, activation_bytes,
-                                        workspace_bytes, input_grad_bytes, scale)
+                return _simulate_rounds(order, event_rounds.pack_order(order), p)
         enc = encode(order)
     except LoweredOrder:  # a SEND/RECV: a lowered order, run under the batch rule
-        return _simulate_batches(order, costs, links, latency, activation_bytes, workspace_bytes, input_grad_bytes,
-                                 scale)
-    return _simulate_compute(order, enc, costs, links, latency, activation_bytes, workspace_bytes, input_grad_bytes,
-                             scale)
+        return _simulate_batches(order, p)
+    return _simulate_compute(order, enc, p)
 
 
-def _simulate_compute(order: Order, enc: Encoded, costs: CostSpec, links: Iterable[Link] | None,
-                      latency: Callable[[int, int], float], activation_bytes: Any, workspace_bytes: Any,
-                      input_grad_bytes: Any, scale: list[float] | None) -> Simulation:
+def _simulate_compute(order: Order, enc: Encoded, p: Pricing) -> Simulation:
     """A compute-only order (``enc``, its integer form) on the event loop (see the module docstring)."""
-    num_stages = enc.num_stages
-    table = stage_cost_table(costs, num_stages)
+    num_stages, scale = enc.num_stages, p.scale
+    table = stage_cost_table(p.costs, num_stages)
     where = placement_of_order(order)
-    run = run_loop(enc, _requirements(links, num_stages, where, enc.num_mb, latency), table, scale)
+    run = run_loop(enc, _requirements(p.links, num_stages, where, enc.num_mb, p.latency), table, scale)
     if run.blocked:
         raise ValueError(deadlock_message(order, stopped_at(enc, order, run), where, short=True))
     makespan = max((run.free[r] for r in enc.ranks if enc.keys[r]), default=0.0)
     M = enc.num_mb
     busy = sum(table[k // M] * (1.0 if scale is None else scale[k % M]) for r in enc.ranks for k in enc.keys[r])
-    return _finish(order, enc, makespan, busy, table, activation_bytes, workspace_bytes, input_grad_bytes,
-                   lambda: _timeline(order, enc, run, table, scale), scale)
+    return _finish(order, enc, makespan, busy, table, p, lambda: _timeline(order, enc, run, table, scale))
 
 
 def _requirements(links: Iterable[Link] | None, num_stages: int, where: dict[int, int], num_mb: int,
@@ -232,24 +242,22 @@ def _requirements(links: Iterable[Link] | None, num_stages: int, where: dict[int
     return requirement_table(DepIndex(link_list, num_stages), where, num_mb, latency)
 
 
-def _simulate_rounds(order: Order, packed: event_rounds.Packed, costs: CostSpec, links: Iterable[Link] | None,
-                     latency: Callable[[int, int], float], activation_bytes: Any, workspace_bytes: Any,
-                     input_grad_bytes: Any, scale: list[float] | None) -> Simulation:
+def _simulate_rounds(order: Order, packed: event_rounds.Packed, p: Pricing) -> Simulation:
     """:func:`_simulate_compute` for a big order (``packed``, its tensor form), in rounds
     (:mod:`.event_rounds`): the same numbers; the Python lists are made only when asked for."""
-    num_stages = packed.num_stages
-    table = stage_cost_table(costs, num_stages)
+    num_stages, scale = packed.num_stages, p.scale
+    table = stage_cost_table(p.costs, num_stages)
     where = event_rounds.placement(packed)
     where = placement_of_order(order) if where is None else where  # None: a conflict, named there
-    req = _requirements(links, num_stages, where, packed.num_mb, latency)
+    req = _requirements(p.links, num_stages, where, packed.num_mb, p.latency)
     run = event_rounds.run_rounds(packed, req, table, scale) or run_loop(packed.enc, req, table, scale)
     if run.blocked:
         raise ValueError(deadlock_message(order, stopped_at(packed.enc, order, run), where, short=True))
     sizes = dict(zip(packed.ranks, packed.lengths.tolist()))
     makespan = max((run.free[r] for r in packed.ranks if sizes[r]), default=0.0)
     busy = event_rounds.busy_time(packed, table, scale)
-    return _finish(order, packed, makespan, busy, table, activation_bytes, workspace_bytes, input_grad_bytes,
-                   lambda: _timeline(order, packed.enc, run, table, scale), scale, event_rounds.count_peaks(packed))
+    return _finish(order, packed, makespan, busy, table, p, lambda: _timeline(order, packed.enc, run, table, scale),
+                   event_rounds.count_peaks(packed))
 
 
 def _checked_scale(order: Order, scale: Sequence[float] | None) -> list[float] | None:
@@ -263,19 +271,18 @@ def _checked_scale(order: Order, scale: Sequence[float] | None) -> list[float] |
 
 
 def _finish(order: Order, enc: Encoded | event_rounds.Packed, makespan: float, busy: float, table: list[float],
-            activation_bytes, workspace_bytes, input_grad_bytes, build: Callable, scale: list[float] | None = None,
-            counts: Mapping[int, float] | None = None) -> Simulation:
-    S = enc.num_stages
+            p: Pricing, build: Callable, counts: Mapping[int, float] | None = None) -> Simulation:
+    S, scale = enc.num_stages, p.scale
     ones, zeros = [1.0] * S, [0.0] * S
     if counts is None:
         counts = held_peaks(_plain(enc), ones + zeros * 3, zeros * 2 + ones * 2)  # F holds one, W or B frees it
-    held = per_stage(activation_bytes, S)
+    held = per_stage(p.activation_bytes, S)
     peak_bytes = None
     if held is not None:
-        grads = per_stage(input_grad_bytes, S) or zeros
+        grads = per_stage(p.input_grad_bytes, S) or zeros
         extra = None
-        if workspace_bytes is not None:  # only while a backward that rebuilds or reads them runs (B or I)
-            work_i, work_b = _per_backward(workspace_bytes, S)
+        if p.workspace_bytes is not None:  # only while a backward that rebuilds or reads them runs (B or I)
+            work_i, work_b = _per_backward(p.workspace_bytes, S)
             extra = zeros + work_i + zeros + work_b
         add = held + grads + zeros + zeros  # F: activations; I: the output gradients W needs
         release = zeros + zeros + [h + g for h, g in zip(held, grads)] + held
@@ -314,25 +321,22 @@ def _timeline(order: Order, enc: Encoded, run: LoopRun, table: list[float], scal
     return out
 
 
-def _simulate_batches(order: Order, costs: CostSpec, links: Iterable[Link] | None,
-                      latency: Callable[[int, int], float], activation_bytes: Any, workspace_bytes: Any,
-                      input_grad_bytes: Any, scale: list[float] | None = None) -> Simulation:
+def _simulate_batches(order: Order, p: Pricing) -> Simulation:
     """A lowered order under the batch rule (see the module docstring)."""
     num_stages = max((a.stage + 1 for acts in order.values() for a in acts if a is not None), default=0)
-    table = stage_cost_table(costs, num_stages)
-    links = chain_links(num_stages) if links is None else list(links)
+    table = stage_cost_table(p.costs, num_stages)
+    links = chain_links(num_stages) if p.links is None else list(p.links)
     S = num_stages
 
     def cost(stage: int, kind: ActionKind) -> float:
         return table[CODE[kind._value_] * S + stage]
 
     where = placement_of_order(order)
-    run = run_batches(order, peer_table(num_stages, links, where), cost, latency, scale)
+    run = run_batches(order, peer_table(num_stages, links, where), cost, p.latency, p.scale)
     if run.blocked:
         raise ValueError(deadlock_message(order, run.stuck(), where, short=True))
     compute = {r: [a if a is not None and a.kind.is_compute else None for a in acts] for r, acts in order.items()}
     enc = encode(compute, num_stages)
     makespan = max((t[-1][1] for t in run.timeline.values() if t), default=0.0)
     busy = sum(end - start for t in run.timeline.values() for start, end, _ in t)
-    return _finish(order, enc, makespan, busy, table, activation_bytes, workspace_bytes, input_grad_bytes,
-                   lambda: run.timeline, scale)
+    return _finish(order, enc, makespan, busy, table, p, lambda: run.timeline)
