@@ -289,11 +289,9 @@ def _plan_at(ops: list, positions: list[int]) -> PartitionPlan:
 
 def _build_pipe(traced: Traced, plan: PartitionPlan, model: torch.nn.Module) -> Pipe:
     built = build_stages(traced, plan, model)
-    pipe = Pipe(traced, built.stages, built.edges, built.symbols, built.output_leaves, built.shared_parameters,
-                type(model).__name__)
-    pipe._model = model  # as pipeline() leaves it: a meta stage's tensors are initialised from it
-    pipe.balance = plan.balance
-    return pipe
+    # The model as pipeline() gives it: a meta stage's tensors are initialised from it (Pipe.fill_stage_module).
+    return Pipe(traced, built.stages, built.edges, built.symbols, built.output_leaves, built.shared_parameters,
+                type(model).__name__, model=model, balance=plan.balance)
 
 
 def price_split(traced: Traced, model: torch.nn.Module, flat_inputs: Sequence[Any], num_stages: int,

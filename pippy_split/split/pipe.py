@@ -49,6 +49,10 @@ class Pipe:
                  model: torch.nn.Module | None = None, balance: Any = None, *,
                  recipe: TraceRecipe | None = None, plan: Partition | None = None,
                  autocast: tuple[str, torch.dtype] | None = None) -> None:
+        """A Pipe of stages already cut from ``traced`` (:func:`pipeline` builds one; so does the planner for
+        each split it prices). ``model``: the traced model (not modified; :attr:`model`), from which a meta
+        stage's tensors are filled (:meth:`fill_stage_module`); ``balance``: the split's ``BalanceReport``.
+        ``recipe`` and ``plan``: how the model was traced and cut, for :meth:`under_autocast`."""
         from ..stage.model_io import ModelOutputs  # the one home of the output structure, which steps keep
 
         self._traced = traced
