@@ -260,7 +260,7 @@ def _autocast_as_on(device: torch.device) -> Iterator[None]:
         torch.autocast, torch.amp.autocast, _AutocastOn.target = saved  # type: ignore[misc]
 
 
-def _block_starts(pipe: Any, model: torch.nn.Module) -> list[str] | None:
+def _block_starts(pipe: Pipe, model: torch.nn.Module) -> list[str] | None:
     """Where each stage after the first begins, moved to the start of the block of ``model.layers`` a
     balanced cut entered; None when every cut lies between blocks (or the model has no ``layers``)."""
     try:

@@ -10,12 +10,16 @@ own there).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..compat.stage import PipelineStage
 from ..split.spec import MODEL_INPUT
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
 
 __all__ = ["TensorParallelCut", "parallelize_children"]
 
@@ -38,7 +42,7 @@ class TensorParallelCut:
         True
     """
 
-    def __init__(self, mesh: Any, placements: tuple[Any, ...]) -> None:
+    def __init__(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> None:
         self.mesh, self.placements = mesh, placements
 
     @classmethod

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from .actions import Action
 from .timeline import KIND_COLORS, display_unit, kind_key, peaks_line, summary_line, tick_step, timeline_spans
 
-__all__ = ["render_svg", "render_html", "html_table", "schedule_rows", "render_schedule_html", "placement_style",
+__all__ = ["render_svg", "render_html", "html_table", "schedule_rows", "render_schedule_html", "DrawnSchedule",
            "SVG_MAX_ACTIONS"]
 
 _ROW_H, _GAP, _LEFT, _TOP, _CHAR_W, _AXIS_H = 22, 4, 64, 28, 6.6, 22
@@ -163,10 +163,37 @@ def html_table(rows: Sequence[tuple[str, str]], header: Sequence[str] | None = N
     return "".join(out) + "</table>"
 
 
-def schedule_rows(sched: Any) -> list[tuple[str, str]]:
+class _HasStageIndex(Protocol):
+    @property
+    def stage_index(self) -> int: ...
+
+
+class DrawnSchedule(Protocol):
+    """What a schedule's picture reads of the schedule object (a
+    :class:`~.pipeline_schedule.PipelineSchedule`, which draws itself with this module and so
+    cannot be imported here)."""
+
+    @property
+    def stages(self) -> Sequence[_HasStageIndex]: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world(self) -> int: ...
+    @property
+    def num_stages(self) -> int: ...
+    @property
+    def n_microbatches(self) -> int: ...
+    @property
+    def placement_name(self) -> str: ...
+    @property
+    def placement(self) -> Mapping[int, int]: ...
+    @property
+    def actions(self) -> Sequence[Action]: ...
+
+
+def schedule_rows(sched: DrawnSchedule) -> list[tuple[str, str]]:
     """``(name, value)`` lines that describe a schedule object: its stages, ranks,
-    microbatches and placement (read duck-typed: ``stages``, ``rank``, ``world``,
-    ``num_stages``, ``n_microbatches``, ``placement_name``, ``placement``, ``actions``)."""
+    microbatches and placement."""
     mine = [s.stage_index for s in sched.stages]
     return [
         ("schedule", type(sched).__name__),
@@ -178,7 +205,7 @@ def schedule_rows(sched: Any) -> list[tuple[str, str]]:
     ]
 
 
-def render_schedule_html(sched: Any, sim: Any | None) -> str:
+def render_schedule_html(sched: DrawnSchedule, sim: Any | None) -> str:
     """HTML for a schedule object's ``_repr_html_``: a table of what it runs and, when
     given, the simulated timeline of its whole order (``sim``) as an SVG.
 
@@ -196,7 +223,3 @@ def render_schedule_html(sched: Any, sim: Any | None) -> str:
         parts.append(render_svg(sim, title=title))
     return f'<div class="pippy-split-schedule">{"".join(parts)}</div>'
 
-
-def placement_style(sched: Any) -> str:
-    """The placement a schedule object runs under, by name (its ``placement_name``)."""
-    return sched.placement_name

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-__all__ = ["provide", "driver", "Generation"]
+__all__ = ["provide", "driver", "Generation", "StageOptionsView"]
 
 _PROVIDERS = {"pipe": "pippy_split.generate.distributed", "schedule": "pippy_split.generate.distributed",
               "stage": "pippy_split.stage"}
@@ -41,6 +41,20 @@ def driver(kind: str) -> Callable[..., Any]:
     if kind not in _drivers:
         importlib.import_module(_PROVIDERS[kind])  # it calls provide()
     return _drivers[kind]
+
+
+class StageOptionsView(Protocol):
+    """The stage options ``Pipe.build_stage(options=)`` hands the stage builder: what this layer knows of
+    :class:`pippy_split.stage.options.StageOptions`, which the stage layer (above this one) defines."""
+
+    @property
+    def activation_checkpoint(self) -> str | tuple[str, ...] | None: ...
+
+    @property
+    def mixed_precision(self) -> torch.dtype | None: ...
+
+    @property
+    def compile(self) -> bool | Mapping[str, Any]: ...
 
 
 @dataclass(frozen=True)

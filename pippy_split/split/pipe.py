@@ -18,7 +18,7 @@ from .autocast_trace import TraceRecipe
 from .calls import call_tree
 from .errors import SplitError
 from .functions import check_functions_called
-from .hand_over import Generation, driver
+from .hand_over import Generation, StageOptionsView, driver
 from .module_calls import called_module_names
 from .partition import Partition, check_balance, check_split_spec, plan_from_cuts, plan_stages, split_fqns
 from .spec import MODEL_INPUT, Edge, SymbolSource, gather_inputs
@@ -26,6 +26,9 @@ from .stage_graph import StageInfo, build_stages
 from .trace import Traced, trace_model
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
     from ..stage.model_io import ModelInputs, ModelOutputs
 
 __all__ = ["Pipe", "pipeline"]
@@ -49,10 +52,9 @@ class Pipe:
                  model: torch.nn.Module | None = None, balance: Any = None, *,
                  recipe: TraceRecipe | None = None, plan: Partition | None = None,
                  autocast: tuple[str, torch.dtype] | None = None) -> None:
-        """A Pipe of stages already cut from ``traced`` (:func:`pipeline` builds one; so does the planner for
-        each split it prices). ``model``: the traced model (not modified; :attr:`model`), from which a meta
-        stage's tensors are filled (:meth:`fill_stage_module`); ``balance``: the split's ``BalanceReport``.
-        ``recipe`` and ``plan``: how the model was traced and cut, for :meth:`under_autocast`."""
+        """Stages cut from ``traced`` (built by :func:`pipeline`, and by the planner per split it prices). ``model``:
+        the traced model, not modified, that fills a meta stage's tensors (:meth:`fill_stage_module`); ``balance``:
+        the split's ``BalanceReport``; ``recipe``, ``plan``: how it was traced and cut (:meth:`under_autocast`)."""
         from ..stage.model_io import ModelOutputs  # the one home of the output structure, which steps keep
 
         self._traced = traced
@@ -220,11 +222,11 @@ class Pipe:
         return driver("pipe")(self, input_ids, **kwargs)  # generate/ builds on the Pipe: it provides this
 
     # ---- building stages for ranks -------------------------------------------------
-    def build_stage(self, stage_index: int, device: torch.device | str | None = None, group: Any = None, *,
-                    state_dict: Any = None, seed: int = 0,
+    def build_stage(self, stage_index: int, device: torch.device | str | None = None,
+                    group: ProcessGroup | DeviceMesh | None = None, *, state_dict: Any = None, seed: int = 0,
                     activation_checkpoint: str | Sequence[str] | None = None,
                     mixed_precision: torch.dtype | None = None, compile: bool | Mapping[str, Any] = False,
-                    strict: bool = True, options: Any = None) -> Any:
+                    strict: bool = True, options: StageOptionsView | None = None) -> Any:
         """The :class:`pippy_split.PipelineStage` for one stage, its module moved to ``device``
         (built by ``PipelineStage.from_pipe``, which the stage layer hands this layer: see
         :mod:`.hand_over`). ``group``: the stage's process group, ``None`` or a DeviceMesh
