@@ -19,17 +19,27 @@ import pytest
 import pippy_split as ps
 from benchmarks.published_runs import LLAMA3_8B, RUNS, TITAN, errors, price, table_ratios
 from pippy_split.plan.cluster import ClusterLayout, Runtime
-from pippy_split.plan.cluster.block import _float8_cast_bytes, block_matmuls, block_times
+from pippy_split.plan.cluster import block as cluster_block
+from pippy_split.plan.cluster.block import (
+    RING_CORRECTION_BYTES,
+    _float8_cast_bytes,
+    block_matmuls,
+    block_times,
+    ring_correction_s,
+)
 from pippy_split.plan.cluster.costs import copy_out_s, data_parallel_exposed_s
-from pippy_split.plan.cluster.kernels import gemm_s
+from pippy_split.plan.cluster.kernels import attention_s, gemm_s, memory_s
 from pippy_split.plan.cluster.memory import activation_bytes, head_bytes, loss_peak_bytes, unsharded_without_pp
 
 GiB = 2**30
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cluster_planning.md"
 MISSES = {
-    ("torchtitan H100 T2", "8B FSDP 1 CP 8 seq 262144"): "tokens/s/GPU predicted 646 vs 548 published (+18%): the four "
-    "Table 2 rows hold the same 32,768 tokens a GPU, so every ring round has one shape; with any cost per round that "
-    "does not grow with cp, CP 8 within 15% and CP 2 within 15% (and its ratio within 10%) cannot all hold",
+    ("torchtitan H100 T2", "8B FSDP 1 CP 8 seq 262144"): "tokens/s/GPU predicted 638 vs 548 published (+16%): the four "
+    "Table 2 rows hold the same 32,768 tokens a GPU; beside the model's non-attention part of a token, the published "
+    "steps give a ring round of 168, 152, 211, 217 us a token at CP 1, 2, 4, 8 (flat to CP 2, 35% dearer from CP 4). "
+    "torch's ring of Dec 2024 has no cost that steps there: round-robin load balancing puts both half-block shapes "
+    "in every round at every cp >= 2, and the K/V all-gather (3.8 GB a layer at CP 8, ~10 ms on NVLink) hides "
+    "behind a ~36 ms first round; with any per-round cost the same at every cp, CP 8 and CP 2 cannot both hold",
 }
 MEMORY_MISSES: dict[tuple[str, str], str] = {}
 RATIO_MISSES = {
@@ -37,10 +47,11 @@ RATIO_MISSES = {
     "1.423 vs 1.624 published (-12%): found after the constants were chosen; the 8B's gain is met (Table 1), and a "
     "Float8 matmul fast enough to meet it (0.655 of the fp8 peak, not 0.62) puts NeMo's Llama 3 8B row at +16%",
     ("torchtitan 405B Jul 2024 (held out)", "405B 2D + Float8 + AsyncTP"): "predicted 1.478 vs 1.697 (-13%), as above",
-    ("torchtitan H100 T2", "8B FSDP 2 CP 4 seq 131072"): "predicted 0.336 of the CP 1 row vs 0.275 published (+22%): "
-    "with a per-round cost independent of cp, CP 2's ratio within 10% needs a round under 0.70 of the CP 1 step and "
-    "CP 4's over 0.80 (the published CP 2 step is the odd one: its second round costs 0.6 of a later CP 4 round)",
-    ("torchtitan H100 T2", "8B FSDP 1 CP 8 seq 262144"): "predicted 0.178 of the CP 1 row vs 0.141 published (+27%), "
+    ("torchtitan H100 T2", "8B FSDP 2 CP 4 seq 131072"): "predicted 0.332 of the CP 1 row vs 0.275 published (+20%): "
+    "with a per-round cost the same at every cp, CP 2's ratio within 10% needs a round under 0.70 of the CP 1 step "
+    "and CP 4's over 0.77; published, a round costs 35% more from CP 4 on than at CP 1-2, and nothing in torch's "
+    "load-balanced, all-gather ring grows there (see the CP 8 row's reason)",
+    ("torchtitan H100 T2", "8B FSDP 1 CP 8 seq 262144"): "predicted 0.176 of the CP 1 row vs 0.141 published (+25%), "
     "as above",
     ("torchtitan A100 Llama 2", "70B selective op"): "predicted 0.186 of the 13B no-AC row vs 0.164 published (+13%): "
     "the row itself is within 15% (+12%) since FSDP2's copy-outs are priced; published, this mb=1 op-SAC run is as "
@@ -232,3 +243,26 @@ def test_float8_casts_a_shared_input_once_when_compiled_or_under_tp():
     tp8, _ = _float8_cast_bytes(block_matmuls(LLAMA3_8B, 16384, 8), TITAN.with_(float8_linears=True), tp=8)
     untp, _ = _float8_cast_bytes(block_matmuls(LLAMA3_8B, 16384, 8), TITAN.with_(float8_linears=True), tp=1)
     assert tp8 < untp
+
+
+def test_ring_attention_prices_its_per_round_correction(monkeypatch):
+    """Each ring round after the first folds its partial output into the running one (a bf16
+    read and an fp32 read-modify-write per output element): ``cp - 1`` rounds of ``t h / tp``
+    elements, none without CP or at a flat measured efficiency. Per round it is a fixed share
+    of the bytes and a falling share of the FLOPs as ``t`` grows."""
+    c = ps.Cluster.preset("h100-sxm", gpus=8)
+    h = LLAMA3_8B.hidden
+    for cp in (1, 2, 4, 8):
+        lay = ClusterLayout(pp=1, dp=8 // cp, tp=1, v=1, m=1, mb=1, ac="full", cp=cp)
+        assert ring_correction_s(LLAMA3_8B, c, lay, 4096) == pytest.approx(
+            memory_s(RING_CORRECTION_BYTES * 4096 * h * (cp - 1), c))
+        assert ring_correction_s(LLAMA3_8B, c.with_(efficiency=0.5), lay, 4096) == 0.0
+    lay = ClusterLayout(pp=1, dp=4, tp=1, v=1, m=1, mb=1, ac="full", cp=2)
+    share = {t: ring_correction_s(LLAMA3_8B, c, lay, t) / attention_s(t, 2 * t, h, c) for t in (4096, 32768)}
+    assert share[4096] == pytest.approx(8 * share[32768])
+    with_it, one = block_times(LLAMA3_8B, c, lay, 8192, TITAN), ring_correction_s(LLAMA3_8B, c, lay, 4096)
+    monkeypatch.setattr(cluster_block, "RING_CORRECTION_BYTES", 0.0)
+    without = block_times(LLAMA3_8B, c, lay, 8192, TITAN)
+    assert one > 0 == ring_correction_s(LLAMA3_8B, c, lay, 4096)
+    assert with_it.forward - without.forward == pytest.approx(one)
+    assert with_it.backward - without.backward == pytest.approx(2 * one)

@@ -47,7 +47,8 @@ from .layout import ClusterLayout
 from .runtime import Runtime
 from .shape import ModelShape
 
-__all__ = ["BlockTimes", "block_times", "head_times", "block_matmuls", "ELEMENTWISE_BYTES"]
+__all__ = ["BlockTimes", "block_times", "head_times", "block_matmuls", "ring_correction_s", "ELEMENTWISE_BYTES",
+           "RING_CORRECTION_BYTES"]
 
 ELEMENTWISE_BYTES = {False: (108.0, 28.0, 10.0), True: (28.0, 12.0, 6.0)}
 """Forward elementwise HBM bytes per token per block, as ``(per h, per kv, per I)``
@@ -55,6 +56,14 @@ element: eager (``False``) and fused (``True``); see the module docstring."""
 FUSED_FLOAT8_CAST_BYTES = 3.0
 """Bytes per operand element Float8 scaling moves when compiled: the cast writes fp8 from the
 kernel before it, the amax reads once more, the transposed copy for the backward."""
+RING_CORRECTION_BYTES = 10.0
+"""HBM bytes per element of a rank's attention output (``t x h / tp``) that ring attention
+moves in each round after the first to fold the round's partial result into the running one:
+the round's bf16 output read (2) and the fp32 accumulator read and written (4 + 4), rescaled
+by the two logsumexps (per token and head: negligible). torch's ring
+(``_SDPAMerger._merge_one``, ``convert_to_f32=True``) and Transformer Engine's
+(``flash_attn_fwd_out_correction``) both do this once per round; the backward accumulates the
+query gradient and the K/V gradients passed around the ring the same way (twice the bytes)."""
 SAC_OP_RECOMPUTED = (1, 3, 5)
 """torchtitan's op-level selective AC keeps every matmul's output except every second one:
 of q, k, v, o, gate, up, down (in call order) it recomputes k, o and up."""
@@ -126,8 +135,10 @@ def _tp_s(model: ModelShape, cluster: Cluster, lay: ClusterLayout, tokens: float
 
 
 def _cp_s(model: ModelShape, cluster: Cluster, lay: ClusterLayout, tokens: float, attention: float) -> float:
-    """Exposed seconds of ring attention's K/V rotation in one forward: ``cp - 1`` rounds of
-    this rank's K and V, each overlapped with a round of attention.
+    """Seconds ring attention adds to one forward besides its FLOPs: the exposed part of the
+    K/V rotation (``cp - 1`` rounds of this rank's K and V, each overlapped with a round of
+    attention) and, in each of those rounds, the correction that folds the round's partial
+    output into the running one (:func:`ring_correction_s`).
 
     With load balancing (each rank holds chunks ``r`` and ``2 cp - 1 - r``; torch's default) a
     rank's rounds are one causal block of its ``t`` tokens and ``cp - 1`` half blocks, so at a
@@ -139,7 +150,27 @@ def _cp_s(model: ModelShape, cluster: Cluster, lay: ClusterLayout, tokens: float
         return 0.0
     kv = model.hidden * model.kv_heads // model.heads
     one = link_s(2 * tokens * kv / lay.tp * 2, cluster.bandwidth(lay.tp * lay.cp))
-    return one + max(0.0, (lay.cp - 2) * one - attention * (lay.cp - 2) / lay.cp)
+    rotation = one + max(0.0, (lay.cp - 2) * one - attention * (lay.cp - 2) / lay.cp)
+    return rotation + ring_correction_s(model, cluster, lay, tokens)
+
+
+def ring_correction_s(model: ModelShape, cluster: Cluster, lay: ClusterLayout, tokens: float) -> float:
+    """Seconds of ring attention's per-round output correction in one forward on one GPU:
+    :data:`RING_CORRECTION_BYTES` per element of the rank's ``tokens x h / tp`` output in each
+    of the ``cp - 1`` rounds after the first, through HBM (0 without CP, or at a flat measured
+    efficiency). A round's bytes grow as ``t h`` and its attention FLOPs as ``t^2 h``: the
+    correction is about 2% of a round at torchtitan's 32k tokens a GPU (Table 2), about 20%
+    at NeMo's 4k (Llama 3 at CP 2).
+
+    Example:
+        >>> shape = ModelShape(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
+        >>> lay = ClusterLayout(pp=1, dp=4, tp=1, v=1, m=1, mb=1, ac="full", cp=2)
+        >>> round(ring_correction_s(shape, Cluster(gpus=8), lay, 32768) * 1e3, 2)  # ms: one round, H100 HBM3
+        0.5
+    """
+    if lay.cp == 1 or cluster.efficiency is not None:
+        return 0.0
+    return memory_s(RING_CORRECTION_BYTES * tokens * model.hidden / lay.tp * (lay.cp - 1), cluster)
 
 
 def block_times(model: ModelShape, cluster: Cluster, lay: ClusterLayout, seq_len: int, runtime: Runtime,
