@@ -5,9 +5,9 @@ Both processes collect every test; they then take whole test files from one shar
 together they run every test once, a process that drew short files takes more of them, and a
 module's shared fixtures (a rank group several tests read) stay in one process. On 2 cores this
 keeps both busy: a single-process test uses one thread (``conftest.py``), and a 2-rank pipeline
-waits on its peer part of the time. "Longest" is by :data:`FILE_SECONDS` (from a
-``--durations=0`` run; a file not listed counts :data:`UNLISTED_SECONDS_PER_TEST` a test):
-a stale table only changes the order, never what runs.
+waits on its peer part of the time. "Longest" is by :data:`FILE_SECONDS` (each file's seconds in a
+whole run; a file not listed counts :data:`UNLISTED_SECONDS_PER_TEST` a test): a stale table only
+changes the order, never what runs. The run ends with its slowest files.
 
 Both processes get the same arguments. Each writes to a log, printed whole when both are done
 (with a progress line a minute meanwhile); with ``-x`` the first failure stops the other
@@ -40,8 +40,8 @@ STREAMS = 2
 ENV = "PIPPY_SPLIT_TEST_STREAM"
 """The shared queue's path: this pytest process is one stream of :func:`main`'s run."""
 FILE_SECONDS: dict[str, float] = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
-"""Seconds each test file took in a whole-suite run (``python -m tests.streams --seconds LOG``
-remakes it from that run's ``--durations=0`` output)."""
+"""Seconds each test file took in a whole run of the suite (``python -m tests.streams --record ...``
+writes it)."""
 UNLISTED_SECONDS_PER_TEST = 2.0
 _SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?|warnings?)")
 
@@ -120,18 +120,25 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     return run_taken_files(session, FileQueue(queue)) if queue else None
 
 
-def file_seconds(durations_log: str) -> dict[str, float]:
-    """Seconds per test file from a pytest ``--durations=0`` report (setup, call and teardown)."""
+_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get(ENV):
+        f = report.nodeid.split("::")[0]
+        _seconds[f] = _seconds.get(f, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if queue := os.environ.get(ENV):
+        Path(f"{queue}.seconds.{os.getpid()}.json").write_text(json.dumps(_seconds))
+
+
+def _merged_seconds(tmp: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    for line in durations_log.splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[0].endswith("s") and parts[1] in ("setup", "call", "teardown"):
-            try:
-                s = float(parts[0][:-1])
-            except ValueError:
-                continue
-            f = parts[2].split("::")[0]
-            out[f] = round(out.get(f, 0.0) + s, 2)
+    for f in Path(tmp).glob("queue.seconds.*.json"):
+        for name, s in json.loads(f.read_text()).items():
+            out[name] = round(out.get(name, 0.0) + s, 1)
     return dict(sorted(out.items()))
 
 
@@ -140,7 +147,7 @@ def _progress(log: Path) -> str:
     return lines[-1][-60:] if lines else "(starting)"
 
 
-def _run(args: list[str]) -> int:
+def _run(args: list[str], record: bool = False) -> int:
     exit_first = any(a in ("-x", "--exitfirst") for a in args)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="pippy_split_streams_") as tmp:
@@ -173,9 +180,17 @@ def _run(args: list[str]) -> int:
                 if p.poll() is None:
                     p.kill()
         texts = [log.read_text(errors="replace") for log in logs]
+        seconds = _merged_seconds(tmp)
         for k in range(STREAMS):
             print(f"\n======== stream {k} of {STREAMS} (pytest exit {codes[k]}, {ended[k]:.0f} s) ========", flush=True)
             sys.stdout.write(texts[k])
+    if seconds:
+        slowest = sorted(seconds, key=lambda f: -seconds[f])[:12]
+        print("\nstreams: the slowest test files (seconds, setup and teardown included): "
+              + ", ".join(f"{f} {seconds[f]:.0f}" for f in slowest), flush=True)
+    if record and seconds:
+        (Path(__file__).parent / "file_seconds.json").write_text(json.dumps(seconds, indent=1) + "\n")
+        print(f"streams: {len(seconds)} files' seconds written to tests/file_seconds.json", flush=True)
     totals: dict[str, int] = {}
     for text in texts:
         for n, what in _SUMMARY.findall(text.splitlines()[-1] if text.strip() else ""):
@@ -189,13 +204,11 @@ def _run(args: list[str]) -> int:
 
 
 def main(argv: Iterable[str]) -> int:
+    """``python -m tests.streams [--record] [pytest args]``; ``--record`` writes each file's seconds
+    in this run to ``tests/file_seconds.json`` (the order the next runs take files in)."""
     args = list(argv)
-    if args[:1] == ["--seconds"]:
-        seconds = file_seconds(Path(args[1]).read_text(errors="replace"))
-        (Path(__file__).parent / "file_seconds.json").write_text(json.dumps(seconds, indent=1) + "\n")
-        print(f"{len(seconds)} files, {sum(seconds.values()):.0f} s in all")
-        return 0
-    return _run(args)
+    record = args[:1] == ["--record"]
+    return _run(args[1:] if record else args, record)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
 """``python -m tests.streams`` (the README's test command): the two pytest processes together
-run every collected test exactly once, whole files each, and the order reads pytest's
-durations report."""
+run every collected test exactly once, whole files each, and report each file's seconds."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.streams import ENV, file_seconds
+from tests.streams import ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,14 +34,6 @@ def test_the_streams_together_run_every_test_once_whole_files_each():
     assert sorted(ran[0] + ran[1]) == ids
     files = [{t.split("::")[0] for t in r} for r in ran]
     assert not files[0] & files[1], "a file's tests (and its module fixtures) stay in one process"
-    assert f"{len(ids)} passed" in run.stdout.splitlines()[-1] or "skipped" in run.stdout.splitlines()[-1]
-
-
-def test_file_seconds_sums_setup_call_and_teardown_per_file():
-    log = """============================= slowest durations =============================
-12.50s call     tests/a.py::test_one[x]
-2.00s setup    tests/a.py::test_one[x]
-1.25s call     tests/b/c.py::test_two
-(3 durations < 0.005s hidden.)
-"""
-    assert file_seconds(log) == {"tests/a.py": 14.5, "tests/b/c.py": 1.25}
+    assert f"{len(ids)} passed" in run.stdout.splitlines()[-1]
+    slowest = next(ln for ln in run.stdout.splitlines() if ln.startswith("streams: the slowest test files"))
+    assert all(p in slowest for p in paths)
