@@ -11,6 +11,7 @@ runs this rank's actions on the one :class:`.runtime.Interpreter`.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 import torch
@@ -23,15 +24,15 @@ from ..stage.loss import LossRule
 from ..stage.stage import PipelineStage
 from ..stage.transport import P2P
 from .actions import Action, Order
-from .agree import FailureChannel, StepGuard, agree_before_step
-from .collectives import agree_on_order, item_count, refuse_no_items, share_loss, sync_shared_grads
-from .dynamic_sizes import share_sizes
+from .agree import FailureChannel, StepGuard
+from .collectives import agree_on_order, share_loss, sync_shared_grads
 from .orders import get_order_spec
-from .run_controls import RunControls
 from .runtime import Interpreter, StepContext
 from .schedule_plan import SchedulePlan, stage_links
 from .simulate import simulate
 from .step_inputs import Chunking, StepCallReader
+from .step_start import StepStart
+from .timing import ActionTiming, recorded
 from .train_mode import refuse_train_mode_graph
 
 if TYPE_CHECKING:
@@ -54,10 +55,10 @@ class _ScheduleClass(type):
         return cls.placement_style
 
 
-class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
+class PipelineSchedule(metaclass=_ScheduleClass):
     """Base of every schedule class; a subclass names its family (``order_name``) and the
-    placement that family needs (``placement_style``), nothing else. The run's probe and
-    memory knob (``timed_actions``, ``release_sent_outputs``) come from :class:`.run_controls.RunControls`.
+    placement that family needs (``placement_style``), nothing else. Besides the step, the
+    runtime's probe and memory knob: ``timed_actions``, ``release_sent_outputs``.
 
     Args:
         stage_or_stages: this rank's stage, or its stages (any order).
@@ -137,12 +138,13 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
                            self.pipeline_group)
         # last: a schedule whose construction failed on some rank takes no key (see FailureChannel)
         self._failures = FailureChannel(self.pipeline_group, self._runtime.p2p, owner=self)
-        self._inputs = StepCallReader(self.stages, self.rank)  # what a step reads of its call, made once
+        self._start = StepStart(self.stages, StepCallReader(self.stages, self.rank), self.pipeline_group,
+                                f"stage {self.num_stages - 1} (rank {self.placement[self.num_stages - 1]})",
+                                self._splits_backward)  # a step's checks and agreement, made once
         self._loss: torch.Tensor | None = None
-        self._ran: set[bool] = set()  # the kinds of call (train: True, eval: False) that have run a step
         self.agree_every_step = False
         """Start every step with the agreement (one small all-reduce), not only the first ones and those
-        that share something: a rank's failed check then leaves the schedule usable (see :meth:`_agrees`)."""
+        that share something: a rank's failed check then leaves the schedule usable (see :mod:`.step_start`)."""
         self._unchecked: tuple[LossRule | None, list] = (None, [])  # the step's rule and losses, until checked
 
     # ---- set-up checks ----------------------------------------------------------
@@ -171,59 +173,15 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
 
     # ---- running ---------------------------------------------------------------------
     def _context(self, args: tuple, kwargs: dict, target: Any, train: bool, n: int, guard: StepGuard) -> StepContext:
-        """This step's inputs: first every check this rank can make alone, then, where the step
-        needs one (:meth:`_agrees`), the one all-reduce in which every rank learns that they all
-        passed and what they must share (:func:`.agree.agree_before_step`)."""
-        ctx = StepContext(n_microbatches=n, train=train)
-        error: Exception | None = None
-        counted = train and self.loss_count is not None
-        last_where = f"stage {self.num_stages - 1} (rank {self.placement[self.num_stages - 1]})"
-        local_items = None
-        agrees = self._agrees(train)
-        if not agrees:  # a failed check now stops every rank through the failure channel
-            guard.communicating("in its own checks before its first message")
-        sizes = None
-        try:
-            if self._splits_backward and train:  # a wrapper (fully_shard) applied after construction
-                for st in self.stages:
-                    st.check_split_backward()  # I runs the whole backward
-            sizes = self._inputs.read(ctx, args, kwargs, target, self._chunking, self.loss_fn)
-            if counted and self._last is not None and ctx.targets is not None:
-                assert self.loss_count is not None
-                local_items = item_count(self.loss_count, ctx.targets, last_where)
-        except Exception as e:  # raised on every rank alike below, before any rank waits for a message
-            if not agrees:
-                raise
-            error = e
-        share = None
-        if agrees:  # else nothing to share: no loss_count, static shapes (see _agrees)
-            sizes_reader = self._inputs.sizes
-            if sizes_reader is not None and sizes is None:  # this rank failed before reading them
-                sizes = sizes_reader(None, n)
-            agreed = agree_before_step(error, self.pipeline_group, "step()" if train else "eval()",
-                                       share=local_items, sizes=sizes)
-            share = agreed.share
-            if counted:
-                refuse_no_items(share if share is not None else 0.0, last_where)
-            if sizes_reader is not None and agreed.sizes is not None and sizes is not None:
-                ctx.bindings = share_sizes(sizes_reader.symbols, agreed.sizes, sizes, self.pipeline_group)
+        """This step's inputs, checked and agreed on (:class:`.step_start.StepStart`), and its loss rule."""
+        ctx, items = self._start.context(args, kwargs, target, train=train, n=n, guard=guard,
+                                         chunking=Chunking(self.args_chunk_spec, self.kwargs_chunk_spec),
+                                         loss_fn=self.loss_fn, loss_count=self.loss_count,
+                                         every_step=self.agree_every_step)
         if self.loss_fn is not None:
             ctx.loss = LossRule.for_step(self.loss_fn, n_microbatches=self.n_microbatches, scale_grads=self.scale_grads,
-                                         items=share, scale=self.loss_scale, on_nonfinite=self.on_nonfinite)
+                                         items=items, scale=self.loss_scale, on_nonfinite=self.on_nonfinite)
         return ctx
-
-    @property
-    def _chunking(self) -> Chunking:
-        return Chunking(self.args_chunk_spec, self.kwargs_chunk_spec)
-
-    def _agrees(self, train: bool) -> bool:
-        """Whether this step starts with the agreement (the same answer on every rank): while no
-        step of this kind has run (a mistake in the first batches leaves the schedule usable),
-        with ``loss_count`` (its items), with dynamic shapes (their sizes), or when
-        ``agree_every_step`` is set. Otherwise a step runs no collective before its messages,
-        and a rank failing its own checks stops every rank through the failure channel."""
-        return (self.agree_every_step or train not in self._ran or self._inputs.sizes is not None
-                or (train and self.loss_count is not None))
 
     def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
         """One training step over ``n_microbatches``; the same call on every rank.
@@ -237,7 +195,7 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
             for st in self.stages:
                 st.peak_held_microbatches = 0
             self._run(self.actions, ctx, guard)
-            self._ran.add(True)
+            self._start.ran.add(True)
             sync_shared_grads(self.stages[0].pipe, self.stages, self.pipeline_group)
             for st in self.stages:
                 sync_data_parallel(st.module)
@@ -330,7 +288,7 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
             ctx = self._context(args, kwargs, None, False, self.n_microbatches, guard)
             with torch.no_grad():
                 self._run(self._eval_actions, ctx, guard)
-            self._ran.add(False)
+            self._start.ran.add(False)
             if self._last is None:
                 return None
             out = self._merge(ctx, self._last)
@@ -352,6 +310,47 @@ class PipelineSchedule(RunControls, metaclass=_ScheduleClass):
         if self._unchecked[0] is not None:
             self._check_loss()
         return self._loss
+
+    # ---- the runtime's probe and memory knob ------------------------------------------
+    def timed_actions(self, probe: Callable[[], Any] | None = None) -> AbstractContextManager[list[ActionTiming]]:
+        """Record every compute action this rank runs inside the block: its start and end
+        (``time.perf_counter()`` seconds) and, with ``probe``, what ``probe()`` returns right
+        before and right after it (e.g. ``torch.cuda.memory_allocated``). A time includes
+        waiting for the action's received inputs; on an accelerator the device is
+        synchronised around each action (which slows the run: for measuring, not training).
+
+        Example:
+            >>> import pippy_split as ps; from torch.nn import Linear, ReLU, Sequential
+            >>> pipe = ps.pipeline(Sequential(Linear(4, 8), ReLU(), Linear(8, 2)), ["2"], (torch.randn(2, 4),))
+            >>> sched = ps.build_schedule(pipe, "ZBVZeroBubble", 4, loss_fn=torch.nn.functional.mse_loss)
+            >>> with sched.timed_actions() as times: _ = sched.step(torch.randn(8, 4), target=torch.randn(8, 2))
+            >>> [str(t.action) for t in times][:4], all(t.seconds >= 0 for t in times)
+            (['0F0', '1F0', '1I0', '1W0'], True)
+        """
+        return recorded(self._runtime, self.stages[0].device, probe)
+
+    @property
+    def release_sent_outputs(self) -> bool | None:
+        """Free the memory of a forward output once it is sent to another rank.
+
+        Backward needs only the output's autograd node and shape, so its values are
+        dropped unless autograd saved them. ``None`` (default): on accelerators
+        (CUDA's caching allocator makes it free), not on CPU, where handing the pages
+        back costs more time than it saves (see docs/performance.md). ``True`` /
+        ``False`` force it.
+
+        Example:
+            >>> import pippy_split as ps
+            >>> sched = ps.build_schedule(ps.pipeline(torch.nn.Linear(4, 2), None, (torch.randn(2, 4),)), "GPipe", 2)
+            >>> sched.release_sent_outputs is None  # the default: released on accelerators, kept on CPU
+            True
+            >>> sched.release_sent_outputs = True   # also on CPU: less memory, slower steps
+        """
+        return self._runtime.release_sent
+
+    @release_sent_outputs.setter
+    def release_sent_outputs(self, on: bool | None) -> None:
+        self._runtime.set_release_sent(on)
 
     # ---- summaries ---------------------------------------------------------------
     @property

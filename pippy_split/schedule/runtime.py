@@ -101,8 +101,10 @@ class Interpreter:
             on = self.release_sent if self.release_sent is not None else st.device.type != "cpu"
             st.track_saved_storages = on and any(any(ch.releasable) for ch in self.wiring[s].send_forward)
 
-    def track_sent_outputs(self) -> None:
-        """``release_sent`` changed: which stages record what autograd saves for their sent outputs."""
+    def set_release_sent(self, on: bool | None) -> None:
+        """Free sent outputs (``release_sent``: True, False, or None for auto); each stage then records what
+        autograd saves for its sent outputs, or stops."""
+        self.release_sent = None if on is None else bool(on)
         if self.wiring:
             self._wire()
 

@@ -1,21 +1,26 @@
-"""Timing a schedule's actions as they run: :class:`ActionTiming` and its recorder.
+"""Timing a schedule's actions as they run: :class:`ActionTiming`, its recorder, and :func:`recorded`.
 
-Sits beside the runtime: :meth:`~pippy_split.schedule.PipelineSchedule.timed_actions`
-sets an :class:`ActionRecorder` as the :class:`~pippy_split.schedule.runtime.Interpreter`'s
-observer, which calls it around every compute action; the planner
-(:mod:`pippy_split.plan.measure`) prices actions from what it records.
+Sits beside the runtime: :meth:`~pippy_split.schedule.PipelineSchedule.timed_actions` is
+:func:`recorded`, which sets an :class:`ActionRecorder` as the
+:class:`~pippy_split.schedule.runtime.Interpreter`'s observer for a block; the interpreter
+calls it around every compute action. The planner (:mod:`pippy_split.plan.measure`) prices
+actions from what it records.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import torch
 
 from .actions import Action
 
-__all__ = ["ActionTiming", "ActionRecorder"]
+if TYPE_CHECKING:
+    from .runtime import Interpreter
+
+__all__ = ["ActionTiming", "ActionRecorder", "recorded"]
 
 
 class ActionTiming(NamedTuple):
@@ -54,3 +59,17 @@ class ActionRecorder:
         end = time.perf_counter()
         self.times.append(ActionTiming(action, self._open[0], end, self._open[1],
                                        self.probe() if self.probe is not None else None))
+
+
+@contextlib.contextmanager
+def recorded(runtime: Interpreter, device: torch.device, probe: Callable[[], Any] | None = None,
+             ) -> Iterator[list[ActionTiming]]:
+    """Every compute action ``runtime`` runs inside the block, timed on ``device`` (synchronised around each
+    action off CPU) with ``probe()`` before and after it: an :class:`ActionRecorder` is its observer for the
+    block, the previous one back after. What :meth:`~pippy_split.schedule.PipelineSchedule.timed_actions` does."""
+    recorder = ActionRecorder(device, probe)
+    previous, runtime.observer = runtime.observer, recorder
+    try:
+        yield recorder.times
+    finally:
+        runtime.observer = previous
