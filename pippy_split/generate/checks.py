@@ -79,6 +79,11 @@ def checked_call(pipe: Pipe, input_ids: torch.Tensor, *, max_new_tokens: int, at
     if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
         raise GenerationError(f"slots must be None or an int >= 1 (rows in flight per lane), got {slots!r}")
     signature = decode_signature(model)  # a model that cannot decode step by step is refused here, by name
+    if signature.cache_arg == "state" and bool((mask == 0).any()):
+        raise GenerationError(f"{type(model).__name__} reads no attention mask (its state runs over every token, "
+                              "pads included), so left-padded prompts would decode other than alone. What works: "
+                              "prompts of equal length, no padding (attention_mask=None or all ones); generate "
+                              "prompts of different lengths in separate calls")
     if not signature.positions and slots is not None and slots < int(input_ids.shape[0]):
         raise GenerationError(f"slots={slots} refills a finished row's slot with a waiting prompt, which needs "
                               f"position_ids= to place the new row's tokens; {type(model).__name__}.forward takes "

@@ -13,7 +13,9 @@ attention_mask=, <cache>=)`` where ``<cache>`` is ``cache`` or ``past_key_values
 Face's names), with ``position_ids=`` passed where the forward takes it (as Hugging Face
 generate does) and a MoE's router logits switched off (``output_router_logits=False``) and each attention layer calls
 ``<cache>.update(keys, values, layer_idx)`` and attends over what it returns; the
-output is the logits ``(B, T, V)`` or an object with ``.logits``.
+output is the logits ``(B, T, V)`` or an object with ``.logits``. A recurrent state is the
+model's cache too (:mod:`.recurrent`): Hugging Face's cache layers (Mamba, Jamba, Zamba), its
+blocks (RecurrentGemma), or ``forward(state=)`` (RWKV: no mask, so prompts of one length).
 """
 
 from __future__ import annotations
@@ -28,7 +30,18 @@ from typing import Any
 import torch
 
 from .errors import GenerationError
-from .recurrent import FixedState, cache_tensors, filled_cache, grows, has_kv_layers
+from .recurrent import (
+    TOKEN_SHIFT_STATES,
+    FixedState,
+    FreshStateSeen,
+    cache_tensors,
+    filled_cache,
+    grows,
+    has_kv_layers,
+    state_columns,
+    state_layout,
+    state_tensors,
+)
 
 __all__ = ["DecodeRoot", "DecodeSignature", "KVCache", "decode_signature", "kv_layout", "LayoutEntry"]
 
@@ -77,7 +90,9 @@ class DecodeSignature:
     """How the decode step calls ``model.forward``: what it passes besides ``input_ids``."""
 
     cache_arg: str
-    """``cache`` or ``past_key_values`` (Hugging Face's names)."""
+    """``cache`` or ``past_key_values`` (Hugging Face's names), or ``state``: a state passed whole,
+    a list of tensors ``(batch, *, layers)`` each layer reads and writes in place (Hugging Face's
+    RWKV; no attention mask, so prompts of one length)."""
     positions: bool
     """It takes ``position_ids=`` (a model without, such as ALiBi's MPT, places tokens itself)."""
     keep_last: bool
@@ -88,8 +103,9 @@ class DecodeSignature:
     """It takes ``output_router_logits=`` (a MoE's load-balancing loss, passed False: decoding never
     needs it, and its loss reads the whole mask beside the new tokens' router logits)."""
     recurrent: bool = False
-    """Some of its layers keep a recurrent state in the Hugging Face cache (Mamba, Jamba, Zamba):
-    the prefill and a step are two programs (:mod:`.phased`)."""
+    """Some of its layers keep a recurrent state (Mamba, Jamba, Zamba in the Hugging Face cache;
+    RecurrentGemma on its blocks; RWKV in ``state=``): the prefill and a step are two programs
+    (:mod:`.phased`)."""
 
 
 def _recurrent_layers(model: torch.nn.Module) -> list[int]:
@@ -108,15 +124,17 @@ def _recurrent_layers(model: torch.nn.Module) -> list[int]:
 
 
 RECURRENT_SUPPORTED = frozenset({"MambaForCausalLM", "JambaForCausalLM", "ZambaForCausalLM",
-                                 "RecurrentGemmaForCausalLM"})
+                                 "RecurrentGemmaForCausalLM", "RwkvForCausalLM"})
 """The models with a recurrent state whose decode is checked equal to Hugging Face generate
-(``tests/generate/test_generate_recurrent.py``); any other is refused by name."""
+(``tests/generate/test_generate_archs.py``; RWKV against each prompt alone); any other is
+refused by name."""
 
 
 def decode_signature(model: torch.nn.Module) -> DecodeSignature:
     """How the decode step calls ``model.forward``; a :class:`GenerationError` naming what is
-    missing and what works where the model cannot decode step by step with a KV cache
-    (no cache argument, or a recurrent state: Mamba, RWKV, linear-attention layers).
+    missing and what works where the model cannot decode step by step with a KV cache or a
+    recurrent state it is checked with (no cache argument, or a recurrent state of a model not
+    in :data:`RECURRENT_SUPPORTED`).
 
     Example:
         >>> from pippy_split import zoo
@@ -133,12 +151,15 @@ def decode_signature(model: torch.nn.Module) -> DecodeSignature:
              "forward(input_ids, attention_mask=, past_key_values=) whose attention layers call "
              "past_key_values.update(keys, values, layer_idx) and attend over what it returns")
     works_recurrent = ("Of the models with a recurrent state, Hugging Face's " + ", ".join(sorted(RECURRENT_SUPPORTED))
-                       + " generate (their conv and SSM states kept in its cache).")
+                       + " generate (their conv, SSM and RWKV states kept per layer, each in its layer's stage; "
+                       "RWKV from prompts of one length, no padding).")
     if "state" in params and not any(n in params for n in ("cache", "past_key_values")):
-        raise GenerationError(f"{name} keeps a recurrent state (forward(state=)) instead of a KV cache; pippy_split "
-                              "cannot carry a state passed as state= (and Hugging Face's RWKV step broadcasts each "
-                              "row's shift state over the whole batch, so its batched generate is no per-row "
-                              f"reference to match). {works_recurrent} {works}")
+        if name not in RECURRENT_SUPPORTED or not isinstance(getattr(getattr(model, "config", None),
+                                                                     "num_hidden_layers", None), int):
+            raise GenerationError(f"{name} keeps a recurrent state passed whole as forward(state=), which pippy_split "
+                                  f"carries only for the models it checked it on. {works_recurrent} {works}")
+        return DecodeSignature("state", "position_ids" in params, "logits_to_keep" in params, "use_cache" in params,
+                               "output_router_logits" in params, recurrent=True)
     cache_arg = next((n for n in ("cache", "past_key_values") if n in params), None)
     if cache_arg is None:
         raise GenerationError(f"{name}.forward cannot take a KV cache (it has no cache= or past_key_values= "
@@ -217,15 +238,21 @@ class DecodeRoot(torch.nn.Module):
         self._user_model: torch.nn.Module
         object.__setattr__(self, "_user_model", model)
         self.signature = decode_signature(model)
+        self._layers = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)  # a state= model's
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 past: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         sig = self.signature
-        cache = _filled_cache(self._user_model, past, sig.recurrent)
-        mask: torch.Tensor | None = attention_mask
-        if sig.recurrent and past and not has_kv_layers(cache):
-            mask = None  # as Hugging Face generate steps a model without attention (Mamba): no padding in a step
-        kwargs: dict[str, Any] = {"attention_mask": mask, sig.cache_arg: cache}
+        if sig.cache_arg == "state":  # RWKV: each layer's column of each state (no past: the model's own fresh one)
+            shift = TOKEN_SHIFT_STATES.get(type(self._user_model).__name__, frozenset())
+            cache: Any = state_columns(past, self._layers, shift if int(input_ids.shape[1]) == 1 else frozenset())
+            kwargs: dict[str, Any] = {"state": cache}  # and no mask: the model reads none (prompts of one length)
+        else:
+            cache = _filled_cache(self._user_model, past, sig.recurrent)
+            mask: torch.Tensor | None = attention_mask
+            if sig.recurrent and past and not has_kv_layers(cache):
+                mask = None  # as Hugging Face generate steps a model without attention (Mamba): no padding in a step
+            kwargs = {"attention_mask": mask, sig.cache_arg: cache}
         if sig.positions:
             kwargs["position_ids"] = position_ids
         if sig.keep_last:
@@ -237,7 +264,10 @@ class DecodeRoot(torch.nn.Module):
         held = getattr(cache, "pippy_held", None)  # states on the model's modules (RecurrentGemma)
         try:
             with _router_loss_off(self._user_model):
-                logits = _logits(self._user_model.forward(input_ids, **kwargs))  # (B, T or 1, V)
+                out = self._user_model.forward(input_ids, **kwargs)
+            logits = _logits(out)  # (B, T or 1, V)
+            if sig.cache_arg == "state":
+                return logits[:, -1], state_tensors(out.state)
             return logits[:, -1], cache_tensors(cache) if sig.recurrent else _cache_tensors(cache)
         finally:
             if held is not None:
@@ -250,8 +280,13 @@ def kv_layout(model: torch.nn.Module, device: torch.device | str) -> list[Layout
     state), from one step of two tokens (on ``meta`` when the model's tensors are)."""
     root = DecodeRoot(model)
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-    with torch.no_grad():
+    state = root.signature.cache_arg == "state"
+    seen: contextlib.AbstractContextManager[list[torch.Tensor]] = (
+        FreshStateSeen(model) if state else contextlib.nullcontext([]))  # the fresh state= (RWKV's)
+    with torch.no_grad(), seen as fresh:
         _, kv = root(ids, torch.ones_like(ids), torch.arange(2, device=device)[None], [])
+    if state:
+        return list(state_layout(kv, fresh))
     if not kv:
         raise GenerationError(f"{type(model).__name__} called cache.update for no layer: it keeps no KV cache, "
                               "so it cannot generate step by step")

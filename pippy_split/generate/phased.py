@@ -3,10 +3,11 @@
 Hugging Face's Mamba-style mixers run one code path for a prompt (a scan from a zero state)
 and another for one token after a state (``seq_len == 1``: an in-place state update), so one
 trace cannot serve both. :func:`phased_program` traces the decode step twice, both cut where
-the training pipe was cut: the *prefill* (``T`` new tokens, a fresh cache: no past inputs)
-and the *step* (one token after the cache: each layer's keys and values, conv and SSM
-states). :class:`PhasedProgram` shows the two as the one program the drivers know: a step
-with ``past == 0`` is the prefill, any other the step.
+the training pipe was cut: the *prefill* (``T`` new tokens, a fresh cache: no past inputs;
+RWKV's, whose state is an argument, reads a fresh state as its past, each stage its own
+layers') and the *step* (one token after the cache: each layer's keys and values, conv and
+SSM states). :class:`PhasedProgram` shows the two as the one program the drivers know: a
+step with ``past == 0`` is the prefill, any other the step.
 
 Its stage outputs and messages are *virtual*: stage ``s``'s outputs are ``[logits (last stage
 only, else None), *prefill outputs, *step outputs]`` and :meth:`PhasedProgram.messages` lists
@@ -194,15 +195,17 @@ def phased_program(pipe: Pipe, root: DecodeRoot, layout: list[LayoutEntry], devi
     A prompt length per prefill: Hugging Face's Mamba scan is a Python loop over the tokens."""
     model = pipe.model
     assert model is not None  # decode_program refused a Pipe without its model
+    given = root.signature.cache_arg == "state"  # RWKV's prefill reads a fresh state as its past, each stage its layers'
 
     def trace(t: int, p: int) -> DecodeProgram:
-        args, shapes = example_step(layout, device, dtype, t=t, p=p)
+        args, shapes = example_step(layout, device, dtype, t=t, p=p, given_state=given)
         if p == 0:  # the prefill: every size but the batch as traced
             shapes = {**shapes, "input_ids": {0: shapes["input_ids"][0]}, "attention_mask": {0: shapes["input_ids"][0]},
                       "position_ids": {0: shapes["input_ids"][0]}}
         with meta_stood_in(model, device), warnings.catch_warnings():
             # a custom autograd Function traced through (RecurrentGemma's): decoding takes no gradient
             warnings.filterwarnings("ignore", message=".*custom autograd Function.*")
-            return DecodeProgram(trace_again(pipe, root, args, {}, dynamic_shapes=shapes), layout, fresh=p == 0)
+            return DecodeProgram(trace_again(pipe, root, args, {}, dynamic_shapes=shapes), layout,
+                                 fresh=p == 0 and not given)
 
     return PhasedProgram(trace)

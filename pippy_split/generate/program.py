@@ -28,7 +28,7 @@ from .decode_model import LayoutEntry
 from .errors import GenerationError
 from .recurrent import FixedState
 
-__all__ = ["DecodeProgram", "StagePlan", "example_step", "past_shape", "N_STEP_INPUTS"]
+__all__ = ["DecodeProgram", "StagePlan", "example_step", "past_shape", "empty_past", "N_STEP_INPUTS"]
 
 N_STEP_INPUTS = 3  # input_ids, attention_mask, position_ids; the cache tensors follow
 
@@ -60,7 +60,8 @@ class DecodeProgram:
         self.pipe = pipe
         self.layout = layout
         self.fresh = fresh
-        """The program starts from an empty cache and reads no past (a recurrent model's prefill)."""
+        """The program starts from an empty cache and reads no past (a recurrent model's prefill;
+        not RWKV's, which reads its fresh state as the past)."""
         self.num_stages: int = pipe.num_stages
         self.plans = _stage_plans(pipe, len(layout))
         last_outputs = len(pipe.stages[-1].output_names)
@@ -144,6 +145,19 @@ def past_shape(entry: LayoutEntry, batch: int, past: int) -> tuple[int, ...]:
     return (batch, h, past, d)
 
 
+def empty_past(entry: LayoutEntry, batch: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """A cache tensor before any token: no keys or values, or a recurrent state's fresh value.
+
+    Example:
+        >>> empty_past((4, 8), 2, "cpu", torch.float32).shape, empty_past(FixedState((3,), 1.0), 2, "cpu", torch.float32)
+        (torch.Size([2, 4, 0, 8]), tensor([[1., 1., 1.],
+                [1., 1., 1.]]))
+    """
+    if isinstance(entry, FixedState):
+        return entry.fresh(batch, device, dtype)
+    return torch.zeros(past_shape(entry, batch, 0), device=device, dtype=dtype)
+
+
 def _model_input_of(slot: StageInput) -> int | None:
     if slot.kind is InputKind.MODEL:
         return slot.model_input
@@ -207,16 +221,20 @@ def _stage_plans(pipe: Pipe, n_kv: int) -> list[StagePlan]:
 
 
 def example_step(layout: list[LayoutEntry], device: torch.device | str, dtype: torch.dtype, *, t: int = 3,
-                 p: int = 4) -> tuple[tuple, dict]:
+                 p: int = 4, given_state: bool = False) -> tuple[tuple, dict]:
     """A decode step's arguments to trace on: ``t`` new tokens after ``p`` (no past at all where
-    ``p`` is 0: a recurrent model's prefill), with the dynamic shapes to trace them with."""
+    ``p`` is 0: a recurrent model's prefill, unless ``given_state``: the prefill of a model whose
+    state is an argument (RWKV) reads the fresh state as its past), with the dynamic shapes to
+    trace them with."""
     b = 2  # distinct sizes above 1: export keeps each dim general
     ids = torch.zeros(b, t, dtype=torch.long, device=device)
     mask = torch.ones(b, p + t, dtype=torch.long, device=device)
     pos = torch.arange(p, p + t, device=device).expand(b, t).contiguous()
-    past = [torch.zeros(past_shape(e, b, p), device=device, dtype=dtype) for e in layout] if p else []
+    read = layout if p or given_state else []
+    past = [torch.zeros(past_shape(e, b, p), device=device, dtype=(e.dtype if isinstance(e, FixedState) else None)
+                        or dtype) for e in read]
     dyn = torch.export.Dim.DYNAMIC
     new = {0: dyn, 1: dyn} if t > 1 else {0: dyn}  # a step of one token is traced as such
     shapes = {"input_ids": new, "attention_mask": {0: dyn, 1: dyn}, "position_ids": new,
-              "past": [{0: dyn} if isinstance(e, FixedState) else {0: dyn, 2: dyn} for e in (layout if p else [])]}
+              "past": [{0: dyn} if isinstance(e, FixedState) else {0: dyn, 2: dyn} for e in read]}
     return (ids, mask, pos, past), shapes

@@ -11,6 +11,14 @@ and values (where it attends), then for each of its states its conv state and it
 state. :func:`filled_cache` builds the model's own cache from that list (an empty list: a
 fresh cache, the prefill) and :func:`cache_tensors` reads it back after the step, so the
 model's own mixers run their own prefill and step code (nothing of the model is rewritten).
+
+RWKV takes its whole state as ``forward(state=)``: five tensors ``(B, hidden, layers)`` that each
+layer reads and writes at its own column in place. :func:`state_columns` gives it one
+:class:`StateColumns` per state, whose columns are the flat list's tensors (layer after layer,
+each layer's five states), so each layer reads and replaces its own tensors in the stage that
+holds it, and :func:`state_tensors` reads them back. A fresh state is not zeros (RWKV's running
+maximum starts at -1e30): :class:`FixedState` carries each state's fresh value and dtype, read
+from the model's own fresh state (:class:`FreshStateSeen`).
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ import torch
 
 from .errors import GenerationError
 
-__all__ = ["FixedState", "recurrent_cache", "filled_cache", "cache_tensors", "state_rows_reset"]
+__all__ = ["FixedState", "recurrent_cache", "filled_cache", "cache_tensors", "state_rows_reset", "StateColumns",
+           "state_columns", "state_tensors", "state_layout", "FreshStateSeen"]
 
 
 @dataclass(frozen=True)
@@ -33,12 +42,22 @@ class FixedState:
     Example:
         >>> FixedState((64, 4)).full_shape(3)
         (3, 64, 4)
+        >>> FixedState((2,), fill=-1e30).fresh(1, "cpu", torch.float32).tolist()
+        [[-1.0000000150474662e+30, -1.0000000150474662e+30]]
     """
 
     shape: tuple[int, ...]
+    fill: float = 0.0
+    """What a fresh row holds (RWKV's running maximum starts at -1e30; every other state at 0)."""
+    dtype: torch.dtype | None = None
+    """The state's dtype where the model keeps it in another than its parameters' (RWKV's fp32 sums)."""
 
     def full_shape(self, batch: int) -> tuple[int, ...]:
         return (batch, *self.shape)
+
+    def fresh(self, batch: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+        """The state of ``batch`` rows before any token (``dtype`` where the state has none of its own)."""
+        return torch.full(self.full_shape(batch), self.fill, dtype=self.dtype or dtype, device=device)
 
 
 def _layer_classes() -> tuple[Any, Any]:
@@ -199,17 +218,18 @@ def cache_tensors(cache: Any) -> list[torch.Tensor]:
     return out
 
 
-def state_rows_reset(state: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``state`` with the rows zeroed whose mask hides every earlier column: a slot that took a
-    new prompt (continuous batching) starts from a fresh state, as its own prefill would.
+def state_rows_reset(state: torch.Tensor, mask: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """``state`` with the rows set to ``fill`` (a fresh row's value) whose mask hides every earlier
+    column: a slot that took a new prompt (continuous batching) starts from a fresh state, as its
+    own prefill would.
 
     Example:
         >>> s = torch.ones(2, 3)
         >>> state_rows_reset(s, torch.tensor([[1, 1, 1], [0, 0, 1]])).tolist()
         [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
     """
-    keep = mask[:, :-1].any(-1).to(state.dtype)  # (b,)
-    return state * keep.view(-1, *([1] * (state.dim() - 1)))
+    keep = mask[:, :-1].any(-1)  # (b,)
+    return torch.where(keep.view(-1, *([1] * (state.dim() - 1))), state, fill)
 
 
 def grows(cache: Any) -> list[bool]:
@@ -226,3 +246,103 @@ def grows(cache: Any) -> list[bool]:
         if isinstance(layer, linear):
             out += [False, False] * layer.number_of_states
     return out
+
+
+TOKEN_SHIFT_STATES: dict[str, frozenset[int]] = {"RwkvForCausalLM": frozenset({0, 1})}
+"""The states a model's one-token step reads as the previous token's hidden ``(batch, hidden)``
+beside the token's own ``(batch, 1, hidden)``. Hugging Face's RWKV mixes them as
+``hidden * mix + shifted * (1 - mix)``, which broadcasts to ``(batch, batch, hidden)``: for more
+than one row, each row's step reads every row's shift state (its batched ``generate`` is not
+each prompt's). The step is given these as ``(batch, 1, hidden)``, the shape that broadcast has
+for a batch of one, so each row steps as it would alone."""
+
+
+class StateColumns:
+    """One tensor of a state passed whole as ``forward(state=)`` (Hugging Face's RWKV: five
+    tensors ``(batch, hidden, layers)``) as one tensor per layer: ``[:, :, j]`` reads layer
+    ``j``'s column and assigning to it replaces the column. Each layer reads and writes its own
+    tensor where it runs, so no state tensor of all layers crosses a cut, and a stage keeps its
+    own layers' columns. ``token_shift``: a read gives ``(batch, 1, *)`` (a one-token step's
+    token-shift state, :data:`TOKEN_SHIFT_STATES`).
+
+    Example:
+        >>> cols = StateColumns([torch.zeros(2, 3), torch.ones(2, 3)])
+        >>> cols[:, :, 1] = cols[:, :, 1] + 1
+        >>> cols[:, :, 1][0].tolist()
+        [2.0, 2.0, 2.0]
+    """
+
+    def __init__(self, columns: list[torch.Tensor], token_shift: bool = False) -> None:
+        self.columns = list(columns)
+        self.token_shift = token_shift
+
+    def _layer(self, key: Any) -> int:
+        if (isinstance(key, tuple) and len(key) == 3 and key[0] == slice(None) and key[1] == slice(None)
+                and isinstance(key[2], int)):
+            return key[2]
+        raise GenerationError(f"the model indexes its state with [{key!r}]; pippy_split carries a state each layer "
+                              "reads and writes as state[k][:, :, layer] (Hugging Face's RWKV)")
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        column = self.columns[self._layer(key)]
+        return column[:, None] if self.token_shift else column
+
+    def __setitem__(self, key: Any, value: torch.Tensor) -> None:
+        self.columns[self._layer(key)] = value
+
+
+def state_columns(past: list[torch.Tensor], layers: int, token_shift: frozenset[int] = frozenset()
+                  ) -> list[StateColumns] | None:
+    """The ``state=`` argument holding ``past`` (layer after layer, each layer's states in the
+    model's order), the states in ``token_shift`` read as a one-token step's (:class:`StateColumns`);
+    None where ``past`` is empty (the model makes its own fresh state)."""
+    if not past:
+        return None
+    n = len(past) // layers
+    return [StateColumns([past[j * n + k] for j in range(layers)], k in token_shift) for k in range(n)]
+
+
+def state_tensors(state: list[Any]) -> list[torch.Tensor]:
+    """The state the model returns (the :class:`StateColumns` it was given, or the tensors
+    ``(batch, *, layers)`` it made) as :func:`state_columns` orders ``past``."""
+    if all(isinstance(s, StateColumns) for s in state):
+        return [s.columns[j] for j in range(len(state[0].columns)) for s in state]
+    return [s[..., j] for j in range(int(state[0].shape[-1])) for s in state]
+
+
+class FreshStateSeen:
+    """While open, records the first ``state=`` list of tensors a submodule of ``model`` is
+    called with (the fresh state the model made, before any layer wrote it), cloned."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.seen: list[torch.Tensor] = []
+
+    def _pre(self, _m: Any, _args: Any, kwargs: dict) -> None:
+        state = kwargs.get("state")
+        if not self.seen and isinstance(state, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in state):
+            self.seen.extend(t.detach().clone() for t in state)
+
+    def __enter__(self) -> list[torch.Tensor]:
+        self.handles = [m.register_forward_pre_hook(self._pre, with_kwargs=True)
+                        for name, m in self.model.named_modules() if name]
+        return self.seen
+
+    def __exit__(self, *_: Any) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def state_layout(kv: list[torch.Tensor], fresh: list[torch.Tensor]) -> list[FixedState]:
+    """Each state column's :class:`FixedState` (its shape, dtype and fresh value, read from
+    ``fresh``: the model's own state before its first layer), in :func:`state_tensors`' order."""
+    fills = []
+    for k, t in enumerate(fresh):
+        first = t.flatten()[0]
+        if not bool((t == first).all()):
+            raise GenerationError(f"the model's fresh state {k} is not one value in every place; pippy_split starts "
+                                  "a state=-passed state from one value per tensor (Hugging Face's RWKV)")
+        fills.append(float(first))
+    if not fills:
+        raise GenerationError("the model took state= but passed no fresh state to its layers")
+    return [FixedState(tuple(int(n) for n in t.shape[1:]), fills[i % len(fills)], t.dtype) for i, t in enumerate(kv)]

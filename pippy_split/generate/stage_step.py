@@ -7,7 +7,8 @@ other stages read. The cache of a lane lives here, keyed by lane, and never leav
 
 A recurrent model's program is a :class:`~.phased.PhasedProgram`: the decoder runs its
 prefill program where the lane has no cache yet and its step program after, and a slot that
-took a new prompt (continuous batching) starts that row from a zero state.
+took a new prompt (continuous batching) starts that row from a fresh state (zeros, or each
+state's own fresh value: :class:`~.recurrent.FixedState`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from ..split.materialize import share_tensors
 from .phased import PhasedProgram
-from .program import DecodeProgram, past_shape
+from .program import DecodeProgram, empty_past, past_shape
 from .recurrent import FixedState, state_rows_reset
 
 __all__ = ["StageDecoder"]
@@ -63,11 +64,12 @@ class StageDecoder:
         kv = self.cache.get(lane)
         if program.fresh:  # a recurrent model's prefill: it reads no past
             return {}
-        if kv is None:  # prefill: an empty past
-            kv = {j: torch.zeros(past_shape(e, batch, 0), device=self.device, dtype=self.dtype)
-                  for j, e in enumerate(program.layout) if j in plan.kv}
-        out = {j: (state_rows_reset(t, mask) if isinstance(program.layout[j], FixedState) else t)
-               for j, t in kv.items()}
+        if kv is None:  # prefill: an empty past (RWKV's: its fresh state)
+            kv = {j: empty_past(e, batch, self.device, self.dtype) for j, e in enumerate(program.layout) if j in plan.kv}
+        out = {}
+        for j, t in kv.items():
+            e = program.layout[j]
+            out[j] = state_rows_reset(t, mask, e.fill) if isinstance(e, FixedState) else t
         for j in plan.kv_shapes.values():  # another stage's cache, read for its sizes only
             shape = past_shape(program.layout[j], batch, past_len)
             out[j] = torch.empty((), device=self.device, dtype=self.dtype).expand(*shape)

@@ -1,7 +1,7 @@
 """Every causal LM the project trains, as generation sees it: how to build each (tiny, from a
-config, nothing downloaded), where to cut it between blocks, and whether it decodes with a KV
-cache (greedy compared with Hugging Face ``generate``) or keeps a recurrent state (refused by
-name at generate's first line).
+config, nothing downloaded), where to cut it between blocks, its prompts and its reference
+(greedy Hugging Face ``generate`` on the unsplit model), whether it decodes with a KV cache or a
+recurrent state; every one generates (none refused).
 
 The real-architecture matrix's causal LMs (``tests/models/hf_archs.py``, built with the config
 they train with: Qwen2-MoE's router aux loss on), the balance matrix's (``tests/models/hf.py``:
@@ -18,12 +18,16 @@ import torch
 MATRIX = ["qwen3", "qwen2_moe", "phi3", "mistral_tied", "gpt_neox", "opt", "bloom", "falcon", "granite",
           "deepseek_v3", "mamba", "mamba6", "jamba", "recurrent_gemma"]
 BALANCE = ["mixtral", "gemma2"]
-RECURRENT = {"rwkv"}
-"""Refused by name: RWKV takes its state as ``state=`` (and Hugging Face's batched RWKV step mixes
-the rows, so it is no reference to match)."""
-STATEFUL = {"mamba", "mamba6", "jamba", "zamba", "recurrent_gemma"}
-"""A recurrent state (conv / SSM / RG-LRU states): decoded by a prefill and a step program
+RECURRENT: set[str] = set()
+"""Refused by name at generate's first line: none (RWKV was, until issue 39 carried its ``state=``)."""
+STATEFUL = {"mamba", "mamba6", "jamba", "zamba", "recurrent_gemma", "rwkv"}
+"""A recurrent state (conv / SSM / RG-LRU / RWKV states): decoded by a prefill and a step program
 (``pippy_split/generate/phased.py``), equal to Hugging Face generate."""
+ONE_LENGTH = {"rwkv"}
+"""Prompts of one length, no padding: RWKV reads no attention mask (left padding would change
+its state; the pipe refuses a mask with zeros by name), and Hugging Face's batched RWKV step
+mixes the rows (each row's one-token step broadcasts over every row's token-shift state), so its
+reference is ``generate`` on each prompt alone (:func:`reference`)."""
 VOCAB = 128
 
 
@@ -97,6 +101,34 @@ def cuts(model: torch.nn.Module, stages: int) -> list[str]:
     return [f"{fqn}.{(i * n) // stages}" for i in range(1, stages)]
 
 
+def arch_prompts(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``name``'s prompts: left-padded, or of one length for :data:`ONE_LENGTH`."""
+    from .models import prompts
+
+    return prompts(name not in ONE_LENGTH)
+
+
+def reference(name: str, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, n: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF ``generate``'s greedy sequences and log-probabilities on the unsplit model: on the batch,
+    or for :data:`ONE_LENGTH` on each prompt alone (finished rows padded with the pad HF uses)."""
+    from .models import hf_reference
+
+    if name not in ONE_LENGTH:
+        return hf_reference(model, ids, mask, n, **hf_kwargs(model))
+    rows = [hf_reference(model, ids[i:i + 1], mask[i:i + 1], n) for i in range(ids.shape[0])]
+    width = max(r.shape[1] for r, _ in rows)
+    pad = model.generation_config.pad_token_id
+    eos = model.generation_config.eos_token_id
+    pad = pad if pad is not None else (eos if isinstance(eos, int) else eos[0] if eos else 0)
+    sequences = torch.full((len(rows), width), pad, dtype=ids.dtype)
+    logprobs = torch.zeros(len(rows), width - ids.shape[1])
+    for i, (r, lp) in enumerate(rows):
+        sequences[i, : r.shape[1]] = r[0]
+        logprobs[i, : lp.shape[1]] = lp[0]
+    return sequences, logprobs
+
+
 def arch_generate_body(rank: int, world: int, name: str, schedule: str, stages: int, kwargs: dict,
                        group: object = None) -> dict:
     """``name`` cut into ``stages`` stages between blocks, ``schedule`` on these ranks, greedy
@@ -104,10 +136,9 @@ def arch_generate_body(rank: int, world: int, name: str, schedule: str, stages: 
     import pippy_split as ps
 
     from .gen_bodies import lm_loss
-    from .models import prompts
 
     model = build(name)
-    ids, mask = prompts(True)
+    ids, mask = arch_prompts(name)
     pipe = ps.pipeline(model, cuts(model, stages), (ids[:2],))
     sched = ps.build_schedule(pipe, schedule, 2, loss_fn=lm_loss, group=group)
     out = sched.generate(ids, attention_mask=mask, return_logprobs=True, **kwargs)
@@ -124,24 +155,24 @@ def hf_kwargs(model: torch.nn.Module) -> dict:
 
 def generation_check(name: str, n_new: int = 6) -> tuple[str, str]:
     """``(verdict, detail)`` of ``pipe.generate`` on ``name`` cut between blocks into 2 stages,
-    against HF generate on the unsplit model (greedy, left-padded prompts): ``"equal"`` (tokens
+    against HF generate on the unsplit model (greedy, left-padded prompts, :func:`arch_prompts`;
+    :func:`reference`): ``"equal"`` (tokens
     equal, log-probabilities within 1e-5 up to each row's EOS), ``"refused"`` (a GenerationError
     naming a recurrent state), else ``"differs"`` / ``"raised"`` with what differed or raised.
     The real-architecture benchmark's generation column and ``test_generate_archs`` use it."""
     import pippy_split as ps
     from pippy_split.generate import GenerationError
 
-    from .models import hf_reference, prompts
     from .test_generate_local import _live
 
     model = build(name)
-    ids, mask = prompts(True)
+    ids, mask = arch_prompts(name)
     pipe = ps.pipeline(model, mid_cut(model), (ids[:2],))
     try:
         out = pipe.generate(ids, attention_mask=mask, max_new_tokens=n_new, return_logprobs=True)
     except GenerationError as e:
         return ("refused" if "recurrent state" in str(e) else "raised"), str(e)
-    ref, ref_logprobs = hf_reference(model, ids, mask, n_new, **hf_kwargs(model))
+    ref, ref_logprobs = reference(name, model, ids, mask, n_new)
     if not torch.equal(out.sequences[:, : ref.shape[1]], ref):
         return "differs", f"tokens differ: {out.sequences.tolist()} vs {ref.tolist()}"
     n = ref.shape[1] - ids.shape[1]

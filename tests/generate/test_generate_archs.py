@@ -1,20 +1,21 @@
 """Generation follows training: every causal LM the project trains, cut between its blocks,
 greedy-decodes as Hugging Face ``generate`` does on the unsplit model, token for token (and
 log-probabilities to 1e-5) with left-padded prompts, Mamba, Jamba, Zamba and RecurrentGemma
-(a recurrent state) included; RWKV (``state=``) is refused by name at generate's first line
-(never an ``IndexError`` from deep inside).
+(a recurrent state) included, and RWKV (``state=``, no attention mask) with prompts of one
+length against HF generate on each prompt alone (HF's batched RWKV step mixes the rows); RWKV
+refuses left-padded prompts by name at generate's first line.
 
 Before: OLMoE and Qwen2-MoE as trained (router aux loss on) failed to trace their decode step,
 MPT (no ``position_ids``) was refused, Mamba-style models raised ``IndexError`` in transformers'
-cache code, then were refused by name (issue 39 made them decode: ``test_generate_recurrent.py``)."""
+cache code, then were refused by name (issue 39 made them decode: ``test_generate_recurrent.py``);
+RWKV was refused by name (issue 39 made it decode)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from .archs import NAMES, RECURRENT, build, generation_check, hf_kwargs
-from .models import hf_reference, prompts
+from .archs import NAMES, RECURRENT, arch_prompts, build, generation_check, reference
 from .test_generate_local import _live
 
 N_NEW = 6
@@ -30,9 +31,11 @@ def test_pipe_generate_equals_hf_generate_or_refuses_by_name(name: str) -> None:
 
 RANKED = [(name, schedule, stages) for name in ("olmoe", "mpt", "qwen2_moe")
           for schedule, stages in (("1F1B", 2), ("ZBVZeroBubble", 4))]
-# recurrent states: one schedule per family keeps the suite short (every family ran under both by hand)
+# recurrent states: one schedule per family keeps the suite short (every family ran under both by hand);
+# RWKV under both: its state travels as a state= argument, not in a cache, and V placement puts two of
+# its stages (their own layers' columns) on one rank
 RANKED += [("mamba", "1F1B", 2), ("jamba", "ZBVZeroBubble", 4), ("recurrent_gemma", "1F1B", 2),
-           ("zamba", "ZBVZeroBubble", 4)]
+           ("zamba", "ZBVZeroBubble", 4), ("rwkv", "1F1B", 2), ("rwkv", "ZBVZeroBubble", 4)]
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +63,11 @@ def test_sched_generate_on_two_ranks_equals_hf_generate(two_ranks, name: str, sc
 
 
 def assert_equals_hf(name: str, sequences: torch.Tensor, logprobs: torch.Tensor) -> None:
-    """Greedy ``sequences`` equal HF ``generate`` on the unsplit model and ``logprobs`` its to 1e-5."""
+    """Greedy ``sequences`` equal HF ``generate`` on the unsplit model (:func:`~.archs.reference`)
+    and ``logprobs`` its to 1e-5."""
     model = build(name)
-    ids, mask = prompts(True)
-    ref, ref_logprobs = hf_reference(model, ids, mask, N_NEW, **hf_kwargs(model))
+    ids, mask = arch_prompts(name)
+    ref, ref_logprobs = reference(name, model, ids, mask, N_NEW)
     assert torch.equal(sequences[:, : ref.shape[1]], ref), name
     n = ref.shape[1] - ids.shape[1]
     live = _live(ref[:, ids.shape[1]:], model.generation_config.eos_token_id)
