@@ -34,7 +34,7 @@ from pippy_split.plan.cluster.memory import activation_bytes, head_bytes, loss_p
 GiB = 2**30
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cluster_planning.md"
 MISSES = {
-    ("torchtitan H100 T2", "8B FSDP 1 CP 8 seq 262144"): "tokens/s/GPU predicted 640 vs 548 published (+17%): the four "
+    ("torchtitan H100 T2", "8B FSDP 1 CP 8 seq 262144"): "tokens/s/GPU predicted 635 vs 548 published (+16%): the four "
     "Table 2 rows hold the same 32,768 tokens a GPU; beside the model's non-attention part of a token, the published "
     "steps give a ring round of 172, 154, 212, 217 us a token at CP 1, 2, 4, 8 (flat to CP 2, 32% dearer from CP 4). "
     "torch's ring of Dec 2024 has no cost that steps there: round-robin load balancing puts both half-block shapes "
@@ -43,11 +43,11 @@ MISSES = {
 }
 MEMORY_MISSES: dict[tuple[str, str], str] = {}
 RATIO_MISSES = {
-    ("torchtitan H100 T2", "8B FSDP 2 CP 4 seq 131072"): "predicted 0.329 of the CP 1 row vs 0.275 published (+19%): "
+    ("torchtitan H100 T2", "8B FSDP 2 CP 4 seq 131072"): "predicted 0.328 of the CP 1 row vs 0.275 published (+19%): "
     "with a per-round cost the same at every cp, CP 2's ratio within 10% needs a round under 0.70 of the CP 1 step "
     "and CP 4's over 0.77; published, a round costs 32% more from CP 4 on than at CP 1-2, and nothing in torch's "
     "load-balanced, all-gather ring grows there (see the CP 8 row's reason)",
-    ("torchtitan H100 T2", "8B FSDP 1 CP 8 seq 262144"): "predicted 0.174 of the CP 1 row vs 0.141 published (+23%), "
+    ("torchtitan H100 T2", "8B FSDP 1 CP 8 seq 262144"): "predicted 0.173 of the CP 1 row vs 0.141 published (+23%), "
     "as above",
     ("torchtitan A100 Llama 2", "70B selective op"): "predicted 0.186 of the 13B no-AC row vs 0.164 published (+13%): "
     "the row itself is within 15% (+12%) since FSDP2's copy-outs are priced; published, this mb=1 op-SAC run is as "
@@ -255,10 +255,25 @@ def test_ring_attention_prices_its_per_round_correction(monkeypatch):
         assert ring_correction_s(LLAMA3_8B, c.with_(efficiency=0.5), lay, 4096) == 0.0
     lay = ClusterLayout(pp=1, dp=4, tp=1, v=1, m=1, mb=1, ac="full", cp=2)
     share = {t: ring_correction_s(LLAMA3_8B, c, lay, t) / attention_s(t, 2 * t, h, c) for t in (4096, 32768)}
-    assert share[4096] == pytest.approx(8 * share[32768])
+    assert 7 < share[4096] / share[32768] <= 8  # bytes as t, FLOPs as t^2 (a short round also runs slower)
     with_it, one = block_times(LLAMA3_8B, c, lay, 8192, TITAN), ring_correction_s(LLAMA3_8B, c, lay, 4096)
     monkeypatch.setattr(cluster_block, "RING_CORRECTION_BYTES", 0.0)
     without = block_times(LLAMA3_8B, c, lay, 8192, TITAN)
     assert one > 0 == ring_correction_s(LLAMA3_8B, c, lay, 4096)
     assert with_it.forward - without.forward == pytest.approx(one)
     assert with_it.backward - without.backward == pytest.approx(2 * one)
+
+
+def test_attention_efficiency_rises_with_the_length_one_call_sees():
+    """Flash attention at a short sequence (or a ring round's ``s / cp`` shard) runs below its
+    long-sequence rate, by the matmuls' tile rule over its two sequence dimensions; the head
+    dimension and a flat measured efficiency leave it alone."""
+    c = ps.Cluster.preset("h100-sxm", gpus=8)
+    per_flop = {s: attention_s(s, s, 4096, c) / (s * s) for s in (2048, 8192, 32768)}
+    assert per_flop[2048] > per_flop[8192] > per_flop[32768]
+    assert per_flop[2048] / per_flop[32768] == pytest.approx(((32768 / (32768 + 128)) / (2048 / (2048 + 128))) ** 2)
+    f = lambda d: d / (d + 128)  # noqa: E731
+    shard = attention_s(32768, 65536, 4096, c, block_len=65536 / 8)  # a CP 8 rank's shard of a 64k sequence
+    assert shard / attention_s(32768, 65536, 4096, c) == pytest.approx((f(65536) / f(8192)) ** 2)
+    flat = c.with_(efficiency=0.5)
+    assert attention_s(2048, 2048, 4096, flat) / 2048**2 == pytest.approx(attention_s(32768, 32768, 4096, flat) / 32768**2)

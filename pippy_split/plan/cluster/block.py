@@ -187,8 +187,9 @@ def block_times(model: ModelShape, cluster: Cluster, lay: ClusterLayout, seq_len
     fwd_mm = [split * gemm_s(m / split, n, k, cluster, fp8) for m, k, n in mms]
     bwd_mm = sum(split * gemm_s(m / split, k, n, cluster, fp8) + gemm_s(k, n, m, cluster, fp8) for m, k, n in mms)
     width = model.hidden / lay.tp
-    attn_f = attention_s(tokens, seq_len, width, cluster, runtime.attention_kernel)
-    attn_b = attention_s(tokens, seq_len, width, cluster, runtime.attention_kernel, backward=True)
+    chunk = seq_len / lay.cp  # what one attention call sees per sequence (a ring round's blocks)
+    attn_f = attention_s(tokens, seq_len, width, cluster, runtime.attention_kernel, block_len=chunk)
+    attn_b = attention_s(tokens, seq_len, width, cluster, runtime.attention_kernel, backward=True, block_len=chunk)
     flat = cluster.efficiency is not None
     elem = 0.0 if flat else memory_s(_elementwise_bytes(model, tokens, lay.tp, runtime), cluster)
     cast_f, cast_b = _float8_cast_bytes(mms, runtime, lay.tp) if fp8 and not flat else (0.0, 0.0)

@@ -17,7 +17,12 @@ Sits under :mod:`.block` (a transformer block as a list of these kernels) and
   of a peak twice as high).
 * **Attention** (flash, causal): ``2 s d`` FLOPs per query token and head dimension
   ``d`` forward (two ``s x s`` products halved by the mask), 2.5 x that backward, at the
-  runtime's attention kernel's fraction of the bf16 peak (attention never runs in Float8).
+  runtime's attention kernel's fraction of the bf16 peak (attention never runs in Float8)
+  times ``f(L)^2``, ``L`` the query and key length one kernel call sees (a sequence, or its
+  ``s / cp`` shard under ring attention): the matmuls' tile rule over attention's two
+  sequence dimensions (a short sequence amortizes each tile row's softmax rescale and output
+  write, and the causal diagonal's partial tiles, over fewer tiles). The head dimension is
+  fixed (128) and in the kernel's fraction.
 * **Memory-bound** passes (norms, rotary, SwiGLU, residual adds, Float8 casts and amax,
   the loss over the logits, the optimizer step): bytes at ``hbm_bw x hbm_fraction``.
 * **Collectives and messages**: bytes at the link's bandwidth times ``link_fraction``.
@@ -104,9 +109,11 @@ def gemm_s(m: float, n: float, k: float, cluster: Cluster, fp8: bool = False, ke
 
 
 def attention_s(query_tokens: float, seq_len: float, width: float, cluster: Cluster, kernel: str = "flash2",
-                backward: bool = False, kernels: Kernels = KERNELS) -> float:
+                backward: bool = False, kernels: Kernels = KERNELS, block_len: float | None = None) -> float:
     """Seconds of causal flash attention for ``query_tokens`` queries over sequences of
-    ``seq_len``, ``width`` = heads x head dim on this GPU; ``backward``: its backward.
+    ``seq_len``, ``width`` = heads x head dim on this GPU; ``backward``: its backward;
+    ``block_len``: the query and key length one kernel call sees (``seq_len / cp`` under ring
+    attention; ``None``: ``seq_len``), which sets the efficiency ``f(block_len)^2``.
 
     Example:
         >>> from .hardware import Cluster
@@ -118,7 +125,8 @@ def attention_s(query_tokens: float, seq_len: float, width: float, cluster: Clus
     if cluster.efficiency is not None:
         return flops / (cluster.flops * cluster.efficiency)
     fwd, bwd = kernels.attention(kernel)
-    return flops / (cluster.dense_flops * (bwd if backward else fwd))
+    shape = _shape_factor(seq_len if block_len is None else block_len, kernels) ** 2
+    return flops / (cluster.dense_flops * (bwd if backward else fwd) * shape)
 
 
 def memory_s(nbytes: float, cluster: Cluster, kernels: Kernels = KERNELS) -> float:
