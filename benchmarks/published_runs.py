@@ -102,7 +102,7 @@ def _runs() -> list[Run]:
                 TITAN_FP8_ASYNC, 76, 75.3)]
     out.append(Run("torchtitan PR 382 (held out)", "8B FSDP + compile, Jul 2024", LLAMA3_8B, h96, 8,
                    _fsdp(8, 2, "selective-op"), "1F1B", 8192, TITAN_COMPILE, 6479, 68.09))
-    h = "torchtitan 405B Jul 2024 (held out)"
+    h = "torchtitan 405B Jul 2024 (found later)"
     lay405 = _fsdp(16, 2, "full", tp=8)
     out += [Run(h, "405B 2D", LLAMA3_405B, h96, 128, lay405, "1F1B", 8192, TITAN, 109),
             Run(h, "405B 2D + Float8", LLAMA3_405B, h96, 128, lay405, "1F1B", 8192, TITAN_FP8, 177),
