@@ -7,7 +7,8 @@ error, so a change that closes one turns it into a failure to promote.
 Also the issue-43 fixes one by one (each failed before): presets in PyTorch's units, ``only=``
 refusing a batch its layout cannot form, loss-parallel bytes only under TP, matmul efficiency
 rising with width, Float8 pricing its casts (a shared input cast once when compiled or under
-TP), what op-level SAC keeps, FSDP2's peak without PP and its copy-out on the compute stream."""
+TP), what op-level SAC keeps, FSDP2's peak without PP and its copy-out on the compute stream,
+ring attention's per-round correction, attention's efficiency by the length one call sees."""
 
 from __future__ import annotations
 
