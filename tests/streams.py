@@ -43,6 +43,7 @@ FILE_SECONDS: dict[str, float] = json.loads((Path(__file__).parent / "file_secon
 """Seconds each test file took in a whole run of the suite (``python -m tests.streams --record ...``
 writes it)."""
 UNLISTED_SECONDS_PER_TEST = 2.0
+_PERCENT = re.compile(r"\[ *(\d+)%\]")
 _SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?|warnings?)")
 
 
@@ -142,9 +143,11 @@ def _merged_seconds(tmp: str) -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
-def _progress(log: Path) -> str:
-    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    return lines[-1][-60:] if lines else "(starting)"
+def _progress(logs: list[Path]) -> str:
+    """How far the streams are: each stream's progress counts against every collected test, so
+    the percentages add up."""
+    done = sum(int(m[-1]) for log in logs if (m := _PERCENT.findall(log.read_text(errors="replace"))))
+    return f"{done}% of the tests done"
 
 
 def _run(args: list[str], record: bool = False) -> int:
@@ -173,8 +176,7 @@ def _run(args: list[str], record: bool = False) -> int:
                                     q.send_signal(signal.SIGINT)  # pytest prints its summary and stops
                 if time.monotonic() - last_note > 60:
                     last_note = time.monotonic()
-                    print(f"streams, {last_note - start:.0f} s: "
-                          + " | ".join(f"{k}: {_progress(log)}" for k, log in enumerate(logs)), flush=True)
+                    print(f"streams, {last_note - start:.0f} s: {_progress(logs)}", flush=True)
         finally:
             for p in procs:
                 if p.poll() is None:
