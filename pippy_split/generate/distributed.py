@@ -232,13 +232,13 @@ def generate_on_schedule(sched: ScheduleView, runtime: Interpreter, failures: Fa
     pipe = _pipe_of(sched)
     call = agreed_call(pipe, sched.pipeline_group, input_ids, kwargs)  # every rank, before any message
     # FSDP2 / TP stages: their DTensors whole for this call, freed after it (gathered.py)
-    with unsharded_stages(sched.stages, pipe):
+    with unsharded_stages(sched.stages, pipe, int(input_ids.shape[1])):
         return _generate(sched, pipe, call, input_ids, runtime, failures)
 
 
 def _generate(sched: ScheduleView, pipe: Pipe, call: CheckedCall, input_ids: torch.Tensor, runtime: Interpreter,
               failures: FailureChannel | None) -> Generation:
-    program = decode_program(pipe)
+    program = decode_program(pipe, int(input_ids.shape[1]))
     device = sched.stages[0].device
     decoders = {}
     for st in sched.stages:
@@ -260,7 +260,7 @@ def generate_in_process(pipe: Pipe, input_ids: torch.Tensor, **kwargs: Any) -> G
     """See :meth:`pippy_split.Pipe.generate`: every stage in this process, on a runtime of one
     rank (no transport: values between stages are handed over in memory)."""
     call = checked_call(pipe, input_ids, **kwargs)
-    program = decode_program(pipe)
+    program = decode_program(pipe, int(input_ids.shape[1]))
     device = input_ids.device
     decoders = {s: StageDecoder(program, s, program.stage_module(s), device, call.dtype)
                 for s in range(program.num_stages)}

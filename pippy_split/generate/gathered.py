@@ -71,10 +71,12 @@ class Gathered:
 
 
 @contextlib.contextmanager
-def unsharded_stages(stages: Sequence[PipelineStage], pipe: Pipe) -> Iterator[Gathered]:
+def unsharded_stages(stages: Sequence[PipelineStage], pipe: Pipe, prompt_len: int | None = None
+                     ) -> Iterator[Gathered]:
     """For the duration of the ``with``: the DTensor parameters and buffers of ``stages``
     whole, torch.distributed's forward hooks on their modules suspended, and ``pipe``'s
-    decode program traced. Every rank of each DP/TP group calls it with the same stages.
+    decode program traced (for prompts of ``prompt_len``: :func:`~.programs.decode_program`).
+    Every rank of each DP/TP group calls it with the same stages.
 
     Stages without DTensors gather nothing and are left as they are.
 
@@ -98,7 +100,7 @@ def unsharded_stages(stages: Sequence[PipelineStage], pipe: Pipe) -> Iterator[Ga
         traced: list[Callable[[], None]] = []
         try:
             _lend(sharded, stand_in, {}, traced)
-            program = decode_program(pipe)  # traced on the Pipe's first call: it needs shapes only
+            program = decode_program(pipe, prompt_len)  # traced on the Pipe's first call: it needs shapes only
         finally:
             _undo(traced)
         _lend(sharded, _full, whole, undo)

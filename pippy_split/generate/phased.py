@@ -78,11 +78,13 @@ class PhasedProgram:
     """The prefill programs (one per prompt length, traced on first use) and the step program
     of a recurrent model as one decode program (see the module docstring)."""
 
-    def __init__(self, trace: Callable[[int, int], DecodeProgram]) -> None:
+    def __init__(self, trace: Callable[[int, int], DecodeProgram], reference_len: int = 2) -> None:
         self._trace = trace
         self.step = trace(1, 4)
-        self._prefills = {2: trace(2, 0)}  # the reference prefill: its messages stand for every length's
-        ref = self._prefills[2]
+        # the reference prefill (the first call's prompt length): its messages stand for every length's
+        self._ref_len = reference_len
+        self._prefills = {reference_len: trace(reference_len, 0)}
+        ref = self._prefills[reference_len]
         self.num_stages: int = self.step.num_stages
         self.layout = self.step.layout
         self.logits_output = 0
@@ -103,11 +105,11 @@ class PhasedProgram:
             if prog.plans[s].kv != self.step.plans[s].kv:
                 raise GenerationError(f"stage {s} keeps cache tensors {prog.plans[s].kv} after the prefill but "
                                       f"{self.step.plans[s].kv} after a step; cut the model at block boundaries")
-        ref = self._prefills.get(2)
+        ref = self._prefills.get(self._ref_len)
         if ref is not None and [(e.src_stage, e.dst_stage, e.spec.dtype) for e in prog.messages()] != [
                 (e.src_stage, e.dst_stage, e.spec.dtype) for e in ref.messages()]:
             raise GenerationError("the prefill sends other values between stages for another prompt length; "
-                                  "pad the prompts to 2 tokens")
+                                  f"pad the prompts to {self._ref_len} tokens")
 
     def phase(self, past: int) -> str:
         """The phase of a step after ``past`` tokens (0: the prefill)."""
@@ -131,7 +133,7 @@ class PhasedProgram:
     def stage_module(self, s: int) -> torch.nn.Module:
         """Stage ``s``'s reference prefill module (the one a driver binds to its live tensors;
         the other programs' modules take them from it: :func:`~pippy_split.split.materialize.share_tensors`)."""
-        return self._prefills[2].stage_module(s)
+        return self._prefills[self._ref_len].stage_module(s)
 
     def bindings(self, batch: int, new: int, past: int) -> PhaseBindings:
         """The running phase's symbols for ``batch`` rows extended by ``new`` tokens after ``past``."""
@@ -157,7 +159,7 @@ class PhasedProgram:
         return out
 
     def token_readers(self) -> set[int]:
-        return self._prefills[2].token_readers() | self.step.token_readers()
+        return self._prefills[self._ref_len].token_readers() | self.step.token_readers()
 
     def real_produced(self, phase: str, new: int, produced: dict[tuple[int, int], Any]) -> dict[tuple[int, int], Any]:
         """``produced`` (virtual indices) as the phase's program keys it (its own output indices)."""
@@ -189,10 +191,11 @@ def _device_of(outs: Sequence[Any]) -> torch.device:
 
 
 def phased_program(pipe: Pipe, root: DecodeRoot, layout: list[LayoutEntry], device: torch.device,
-                   dtype: torch.dtype) -> PhasedProgram:
+                   dtype: torch.dtype, prompt_len: int | None = None) -> PhasedProgram:
     """``root`` traced as a one-token step and as a prefill of each prompt length (a fresh
-    cache; the reference length 2 now, any other on first use), all cut where ``pipe`` was cut.
-    A prompt length per prefill: Hugging Face's Mamba scan is a Python loop over the tokens."""
+    cache; the reference length now: ``prompt_len``, the first call's, where it is 2 or more,
+    else 2; any other on first use), all cut where ``pipe`` was cut. A prompt length per
+    prefill: Hugging Face's Mamba scan is a Python loop over the tokens."""
     model = pipe.model
     assert model is not None  # decode_program refused a Pipe without its model
     given = root.signature.cache_arg == "state"  # RWKV's prefill reads a fresh state as its past, each stage its layers'
@@ -208,4 +211,4 @@ def phased_program(pipe: Pipe, root: DecodeRoot, layout: list[LayoutEntry], devi
             return DecodeProgram(trace_again(pipe, root, args, {}, dynamic_shapes=shapes), layout,
                                  fresh=p == 0 and not given)
 
-    return PhasedProgram(trace)
+    return PhasedProgram(trace, prompt_len if prompt_len is not None and prompt_len >= 2 else 2)

@@ -24,10 +24,12 @@ Program = DecodeProgram | PhasedProgram
 """A decode program as the drivers see it."""
 
 
-def decode_program(pipe: Pipe) -> Program:
+def decode_program(pipe: Pipe, prompt_len: int | None = None) -> Program:
     """The pipe's decode program, traced on first use and kept in ``pipe.derived``: one
     :class:`DecodeProgram` for a model with a KV cache, a :class:`~.phased.PhasedProgram`
-    (a prefill and a step program behind the same methods) for one with a recurrent state.
+    (a prefill and a step program behind the same methods) for one with a recurrent state,
+    whose first prefill is traced for ``prompt_len`` (the first call's prompts), so that a
+    call's prompts need no second prefill trace.
 
     Example:
         >>> program = decode_program(pipe)  # doctest: +SKIP
@@ -50,7 +52,7 @@ def decode_program(pipe: Pipe) -> Program:
     with meta_stood_in(model, device):
         layout = kv_layout(model, device)
         if root.signature.recurrent:  # a prefill and a step: two programs (phased.py)
-            program: Program = phased_program(pipe, root, layout, device, dtype)
+            program: Program = phased_program(pipe, root, layout, device, dtype, prompt_len)
         else:
             args, shapes = example_step(layout, device, dtype)
             program = DecodeProgram(trace_again(pipe, root, args, {}, dynamic_shapes=shapes), layout)

@@ -56,13 +56,20 @@ def _tiny_mamba() -> torch.nn.Module:
 
 
 @pytest.mark.timeout(120)
-def test_a_tiny_mamba_decodes_as_hf_generate_with_one_message_layout_per_phase() -> None:
+def test_a_tiny_mamba_decodes_as_hf_generate_with_one_message_layout_per_phase(monkeypatch) -> None:
     import pippy_split as ps
+    from pippy_split.generate import phased
 
+    traced: list[int] = []
+    trace_again = phased.trace_again
+    monkeypatch.setattr(phased, "trace_again", lambda pipe, root, args, *a, **k: (
+        traced.append(int(args[0].shape[1])), trace_again(pipe, root, args, *a, **k))[1])
     model = _tiny_mamba()
     ids, mask = prompts(True, batch=3, length=4)
     pipe = ps.pipeline(model, ["backbone.layers.1"], (ids[:2],))
     out = pipe.generate(ids, attention_mask=mask, max_new_tokens=3, return_logprobs=True)
+    # the step and the prefill of these prompts' length: no other prefill traced to stand for it
+    assert sorted(traced) == [1, 4], traced
     ref, ref_logprobs = hf_reference(model, ids, mask, 3)
     assert torch.equal(out.sequences, ref)
     torch.testing.assert_close(out.logprobs, ref_logprobs, atol=1e-5, rtol=0)
