@@ -10,9 +10,9 @@ schedule code, so the launcher stays light.
 
 Example:
     >>> req = GenerateRequest(run_dir="/runs/sums", input_ids=[[3, 1, 4]], attention_mask=[[1, 1, 1]],
-    ...                       max_new_tokens=3)
-    >>> req.sampling()["max_new_tokens"], req.eos_token_id
-    (3, None)
+    ...                       options=GenerateOptions(max_new_tokens=3, temperature=0.7))
+    >>> req.sampling()["max_new_tokens"], req.sampling()["temperature"], req.eos_token_id
+    (3, 0.7, None)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ..generate.options import GenerateOptions
 from .config import TrainConfig
 from .errors import JobError
 from .run_dir import CHECKPOINT_FILE, TRAIN_STATE_DIR, load_model_file, runs_in
@@ -31,24 +32,23 @@ __all__ = ["GenerateRequest", "run_config", "read_run"]
 
 @dataclass(frozen=True, kw_only=True)
 class GenerateRequest:
-    """What every rank is asked: the run, the prompts as ids (left-padded), how to choose tokens."""
+    """What every rank is asked: the run, the prompts as ids (left-padded), how to choose tokens
+    (``options``, checked by the launching process; its stop and pad fields are left to generate's defaults)."""
 
     run_dir: str
     input_ids: list[list[int]]
     attention_mask: list[list[int]]
-    max_new_tokens: int
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    options: GenerateOptions
     eos_token_id: int | None = None
     """Where a row stops (the task's end: the built-in sums' newline); None: the model's own EOS."""
 
     def sampling(self) -> dict[str, Any]:
-        """The token-choice arguments of ``generate``."""
-        return dict(max_new_tokens=self.max_new_tokens, do_sample=self.do_sample, temperature=self.temperature,
-                    top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+        """The token-choice arguments of ``generate``, from :attr:`options`."""
+        return {f: getattr(self.options, f) for f in SAMPLING}
+
+
+SAMPLING = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed")
+"""The fields of :class:`GenerateOptions` the command's flags set."""
 
 
 # --------------------------------------------------------------------------- the run directory

@@ -41,7 +41,7 @@ from typing import Any
 from ..generate import GenerateOptions, GenerationError
 from .config import TrainConfig
 from .errors import JobError, RankFailed, report
-from .generate_request import GenerateRequest, read_run, run_config
+from .generate_request import SAMPLING, GenerateRequest, read_run, run_config
 from .launch import Interrupted, launch
 from .prompts import PromptCodec
 from .run_dir import runs_in
@@ -102,18 +102,16 @@ def make_request(args: argparse.Namespace) -> tuple[GenerateRequest, Any, int]:
     meta = read_run(args.run_dir)["meta"]
     cfg = run_config(meta, run_dir)
     try:  # generate's own checks of the arguments, here before any rank starts
-        GenerateOptions(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                        top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        options = GenerateOptions(**{f: getattr(args, f) for f in SAMPLING})
     except GenerationError as e:  # named by its flag: "temperature must be ..." -> "--temperature must be ..."
         text = str(e)
-        field = next((f for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed") if text.startswith(f)), "")
+        field = next((f for f in SAMPLING if text.startswith(f)), "")
         raise JobError("--" + field.replace("_", "-") + text[len(field):] if field else text) from None
     codec = PromptCodec.of_run(cfg, meta)
     ids, mask = codec.batch(list(args.prompt))
     _check_positions(cfg, meta, ids.shape[1], args.max_new_tokens)
-    req = GenerateRequest(run_dir=run_dir, input_ids=ids.tolist(), attention_mask=mask.tolist(),
-                          max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=_task_end(cfg, codec))
+    req = GenerateRequest(run_dir=run_dir, input_ids=ids.tolist(), attention_mask=mask.tolist(), options=options,
+                          eos_token_id=_task_end(cfg, codec))
     return req, codec, cfg.ranks
 
 
