@@ -11,13 +11,16 @@ user has; the model's config says ``use_cache=False`` for training, which HF gen
 otherwise follow and recompute every token) while the other ranks wait. Each configuration
 generates once to warm up (the decode program is traced then), then ``REPS`` times; the figure
 is the median, the configurations taking turns (HF's included) so a loaded machine slows them
-alike. Tokens/s counts new tokens of all rows. Busy fraction: a rank's time inside its stages'
-decode steps over the call's wall time; predicted: ``ps.simulate`` of the same lowered order with
-one cost per compute; CPU share: the rank's CPU time over the call's wall time. "Cores for the
-ranks": a fixed weight-streaming loop (a decode step's linears) on every rank at once against each
-rank alone, ``ranks x alone / together``: the number of ranks where each has a core of its own,
-1 where they take turns on one (lanes can only overlap the stages on cores that are free).
-Results go to ``benchmarks/results/generate_decode.{json,md}``.
+alike; each call starts on every rank at once (a barrier), and ratios are medians of per-turn
+ratios. Tokens/s counts new tokens of all rows. Where each rank's time goes (:func:`analyse`):
+its D actions (busy), comm batches before the peer posted (waiting: the pipeline's dependency)
+and after (messages: the transport), host work between actions; the simulated busy fraction is
+``ps.simulate`` of the same lowered order fed the measured per-stage step and prefill costs and
+the measured message latency. CPU share: the rank's CPU time over the call's wall time. "Cores
+for the ranks": a fixed weight-streaming loop (a decode step's linears) on every rank at once
+against each rank alone, ``ranks x alone / together``: the number of ranks where each has a core
+of its own, 1 where they take turns on one (lanes can only overlap the stages on cores that are
+free). Results go to ``benchmarks/results/generate_decode.{json,md}``.
 
 On this project's 2-core machine, 4 ranks share 2 cores: the 4-rank figures measure
 oversubscription as much as pipelining, and a loaded machine moves every figure.
@@ -73,39 +76,112 @@ def rank_body(rank: int, world: int, d: int, layers: int, batch: int, length: in
         sched.generate(ids, max_new_tokens=2, lanes=lanes)  # warm up: traces the decode step
     if hf_model is not None:
         hf_generate(hf_model, ids, 2)
-    walls: dict[Any, list[float]] = {lanes: [] for lanes in lanes_list}
-    cpus: dict[Any, list[float]] = {lanes: [] for lanes in lanes_list}
-    busy: dict[Any, list[float]] = {lanes: [] for lanes in lanes_list}
-    steps: dict[Any, list[float]] = {lanes: [] for lanes in lanes_list}
-    hf_walls, probes = [], []
+    runs: dict[Any, list[dict]] = {lanes: [] for lanes in lanes_list}
+    hf_walls, probes, rows_probes = [], [], []
     for _ in range(REPS):  # the configurations take turns (HF's too), so a busy machine slows them alike
         for lanes in lanes_list:
+            dist.barrier()  # every rank starts the call together (a rank's wall is the call's, not a wait for it)
             cpu, start = time.process_time(), time.perf_counter()
-            with sched.timed_actions() as times:  # every D action, timed by the runtime's observer
+            with sched.timed_actions(messages=True) as times:  # every action, timed by the runtime's observer
                 sched.generate(ids, max_new_tokens=new, lanes=lanes, eos_token_id=None)
-            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-            computes = [t.seconds for t in times]
-            walls[lanes].append(wall)
-            cpus[lanes].append(cpu / wall)
-            busy[lanes].append(sum(computes) / wall)
-            steps[lanes].append(statistics.median(computes))
+            end = time.perf_counter()
+            runs[lanes].append({"start": start, "end": end, "cpu": time.process_time() - cpu,
+                                "actions": [(t.action, t.start, t.end) for t in times]})
         dist.barrier()
         if hf_model is not None:  # rank 0 alone, one thread; the other ranks wait (blocked, no CPU)
             hf_walls.append(hf_generate(hf_model, ids, new))
         dist.barrier()
         probes.append(cores_probe(world))
+        rows_probes.append(rows_probe(m, world) if rank == 0 else {})
+        dist.barrier()
     program = decode_program(pipe)
     for lanes in lanes_list:
         opts = GenerateOptions(max_new_tokens=new)
         lane_list = make_lanes(ids, torch.ones_like(ids), lanes or program.num_stages, None, opts)
         lowered, _ = lowered_decode(dict(sched.placement), program, lane_list)  # the order generate runs
-        out[str(lanes)] = {"wall": statistics.median(walls[lanes]), "busy": statistics.median(busy[lanes]),
-                           "cpu_share": statistics.median(cpus[lanes]),
-                           "stage_step_ms": 1e3 * statistics.median(steps[lanes]),
-                           "predicted_busy": ps.simulate(lowered).busy[rank], "lanes": len(lane_list)}
-    out["hf_wall"] = statistics.median(hf_walls) if hf_walls else None
+        out[str(lanes)] = {"runs": runs[lanes], "lowered": lowered, "lanes": len(lane_list),
+                           "rows": [lane.slots for lane in lane_list]}
+    out["hf_walls"] = hf_walls
     out["cores"] = statistics.median(probes)
+    if rank == 0:
+        out["rows_probe"] = {n: statistics.median(p[n] for p in rows_probes) for n in rows_probes[0]}
     return out
+
+
+def analyse(per_rank: list[dict]) -> dict[str, Any]:
+    """One configuration's turns on every rank (``per_rank[r]``: what :func:`rank_body` recorded),
+    as measured and as simulated from the measured costs.
+
+    Measured, per rank, over the call's wall time (median of the turns): ``busy`` (inside its
+    stages' ``D`` actions), ``waiting`` (inside a comm batch before the peer had posted the
+    message it receives: the pipeline's dependency), ``messages`` (inside a comm batch once
+    both ends had posted: the transport's own cost), ``ends`` (before the first action and after
+    the last: agreement, lowering, the result's broadcast), ``between`` (the rest: host work
+    between actions). Costs: each stage's ``D``
+    at rounds after the prefill and at the prefill, and each message's latency (receive done
+    minus the later of the two posts; the ranks share one clock, ``perf_counter``), each a mean over
+    every turn (a step slowed by the machine's load counts as it cost). Simulated:
+    ``ps.simulate`` of the lowered order with those costs (each lane scaled by its rows, a
+    step's cost taken from the lane size the call ran) -- never from the measured fractions."""
+    world = len(per_rank)
+    reps = len(per_rank[0]["runs"])
+    step: dict[int, list[float]] = {}
+    prefill: dict[int, list[float]] = {}
+    latencies: list[float] = []
+    parts: dict[str, list[list[float]]] = {k: [[] for _ in range(world)]
+                                           for k in ("busy", "waiting", "messages", "between", "ends", "cpu_share")}
+    walls = []
+    for i in range(reps):
+        runs = [per_rank[r]["runs"][i] for r in range(world)]
+        sends: dict[tuple, float] = {}
+        posts: dict[tuple, float] = {}
+        for run in runs:
+            for a, t0, _ in run["actions"]:
+                if a.kind.is_comm and a.is_send:
+                    sends[(a.kind.value[-1], a.stage, a.peer, a.mb, a.round)] = t0
+        begin, finish = min(r["start"] for r in runs), max(r["end"] for r in runs)
+        walls.append(finish - begin)
+        for r, run in enumerate(runs):
+            wall = run["end"] - run["start"]
+            busy = wait = msg = 0.0
+            batches: dict[tuple[float, float], float] = {}  # (post, end) -> the latest counterpart post
+            for a, t0, t1 in run["actions"]:
+                if a.kind.is_compute:
+                    busy += t1 - t0
+                    (prefill if a.round == 0 else step).setdefault(a.stage, []).append(t1 - t0)
+                    continue
+                if a.is_send:
+                    batches.setdefault((t0, t1), t0)
+                    continue
+                sent = sends[(a.kind.value[-1], a.peer, a.stage, a.mb, a.round)]
+                batches[(t0, t1)] = max(batches.get((t0, t1), t0), sent)
+                posts[(a.kind.value, a.stage, a.mb, a.round)] = t0
+                latencies.append(t1 - max(t0, sent))
+            for (t0, t1), ready in batches.items():
+                wait += min(t1, ready) - t0
+                msg += t1 - min(t1, ready)
+            spans = [(t0, t1) for _, t0, t1 in run["actions"]]
+            ends = (min(spans)[0] - run["start"]) + (run["end"] - max(t1 for _, t1 in spans))
+            for key, value in (("busy", busy), ("waiting", wait), ("messages", msg), ("ends", ends),
+                               ("between", wall - busy - wait - msg - ends), ("cpu_share", run["cpu"])):
+                parts[key][r].append(value / wall)
+    costs: dict[Any, float] = {(s, "D"): statistics.fmean(v) for s, v in step.items()}
+    costs.update({(s, "prefill"): statistics.fmean(v) for s, v in prefill.items()})
+    latency = statistics.fmean(latencies) if latencies else 0.0
+    rows = per_rank[0]["rows"]
+    sim = ps.simulate(_merged(per_rank), costs, comm_latency=latency,
+                      microbatch_scale=[n / max(rows) for n in rows])
+    return {"wall": statistics.median(walls), "walls": walls, "lanes": per_rank[0]["lanes"],
+            **{k: [round(statistics.median(v), 3) for v in parts[k]] for k in parts},
+            "predicted_busy": [round(sim.busy[r], 3) for r in range(world)], "predicted_wall": sim.makespan,
+            "stage_step_ms": [round(1e3 * costs[(s, "D")], 2) for s in sorted(step)],
+            "prefill_ms": [round(1e3 * costs[(s, "prefill")], 2) for s in sorted(prefill)],
+            "message_ms": round(1e3 * latency, 2)}
+
+
+def _merged(per_rank: list[dict]) -> dict[int, list]:
+    """The lowered order every rank ran (each rank built it alike; rank r's part from rank r)."""
+    return {r: per_rank[r]["lowered"][r] for r in range(len(per_rank))}
 
 
 def hf_generate(m: torch.nn.Module, ids: torch.Tensor, new: int) -> float:
@@ -142,6 +218,27 @@ def cores_probe(world: int) -> float:
     return world * alone / together
 
 
+def rows_probe(m: torch.nn.Module, world: int) -> dict[int, float]:
+    """Milliseconds of one stage's linears (the model's first ``1 / world`` of its blocks, with the
+    model's own weights) at the rows of a lane (``32 / world`` and 32 rows), this rank alone: a
+    decode step that reads its weights once per call costs nearly the same at either, and then
+    lanes cannot gain."""
+    blocks = list(m.model.layers)[: len(m.model.layers) // world]
+    weights = [mod.weight for b in blocks for mod in b.modules() if isinstance(mod, torch.nn.Linear)]
+    out = {}
+    for rows in (32 // world, 32):
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+        with torch.no_grad():
+            for w in weights:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+            start = time.perf_counter()
+            for _ in range(5):
+                for w in weights:
+                    torch.nn.functional.linear(xs[w.shape[1]], w)
+        out[rows] = 1e3 * (time.perf_counter() - start) / 5
+    return out
+
+
 def first_call(d: int, layers: int, length: int) -> dict[str, float]:
     """Seconds of ``ps.pipeline()`` (2 stages) and of the pipe's first ``generate`` (which traces
     the decode step) and its second, in this process, on one thread."""
@@ -173,39 +270,52 @@ def main() -> None:
     rows["first_call"] = first_call(d, layers, length)
     for world in args.worlds:
         results = run_ranks(rank_body, world, d, layers, batch, length, new, [None, 1], timeout=3000)
-        hf = results[0]["hf_wall"]  # HF's turns between the pipe's, on rank 0's process
+        hf = statistics.median(results[0]["hf_walls"])
         rows[f"hf_generate_1_process_{world}"] = {"wall": hf, "tokens_per_s": tokens / hf,
-                                                  "cores_for_the_ranks": round(results[0]["cores"], 2)}
+                                                  "cores_for_the_ranks": round(results[0]["cores"], 2),
+                                                  "stage_linears_ms_by_rows": {str(k): round(v, 1) for k, v in
+                                                                               results[0]["rows_probe"].items()}}
+        hf_walls = results[0]["hf_walls"]  # HF's turns between the pipe's, on rank 0's process
         for lanes in ("None", "1"):
-            wall = max(r[lanes]["wall"] for r in results)
-            rows[f"{world}_ranks_lanes_{'hops' if lanes == 'None' else '1'}"] = {
-                "lanes": results[0][lanes]["lanes"], "wall": wall, "tokens_per_s": tokens / wall,
-                "over_hf": round(hf / wall, 3),
-                "busy": [round(r[lanes]["busy"], 3) for r in results],
-                "predicted_busy": [round(r[lanes]["predicted_busy"], 3) for r in results],
-                "cpu_share": [round(r[lanes]["cpu_share"], 3) for r in results],
-                "stage_step_ms": [round(r[lanes]["stage_step_ms"], 2) for r in results]}
+            row = analyse([r[lanes] for r in results])
+            row["tokens_per_s"] = tokens / row["wall"]
+            row["over_hf"] = round(statistics.median(h / w for h, w in zip(hf_walls, row["walls"])), 3)
+            rows[f"{world}_ranks_lanes_{'hops' if lanes == 'None' else '1'}"] = row
         hops, one = rows[f"{world}_ranks_lanes_hops"], rows[f"{world}_ranks_lanes_1"]
-        hops["over_lanes_1"] = round(one["wall"] / hops["wall"], 3)
+        hops["over_lanes_1"] = round(statistics.median(o / h for o, h in zip(one["walls"], hops["walls"])), 3)
+        # what the measured step costs allow: the two orders simulated with each one's own measured costs
+        hops["over_lanes_1_simulated"] = round(one["predicted_wall"] / hops["predicted_wall"], 3)
     print(json.dumps(rows, indent=1))
     if not args.quick:
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "generate_decode.json").write_text(json.dumps(rows, indent=1) + "\n")
         first = rows["first_call"]
         lines = [f"d={d}, {layers} blocks, {batch} prompts x {new} new tokens, fp32, one thread per process; "
-                 f"median of {REPS} turns, HF's turns between the pipe's on rank 0.", "",
-                 "| run | lanes | tokens/s | over HF | over lanes=1 | busy per rank (measured) | "
-                 "busy per rank (simulated) | CPU share per rank | one stage step, ms (median per rank) |",
-                 "|---|---|---|---|---|---|---|---|---|"]
+                 f"median of {REPS} turns, HF's turns between the pipe's on rank 0; ratios are medians of "
+                 "per-turn ratios. Per rank, fractions of the call's wall time: busy (in its D actions), "
+                 "waiting (in a comm batch before the peer posted: the pipeline's dependency), messages "
+                 "(in a comm batch after both posted), ends (before the first action and after the last), "
+                 "between (host work between actions). Simulated: "
+                 "ps.simulate of the lowered order fed the measured costs (each stage's step and prefill, "
+                 "the message latency), not the measured fractions.", "",
+                 "| run | lanes | tokens/s | over HF | over lanes=1 | busy (measured) | busy (simulated) | "
+                 "waiting | messages | ends | between | step ms per stage | prefill ms per stage | message ms |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for world in args.worlds:
             hf_row = rows[f"hf_generate_1_process_{world}"]
             lines.append(f"| HF generate (KV cache), 1 process (with the {world}-rank run) | - | "
-                         f"{hf_row['tokens_per_s']:.0f} | 1 | - | - | - | - | - |")
+                         f"{hf_row['tokens_per_s']:.0f} | 1 | - | - | - | - | - | - | - | - | - | - |")
             for key in (f"{world}_ranks_lanes_hops", f"{world}_ranks_lanes_1"):
                 row = rows[key]
                 lines.append(f"| {key.replace('_', ' ')} | {row['lanes']} | {row['tokens_per_s']:.0f} | "
                              f"{row['over_hf']} | {row.get('over_lanes_1', 1)} | {row['busy']} | "
-                             f"{row['predicted_busy']} | {row['cpu_share']} | {row['stage_step_ms']} |")
+                             f"{row['predicted_busy']} | {row['waiting']} | {row['messages']} | {row['ends']} | {row['between']} | "
+                             f"{row['stage_step_ms']} | {row['prefill_ms']} | {row['message_ms']} |")
+        lines += ["", "Lanes = hops over lanes = 1 as the simulator prices the two orders from their own measured "
+                  "costs (the bound those step costs set): " + ", ".join(
+                      f"{w} ranks {rows[f'{w}_ranks_lanes_hops']['over_lanes_1_simulated']}" for w in args.worlds) + "."]
+        lines += ["", "One stage's linears alone (rank 0's weights, ms by rows): " + ", ".join(
+            f"{w} ranks {rows[f'hf_generate_1_process_{w}']['stage_linears_ms_by_rows']}" for w in args.worlds) + "."]
         lines += ["", "Cores the ranks got at once (a weight-streaming loop on every rank together vs each alone; "
                   "the rank count where each has a core of its own): "
                   + ", ".join(f"{w} ranks {rows[f'hf_generate_1_process_{w}']['cores_for_the_ranks']}"

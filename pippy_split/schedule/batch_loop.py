@@ -44,14 +44,15 @@ class BatchRun:
 def run_batches(order: Order, table: Mapping[int, Peers],
                 cost: Mapping[ActionKind, float] | Callable[[int, ActionKind], float] | None = None,
                 latency: float | Callable[[int, int], float] = 0.0,
-                scale: Sequence[float] | None = None) -> BatchRun:
+                scale: Sequence[float] | None = None, prefill: Callable[[int], float] | None = None) -> BatchRun:
     """Run a lowered order under NCCL's batch rule, the one event loop that ``simulate``
     (times) and ``validate`` (deadlocks) share: a rank posts a batch once it reaches it
     and its previous batch completed; a batch completes once every message in it has its
     counterpart posted (plus ``latency``); a compute action waits only for the batches
     that receive what it consumes. Ranks that can never go on are left in ``blocked``.
     ``cost`` is per kind or ``f(stage, kind)``; ``latency`` one number or
-    ``f(src_stage, dst_stage)`` per message; ``scale[mb]`` multiplies both for microbatch ``mb``.
+    ``f(src_stage, dst_stage)`` per message; ``scale[mb]`` multiplies both for microbatch ``mb``;
+    ``prefill(stage)``, where given, prices a decode order's round 0 (``D`` at round 0) instead of ``cost``.
 
     Raises:
         ValueError: a comm action names a peer it does not exchange with (from
@@ -61,7 +62,7 @@ def run_batches(order: Order, table: Mapping[int, Peers],
         by_kind = dict(cost or {})
         cost = lambda stage, kind: by_kind.get(kind, 0.0)  # noqa: E731
     lat = latency if callable(latency) else (lambda src, dst, value=float(latency): value)
-    loop = _BatchLoop(order, table, cost, lat, scale, _decode_inputs(order))
+    loop = _BatchLoop(order, table, cost, lat, scale, _decode_inputs(order), prefill)
     queue = deque(sorted(order))
     while queue:
         queue.extend(loop.advance(queue.popleft()))
@@ -76,8 +77,10 @@ class _BatchLoop:
 
     def __init__(self, order: Order, table: Mapping[int, Peers], cost: Callable[[int, ActionKind], float],
                  lat: Callable[[int, int], float], scale: Sequence[float] | None = None,
-                 decode_inputs: Mapping[tuple[int, int, int], list[Message]] | None = None) -> None:
+                 decode_inputs: Mapping[tuple[int, int, int], list[Message]] | None = None,
+                 prefill: Callable[[int], float] | None = None) -> None:
         self.order, self.table, self.cost, self.lat = order, table, cost, lat
+        self.prefill = prefill
         self.decode_inputs = decode_inputs or {}
         self.scale = scale
         self.posted: dict[Op, float] = {}  # -> time posted
@@ -124,7 +127,8 @@ class _BatchLoop:
                     else _consumed(a, self.table))
         for m in consumed:
             start = max(start, self.arrival.get(m, start))
-        self.free[rank] = start + self.cost(a.stage, a.kind) * (1.0 if self.scale is None else self.scale[a.mb])
+        cost = self.prefill(a.stage) if self.prefill is not None and a.round == 0 else self.cost(a.stage, a.kind)
+        self.free[rank] = start + cost * (1.0 if self.scale is None else self.scale[a.mb])
         self.timeline[rank].append((start, self.free[rank], a))
 
     def _batch(self, rank: int, pos: int) -> tuple[int, list[Op]]:

@@ -20,8 +20,9 @@ training runtime's :class:`~.runtime.Interpreter` runs it:
   the sends and receives name the same messages in the same order; and all ranks run to
   the end under NCCL's batch rule (the event loop training orders are checked with:
   :func:`~.batch_loop.run_batches`), else a :class:`DecodeOrderError` naming rank and step.
-* :func:`simulate_decode`: makespan and each rank's busy fraction with given costs, on the
-  same event loop (what ``ps.simulate`` of a decode order runs).
+* :func:`simulate_decode`: makespan and each rank's busy fraction with given costs (per stage,
+  the prefill apart, and a latency per message: what ``benchmarks/generate_decode.py`` measures),
+  on the same event loop (what ``ps.simulate`` of a decode order runs).
 
 Example (2 stages on 2 ranks, 2 lanes, 2 rounds)::
 
@@ -38,14 +39,14 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Callable, Mapping, Sequence, Union
 
 from .actions import Action, ActionKind, comm_batches
 from .batch_loop import run_batches
 from .messages import Message, action_messages
 
 __all__ = ["DecodeOrderError", "DecodeOrder", "decode_order", "lower_decode", "validate_decode", "simulate_decode",
-           "DecodeSimulation", "content_round", "round_of", "decision_lag", "is_decode_order", "decode_message"]
+           "DecodeSimulation", "DecodeCosts", "decode_cost_fn", "content_round", "round_of", "decision_lag", "is_decode_order", "decode_message"]
 
 D, SEND_D, RECV_D, SEND_T, RECV_T = (ActionKind.D, ActionKind.SEND_D, ActionKind.RECV_D, ActionKind.SEND_T,
                                      ActionKind.RECV_T)
@@ -285,6 +286,8 @@ class DecodeSimulation:
     makespan: float
     busy: dict[int, float] = field(default_factory=dict)
     """Each rank's busy time / makespan."""
+    timeline: dict[int, list[tuple[float, float, Action]]] = field(default_factory=dict, repr=False)
+    """Per rank, ``(start, end, action)`` of what ran (a batch's comm actions at its post time)."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -299,13 +302,55 @@ def is_decode_order(order: object) -> bool:
     return any(isinstance(a, Action) and a.round is not None for acts in order.values() for a in acts[:1])
 
 
-def simulate_decode(lowered: DecodeOrder, cost: float = 1.0) -> DecodeSimulation:
-    """Each compute takes ``cost``, messages none, under NCCL's batch rule: the event loop that
-    times and checks training orders (:func:`~.batch_loop.run_batches`)."""
-    run = run_batches(lowered, {}, {D: cost})  # type: ignore[arg-type]  # as above
+DecodeCosts = Union[float, Mapping[Any, float], Callable[[int, str], float], None]
+"""What a decode step costs: one number for every ``D``; or ``{"D": t, "prefill": t0}`` per kind,
+``{(stage, "D"): t, (stage, "prefill"): t0}`` per stage and kind (the two may mix: a missing pair
+takes the kind's figure; no prefill figure at all, the stage's ``D``); or ``f(stage, kind) -> t`` with
+``kind`` ``"D"`` or ``"prefill"``. ``prefill`` is round 0 (the whole prompt), ``D`` a later round."""
+
+
+def decode_cost_fn(costs: DecodeCosts) -> Callable[[int, str], float]:
+    """``costs`` (see :data:`DecodeCosts`) as ``f(stage, "D" | "prefill") -> t``.
+
+    Example:
+        >>> f = decode_cost_fn({"D": 2.0, (1, "D"): 3.0, (0, "prefill"): 8.0})
+        >>> f(0, "D"), f(1, "D"), f(0, "prefill"), f(1, "prefill")
+        (2.0, 3.0, 8.0, 3.0)
+    """
+    if callable(costs):
+        return costs
+    if costs is None or isinstance(costs, (int, float)):
+        value = 1.0 if costs is None else float(costs)
+        return lambda stage, kind: value
+    unknown = sorted(str(k) for k in costs if (k[1] if isinstance(k, tuple) else k) not in ("D", "prefill"))
+    if unknown:
+        raise ValueError(f"decode costs take the kinds 'D' and 'prefill' (alone or as (stage, kind)), got {unknown}")
+    table = {k: float(v) for k, v in costs.items()}
+
+    def cost(stage: int, kind: str) -> float:
+        step = table.get((stage, "D"), table.get("D", 1.0))
+        if kind == "D":
+            return step
+        return table.get((stage, "prefill"), table.get("prefill", step))
+
+    return cost
+
+
+def simulate_decode(lowered: DecodeOrder, costs: DecodeCosts = None, *,
+                    comm_latency: float | Callable[[int, int], float] = 0.0,
+                    lane_scale: Sequence[float] | None = None) -> DecodeSimulation:
+    """``lowered`` run under NCCL's batch rule on the event loop that times and checks training
+    orders (:func:`~.batch_loop.run_batches`): each ``D`` priced by ``costs`` (see
+    :data:`DecodeCosts`; default 1 each), each message arriving ``comm_latency`` after both
+    ends posted it (a number, or ``f(src_stage, dst_stage)``), each lane's times multiplied by
+    ``lane_scale[lane]`` where given (lanes of different row counts)."""
+    price = decode_cost_fn(costs)
+    run = run_batches(lowered, {}, lambda stage, kind: price(stage, "D"), comm_latency,  # type: ignore[arg-type]
+                      lane_scale, prefill=lambda stage: price(stage, "prefill"))  # list[Action]: an Order, no idle step
     if run.blocked:
         raise DecodeOrderError("simulate_decode: the order deadlocks (validate it first)")
     ends = {r: max((end for _, end, _ in spans), default=0.0) for r, spans in run.timeline.items()}
     busy = {r: sum(end - start for start, end, a in spans if a.kind is D) for r, spans in run.timeline.items()}
     makespan = max(ends.values(), default=0.0)
-    return DecodeSimulation(makespan, {r: (busy[r] / makespan if makespan else 0.0) for r in lowered})
+    return DecodeSimulation(makespan, {r: (busy[r] / makespan if makespan else 0.0) for r in lowered},
+                            run.timeline)

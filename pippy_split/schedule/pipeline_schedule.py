@@ -312,10 +312,12 @@ class PipelineSchedule(metaclass=_ScheduleClass):
         return self._loss
 
     # ---- the runtime's probe and memory knob ------------------------------------------
-    def timed_actions(self, probe: Callable[[], Any] | None = None) -> AbstractContextManager[list[ActionTiming]]:
+    def timed_actions(self, probe: Callable[[], Any] | None = None, messages: bool = False
+                      ) -> AbstractContextManager[list[ActionTiming]]:
         """Record every compute action this rank runs inside the block: its start and end
         (``time.perf_counter()`` seconds) and, with ``probe``, what ``probe()`` returns right
-        before and right after it (e.g. ``torch.cuda.memory_allocated``). A time includes
+        before and right after it (e.g. ``torch.cuda.memory_allocated``); with ``messages``,
+        every comm action too, from its batch's post to the runtime going on. A time includes
         waiting for the action's received inputs; on an accelerator the device is
         synchronised around each action (which slows the run: for measuring, not training).
 
@@ -327,7 +329,7 @@ class PipelineSchedule(metaclass=_ScheduleClass):
             >>> [str(t.action) for t in times][:4], all(t.seconds >= 0 for t in times)
             (['0F0', '1F0', '1I0', '1W0'], True)
         """
-        return recorded(self._runtime, self.stages[0].device, probe)
+        return recorded(self._runtime, self.stages[0].device, probe, messages)
 
     @property
     def release_sent_outputs(self) -> bool | None:

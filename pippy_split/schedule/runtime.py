@@ -14,6 +14,7 @@ action that consumes it runs. Each (stage, microbatch) in flight is one
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
@@ -42,6 +43,10 @@ class ActionObserver(Protocol):
     def before(self, action: Action) -> None: ...
 
     def after(self, action: Action) -> None: ...
+
+    def batch(self, actions: list[Action], start: float, end: float) -> None:
+        """A batch of comm actions posted at ``start`` (``time.perf_counter()``), the runtime going on at ``end``."""
+        ...
 
 
 @dataclass
@@ -201,8 +206,11 @@ class Interpreter:
     def _post_decode(self, batch: list[Action], session: DecodeSession) -> None:
         if self.p2p is None:
             raise PipelineError(f"rank {self.rank}: a communication action on a run without a process group")
+        start = time.perf_counter() if self.observer is not None else 0.0
         posted = post_decode_batch(self.p2p, batch, session, self.stage_rank,
                                    lambda s: self.stages[s].device if s in self.stages else torch.device("cpu"))
+        if self.observer is not None:
+            self.observer.batch(batch, start, time.perf_counter())
         if posted is not None:
             self._sends.append(posted)
 
@@ -222,7 +230,10 @@ class Interpreter:
                 ops += self._receive(a, ctx, backward)
         if self.p2p is None:
             raise PipelineError(f"rank {self.rank}: a communication action on a run without a process group")
+        start = time.perf_counter() if self.observer is not None else 0.0
         posted = self.p2p.post(ops)
+        if self.observer is not None:
+            self.observer.batch(batch, start, time.perf_counter())
         if any(op.send for op in ops):
             self._sends.append(posted)
 

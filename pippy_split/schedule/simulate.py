@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, overload
 from . import event_rounds
 from .actions import Action, ActionKind, Order
 from .batch_loop import BatchRun, run_batches
-from .decode_order import DecodeOrder, DecodeSimulation, is_decode_order, simulate_decode
+from .decode_order import DecodeCosts, DecodeOrder, DecodeSimulation, is_decode_order, simulate_decode
 from .deps import DepIndex, Link, chain_links
 from .errors import deadlock_message
 from .event_loop import (
@@ -131,7 +131,9 @@ def simulate(
 
 
 @overload
-def simulate(order: DecodeOrder, costs: float | Mapping[str, float] | None = None) -> DecodeSimulation: ...
+def simulate(order: DecodeOrder, costs: DecodeCosts = None, *,
+             comm_latency: float | Mapping[tuple[int, int], float] = 0.0,
+             microbatch_scale: Sequence[float] | None = None) -> DecodeSimulation: ...
 
 
 def simulate(order: Any, costs: Any = None, *, links: Iterable[Link] | None = None,
@@ -144,7 +146,9 @@ def simulate(order: Any, costs: Any = None, *, links: Iterable[Link] | None = No
     Args:
         order: ``{rank: [Action | None, ...]}``, compute-only or lowered; or a lowered decode
             order (:mod:`.decode_order`, what ``generate`` runs, on the same batch-rule loop),
-            ``costs`` then one stage's decode step (a number or ``{"D": t}``; default 1).
+            ``costs`` then what a stage's decode step costs (:data:`~.decode_order.DecodeCosts`:
+            a number, ``{"D": t, "prefill": t0}``, per ``(stage, kind)``, or a function; default
+            1), ``comm_latency`` each message's, ``microbatch_scale`` each lane's.
         costs: time per kind, keys among ``F``, ``I``, ``W`` (default 1 each) and ``B``
             (default ``I + W``); or per stage and kind, ``{(stage, "F"): t}`` (missing pairs
             take the kind's value); or a function ``(stage, kind) -> t``. SEND/RECV cost 0.
@@ -186,10 +190,12 @@ def simulate(order: Any, costs: Any = None, *, links: Iterable[Link] | None = No
         ...                       token_readers={0})
         >>> round(simulate(decode).bubble_fraction, 3), simulate(decode, {"D": 2.0}).makespan
         (0.059, 34.0)
+        >>> sim = simulate(decode, {(0, "D"): 2.0, (1, "D"): 1.0, "prefill": 4.0}, comm_latency=0.5)
+        >>> sim.makespan, {r: round(b, 2) for r, b in sim.busy.items()}
+        (47.0, {0: 0.77, 1: 0.47})
     """
     if is_decode_order(order):
-        step = costs.get("D", 1.0) if isinstance(costs, Mapping) else 1.0 if costs is None else costs
-        return simulate_decode(order, float(step))
+        return simulate_decode(order, costs, comm_latency=latency_fn(comm_latency), lane_scale=microbatch_scale)
     return _simulate_training(order, Pricing(costs, links, latency_fn(comm_latency), activation_bytes, workspace_bytes,
                                              input_grad_bytes, _checked_scale(order, microbatch_scale)))
 

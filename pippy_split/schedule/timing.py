@@ -39,10 +39,13 @@ class ActionTiming(NamedTuple):
 
 class ActionRecorder:
     """The observer :meth:`PipelineSchedule.timed_actions` hands the runtime: it calls
-    :meth:`before` and :meth:`after` around each compute action, which append to ``times``."""
+    :meth:`before` and :meth:`after` around each compute action, which append to ``times``, and
+    :meth:`batch` after each batch of comm actions, which appends each of its actions to ``times``
+    where ``messages`` is set."""
 
-    def __init__(self, device: torch.device, probe: Callable[[], Any] | None) -> None:
+    def __init__(self, device: torch.device, probe: Callable[[], Any] | None, messages: bool = False) -> None:
         self.times: list[ActionTiming] = []
+        self.messages = messages
         self.sync = device.type != "cpu"
         self.probe = probe
         self._open: tuple[float, Any] = (0.0, None)
@@ -60,14 +63,21 @@ class ActionRecorder:
         self.times.append(ActionTiming(action, self._open[0], end, self._open[1],
                                        self.probe() if self.probe is not None else None))
 
+    def batch(self, actions: list[Action], start: float, end: float) -> None:
+        """A batch of comm actions posted at ``start``; ``end``: when the runtime went on (a decode
+        batch's receives delivered; a training batch's are waited for later, by the compute)."""
+        if self.messages:
+            self.times.extend(ActionTiming(a, start, end) for a in actions)
+
 
 @contextlib.contextmanager
 def recorded(runtime: Interpreter, device: torch.device, probe: Callable[[], Any] | None = None,
-             ) -> Iterator[list[ActionTiming]]:
+             messages: bool = False) -> Iterator[list[ActionTiming]]:
     """Every compute action ``runtime`` runs inside the block, timed on ``device`` (synchronised around each
     action off CPU) with ``probe()`` before and after it: an :class:`ActionRecorder` is its observer for the
-    block, the previous one back after. What :meth:`~pippy_split.schedule.PipelineSchedule.timed_actions` does."""
-    recorder = ActionRecorder(device, probe)
+    block, the previous one back after; with ``messages``, each comm action too (its batch's post and
+    the runtime going on). What :meth:`~pippy_split.schedule.PipelineSchedule.timed_actions` does."""
+    recorder = ActionRecorder(device, probe, messages)
     previous, runtime.observer = runtime.observer, recorder
     try:
         yield recorder.times
