@@ -17,6 +17,7 @@ from ..split.pipe import Pipe
 from .decode_model import decode_signature
 from .errors import GenerationError
 from .options import GenerateOptions, prompt_mask
+from .recompute import refuse_call
 
 __all__ = ["CheckedCall", "checked_call", "position_limit"]
 
@@ -84,6 +85,8 @@ def checked_call(pipe: Pipe, input_ids: torch.Tensor, *, max_new_tokens: int, at
                               "pads included), so left-padded prompts would decode other than alone. What works: "
                               "prompts of equal length, no padding (attention_mask=None or all ones); generate "
                               "prompts of different lengths in separate calls")
+    if signature.cache_arg == "prefix":  # decoded by recomputation: prompts of one length, no refilled slot
+        refuse_call(model, mask, int(input_ids.shape[0]), slots)
     if not signature.positions and slots is not None and slots < int(input_ids.shape[0]):
         raise GenerationError(f"slots={slots} refills a finished row's slot with a waiting prompt, which needs "
                               f"position_ids= to place the new row's tokens; {type(model).__name__}.forward takes "

@@ -16,6 +16,9 @@ generate does) and a MoE's router logits switched off (``output_router_logits=Fa
 output is the logits ``(B, T, V)`` or an object with ``.logits``. A recurrent state is the
 model's cache too (:mod:`.recurrent`): Hugging Face's cache layers (Mamba, Jamba, Zamba), its
 blocks (RecurrentGemma), or ``forward(state=)`` (RWKV: no mask, so prompts of one length).
+A model that keeps no cache at all (torchtitan's ``Decoder``: ``forward(tokens)``) decodes by
+recomputation (:mod:`.recompute`): its cache is the tokens so far, and each step runs its
+forward over the whole prefix (no mask either, so prompts of one length).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 
 from .errors import GenerationError
+from .recompute import RECOMPUTE_WORKS, TokenPrefix, prefix_layout, prefix_step, recompute_refusal
 from .recurrent import (
     TOKEN_SHIFT_STATES,
     FixedState,
@@ -45,9 +49,10 @@ from .recurrent import (
 
 __all__ = ["DecodeRoot", "DecodeSignature", "KVCache", "decode_signature", "kv_layout", "LayoutEntry"]
 
-LayoutEntry = tuple[int, int] | FixedState
+LayoutEntry = tuple[int, int] | FixedState | TokenPrefix
 """One cache tensor's sizes: ``(heads, head_dim)`` of keys or values ``(B, heads, P, head_dim)``,
-or a :class:`~.recurrent.FixedState` (a recurrent layer's conv or SSM state)."""
+a :class:`~.recurrent.FixedState` (a recurrent layer's conv or SSM state), or the
+:class:`~.recompute.TokenPrefix` of a model decoded by recomputation (the tokens ``(B, P)``)."""
 
 
 class KVCache:
@@ -92,7 +97,8 @@ class DecodeSignature:
     cache_arg: str
     """``cache`` or ``past_key_values`` (Hugging Face's names), or ``state``: a state passed whole,
     a list of tensors ``(batch, *, layers)`` each layer reads and writes in place (Hugging Face's
-    RWKV; no attention mask, so prompts of one length)."""
+    RWKV; no attention mask, so prompts of one length), or ``prefix``: no cache at all, the model
+    decoded by recomputation over the tokens so far (:mod:`.recompute`; torchtitan's ``Decoder``)."""
     positions: bool
     """It takes ``position_ids=`` (a model without, such as ALiBi's MPT, places tokens itself)."""
     keep_last: bool
@@ -133,8 +139,9 @@ refused by name."""
 def decode_signature(model: torch.nn.Module) -> DecodeSignature:
     """How the decode step calls ``model.forward``; a :class:`GenerationError` naming what is
     missing and what works where the model cannot decode step by step with a KV cache or a
-    recurrent state it is checked with (no cache argument, or a recurrent state of a model not
-    in :data:`RECURRENT_SUPPORTED`).
+    recurrent state it is checked with (a recurrent state of a model not in
+    :data:`RECURRENT_SUPPORTED`), nor by recomputation (no cache argument, and no forward of
+    token ids: :func:`~.recompute.recompute_refusal`).
 
     Example:
         >>> from pippy_split import zoo
@@ -161,10 +168,13 @@ def decode_signature(model: torch.nn.Module) -> DecodeSignature:
         return DecodeSignature("state", "position_ids" in params, "logits_to_keep" in params, "use_cache" in params,
                                "output_router_logits" in params, recurrent=True)
     cache_arg = next((n for n in ("cache", "past_key_values") if n in params), None)
-    if cache_arg is None:
-        raise GenerationError(f"{name}.forward cannot take a KV cache (it has no cache= or past_key_values= "
-                              "argument), so it cannot generate without recomputing every token, which pippy_split "
-                              f"refuses. {works}")
+    if cache_arg is None:  # no cache: decoded by recomputing the prefix, if it is a language model
+        why = recompute_refusal(model, params)
+        if why is not None:
+            raise GenerationError(f"{name}.forward cannot take a KV cache (it has no cache= or past_key_values= "
+                                  f"argument), and it cannot be decoded by recomputing its prefix either: {why}. "
+                                  f"{works}; or {RECOMPUTE_WORKS}")
+        return DecodeSignature("prefix", False, False, False, False)
     if "attention_mask" not in params:
         raise GenerationError(f"{name}.forward takes {cache_arg}= but not attention_mask=; generation passes the "
                               f"mask of the left-padded prompts and the cache. {works}")
@@ -243,6 +253,8 @@ class DecodeRoot(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 past: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         sig = self.signature
+        if sig.cache_arg == "prefix":  # no cache: the whole prefix again (no mask, no positions: prompts of one length)
+            return prefix_step(self._user_model, input_ids, past)
         if sig.cache_arg == "state":  # RWKV: each layer's column of each state (no past: the model's own fresh one)
             shift = TOKEN_SHIFT_STATES.get(type(self._user_model).__name__, frozenset())
             cache: Any = state_columns(past, self._layers, shift if int(input_ids.shape[1]) == 1 else frozenset())
@@ -277,8 +289,11 @@ class DecodeRoot(torch.nn.Module):
 def kv_layout(model: torch.nn.Module, device: torch.device | str) -> list[LayoutEntry]:
     """``(heads, head_dim)`` of each cache tensor the model keeps (keys and values of each
     attention layer, in order; a :class:`~.recurrent.FixedState` for a recurrent layer's
-    state), from one step of two tokens (on ``meta`` when the model's tensors are)."""
+    state; the :class:`~.recompute.TokenPrefix` of a model decoded by recomputation), from one
+    step of two tokens (on ``meta`` when the model's tensors are)."""
     root = DecodeRoot(model)
+    if root.signature.cache_arg == "prefix":
+        return list(prefix_layout(model, device))
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     state = root.signature.cache_arg == "state"
     seen: contextlib.AbstractContextManager[list[torch.Tensor]] = (

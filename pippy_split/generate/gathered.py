@@ -78,7 +78,7 @@ def unsharded_stages(stages: Sequence[PipelineStage], pipe: Pipe, prompt_len: in
     decode program traced (for prompts of ``prompt_len``: :func:`~.programs.decode_program`).
     Every rank of each DP/TP group calls it with the same stages.
 
-    Stages without DTensors gather nothing and are left as they are.
+    Stages without DTensors gather nothing; their torch.distributed hooks are suspended all the same.
 
     Example:
         >>> with unsharded_stages(sched.stages, pipe) as g:  # doctest: +SKIP
@@ -89,8 +89,13 @@ def unsharded_stages(stages: Sequence[PipelineStage], pipe: Pipe, prompt_len: in
     modules = [st.module for st in stages]
     sharded = _sharded(modules)
     gathered = Gathered()
-    if not sharded:
-        yield gathered
+    if not sharded:  # FSDP2 over one rank (torchtitan's DeepSeek-V3 at dp_shard=1) holds no DTensor, still hooks
+        plain: list[Callable[[], None]] = []
+        _suspend_hooks(modules, plain)
+        try:
+            yield gathered
+        finally:
+            _undo(plain)
         return
     undo: list[Callable[[], None]] = []
     whole: dict[int, torch.Tensor] = {}

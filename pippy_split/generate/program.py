@@ -26,6 +26,7 @@ from ..split.pipe import Pipe
 from ..split.spec import MODEL_INPUT, InputKind, StageInput, gather_inputs
 from .decode_model import LayoutEntry
 from .errors import GenerationError
+from .recompute import TokenPrefix
 from .recurrent import FixedState
 
 __all__ = ["DecodeProgram", "StagePlan", "example_step", "past_shape", "empty_past", "N_STEP_INPUTS"]
@@ -141,6 +142,8 @@ def past_shape(entry: LayoutEntry, batch: int, past: int) -> tuple[int, ...]:
     """
     if isinstance(entry, FixedState):
         return entry.full_shape(batch)
+    if isinstance(entry, TokenPrefix):  # a model decoded by recomputation: the tokens so far
+        return entry.full_shape(batch, past)
     h, d = entry
     return (batch, h, past, d)
 
@@ -155,7 +158,8 @@ def empty_past(entry: LayoutEntry, batch: int, device: torch.device | str, dtype
     """
     if isinstance(entry, FixedState):
         return entry.fresh(batch, device, dtype)
-    return torch.zeros(past_shape(entry, batch, 0), device=device, dtype=dtype)
+    return torch.zeros(past_shape(entry, batch, 0), device=device,
+                       dtype=entry.dtype if isinstance(entry, TokenPrefix) else dtype)
 
 
 def _model_input_of(slot: StageInput) -> int | None:
@@ -231,10 +235,11 @@ def example_step(layout: list[LayoutEntry], device: torch.device | str, dtype: t
     mask = torch.ones(b, p + t, dtype=torch.long, device=device)
     pos = torch.arange(p, p + t, device=device).expand(b, t).contiguous()
     read = layout if p or given_state else []
-    past = [torch.zeros(past_shape(e, b, p), device=device, dtype=(e.dtype if isinstance(e, FixedState) else None)
-                        or dtype) for e in read]
+    past = [torch.zeros(past_shape(e, b, p), device=device,
+                        dtype=(e.dtype if isinstance(e, (FixedState, TokenPrefix)) else None) or dtype) for e in read]
     dyn = torch.export.Dim.DYNAMIC
     new = {0: dyn, 1: dyn} if t > 1 else {0: dyn}  # a step of one token is traced as such
     shapes = {"input_ids": new, "attention_mask": {0: dyn, 1: dyn}, "position_ids": new,
-              "past": [{0: dyn} if isinstance(e, FixedState) else {0: dyn, 2: dyn} for e in read]}
+              "past": [{0: dyn} if isinstance(e, FixedState) else {0: dyn, 1: dyn} if isinstance(e, TokenPrefix)
+                       else {0: dyn, 2: dyn} for e in read]}
     return (ids, mask, pos, past), shapes
