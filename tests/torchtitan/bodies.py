@@ -6,7 +6,8 @@ the model built on ``meta``; ``model_spec.pipelining_fn(model, parallel_dims=, t
 ``init_weights(buffer_device=None)`` and ``train()`` on every part; an optimizer over the parts;
 per step ``zero_grad``, ``pp_schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, losses=,
 loss_kwargs={"global_valid_tokens": ...}, return_outputs=False)``, ``dist_utils.clip_grad_norm_``
-with the ``pp`` mesh, ``optimizers.step()``. The Trainer itself has no CPU path, so its calls
+with the ``pp`` mesh, ``optimizers.step()``; then, where asked, ``sched.generate`` on the
+trained stages (:func:`generated`). The Trainer itself has no CPU path, so its calls
 are made here one by one. Weights are then set to the reference's (a seed checkpoint would do
 the same) so the run can be compared with the unsplit model.
 """
@@ -40,6 +41,7 @@ from .models import VOCAB, config
 PARALLELIZE = {"llama3": parallelize_llama, "qwen3": parallelize_qwen3, "deepseek_v3": parallelize_deepseekv3}
 ROUTES = {"pipeline_llm": pipeline_llm, "compat": compat_pipeline_llm}
 BATCH, SEQ, STEPS, LR, MAX_NORM = 4, 8, 2, 0.05, 1.0
+GEN_NEW = 5  # tokens generate() adds to each prompt of :func:`gen_prompts`
 CASE_TIMEOUT_S = 300
 
 
@@ -62,6 +64,47 @@ def reference_model(name: str, n_layers: int) -> torch.nn.Module:
 def counters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The MoE load counters (``tokens_per_expert``) a module holds, by FQN."""
     return {_fqn(n): _full(b) for n, b in module.named_buffers() if "tokens_per_expert" in n}
+
+
+def gen_prompts() -> torch.Tensor:
+    """The prompts ``generate`` continues on the trained stages: 3 rows of one length (the model
+    reads no mask)."""
+    return torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(11))
+
+
+def greedy_reference(model: torch.nn.Module, prompts: torch.Tensor, n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A plain greedy loop over ``model``'s full forward of the growing sequence: (sequences,
+    log-probabilities of the chosen tokens)."""
+    seq, logprobs = prompts, []
+    with torch.no_grad():
+        for _ in range(n_new):
+            logits = model(seq)[:, -1].float()
+            token = logits.argmax(-1)
+            logprobs.append(torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0])
+            seq = torch.cat([seq, token[:, None]], dim=1)
+    return seq, torch.stack(logprobs, dim=1)
+
+
+def generated(sched: Any, parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """``sched.generate`` on the trained parts, in eval mode as torchtitan's Validator runs its
+    forwards (a MoE in train mode would count the decoded tokens in ``tokens_per_expert``), after
+    a call with left-padded prompts that every rank refuses (its message kept)."""
+    from pippy_split.generate import GenerationError
+
+    prompts = gen_prompts()
+    mask = torch.ones_like(prompts)
+    mask[0, :2] = 0
+    try:
+        sched.generate(prompts, attention_mask=mask, max_new_tokens=GEN_NEW)
+        refused = "not refused"
+    except GenerationError as e:
+        refused = str(e)
+    for m in parts:
+        m.eval()
+    out = sched.generate(prompts, max_new_tokens=GEN_NEW, return_logprobs=True)
+    for m in parts:
+        m.train()
+    return {"sequences": out.sequences, "logprobs": out.logprobs, "padded_refused": refused}
 
 
 def reference(name: str, n_layers: int, dp: int = 1) -> dict[str, Any]:
@@ -108,13 +151,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def trainer_replay(rank: int, world: int, name: str, route: str, schedule: str, fsdp: int = 1, n_layers: int = 4,
                    ac: bool = False, tp: int = 1, compile: bool = False, sp: bool = True,
-                   group: Any = None) -> dict[str, Any]:
+                   group: Any = None, generate: bool = False) -> dict[str, Any]:
     """torchtitan's Trainer sequence on this rank; returns what this rank saw (losses on the last
     stage's rank, the rope caches init_weights computed, counters, the parts' final parameters,
     what ran in the first step: checkpointed block forwards, compiled graphs, tp-sharded weights).
     ``pp = world / (fsdp * tp)``; ``ac``: torchtitan's full AC; ``compile``: its per-block
     ``torch.compile`` with a backend counting the compiled graphs' runs; ``sp``: TP's sequence
-    parallelism (activations between blocks ``Shard(1)`` over tp, else replicated)."""
+    parallelism (activations between blocks ``Shard(1)`` over tp, else replicated); ``generate``:
+    ``sched.generate`` on the trained stages after the Validator's call (:func:`generated`)."""
     tt_parallel_dims.device_type = "cpu"  # torchtitan assumes CUDA when it finds no accelerator
     tt_dist_utils.set_spmd_backend("partial_dtensor")  # as the Trainer sets it from the job config
     torch.manual_seed(0)
@@ -184,6 +228,8 @@ def trainer_replay(rank: int, world: int, name: str, route: str, schedule: str, 
         sched.eval(arg_mbs=[(t,) for t in tokens.chunk(n_mb)] if has_first else None, kwarg_mbs=[{}] * n_mb,
                    target_mbs=list(labels.chunk(n_mb)) if has_last else None, losses=losses)
     out["eval"] = torch.sum(torch.stack(losses)) if has_last else None
+    if generate:
+        out["generated"] = generated(sched, parts)
     return out
 
 

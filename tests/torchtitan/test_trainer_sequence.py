@@ -3,10 +3,14 @@ on gloo ranks, through pippy_split's ``pipeline_llm`` and through the compat rou
 torchtitan's own ``pipeline_llm``: losses, every parameter after two optimizer steps (SGD, the
 Trainer's ``clip_grad_norm_`` with the pp mesh) and the MoE load counters equal the unsplit model's
 (fp32, atol 1e-5), and the Validator's
-``eval(arg_mbs=, kwarg_mbs=, target_mbs=, losses=)`` after them. The 2-rank cases share one spawn of the ranks, the 4-rank (PP x FSDP2) cases
+``eval(arg_mbs=, kwarg_mbs=, target_mbs=, losses=)`` after them; ``sched.generate`` on the trained
+stages of Llama 3 and DeepSeek-V3 (``pipeline_llm``, 1F1B and ZBVZeroBubble) equals a greedy loop
+over the unsplit trained model's full forward of the growing sequence. The 2-rank cases share one spawn of the ranks, the 4-rank (PP x FSDP2) cases
 another."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -16,7 +20,16 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip insta
 
 from pippy_split.testing import run_ranks  # noqa: E402
 
-from .bodies import case_results, cases_body, reference, reference_model, trainer_replay  # noqa: E402
+from .bodies import (  # noqa: E402
+    GEN_NEW,
+    case_results,
+    cases_body,
+    gen_prompts,
+    greedy_reference,
+    reference,
+    reference_model,
+    trainer_replay,
+)
 
 ATOL = 1e-5
 TWO = [  # (model, route, schedule)
@@ -34,6 +47,7 @@ TWO = [  # (model, route, schedule)
     ("llama3", "pipeline_llm", "1F1B", 1, 4, False, 1, True),  # its per-block torch.compile
 ]
 AC, COMPILED = TWO[-2], TWO[-1]
+GENERATE = [TWO[0], TWO[1], TWO[6], TWO[7]]  # then sched.generate on the trained stages
 FOUR = [  # (model, route, schedule, fsdp, layers, ac, tp, compile, sp): PP2 x FSDP2, PP4, PP2 x TP2
     ("llama3", "pipeline_llm", "1F1B", 2),
     ("deepseek_v3", "compat", "Interleaved1F1B", 2),
@@ -51,7 +65,9 @@ def _key(case: tuple) -> str:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return run_ranks(cases_body, 2, {_key(c): (trainer_replay, c) for c in TWO}, timeout=840)
+    generating = functools.partial(trainer_replay, generate=True)
+    return run_ranks(cases_body, 2, {_key(c): (generating if c in GENERATE else trainer_replay, c) for c in TWO},
+                     timeout=840)
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +148,24 @@ def test_tensor_parallel_shards_every_stage(four_ranks, case) -> None:
     exactness of the same run is checked above)."""
     for r in case_results(four_ranks, _key(case)):
         assert r["tp_sharded"], f"rank holds no tp-sharded weight: {r['tp_sharded']}"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", GENERATE, ids=[_key(c) for c in GENERATE])
+def test_generate_on_trained_stages_equals_greedy_full_forward(two_ranks, case) -> None:
+    """torchtitan's Decoder takes no KV cache: it decodes by recomputing the prefix each step, on
+    the stages the Trainer's sequence trained; every rank returns the tokens a greedy loop over the
+    unsplit model (same two optimizer steps) chooses, log-probabilities to 1e-5; prompts of
+    unequal length were refused by name on every rank first."""
+    model = reference_model(case[0], 4)
+    model.load_state_dict(reference(case[0], 4)["params"], strict=False)
+    want, want_logprobs = greedy_reference(model.eval(), gen_prompts(), GEN_NEW)
+    for r in case_results(two_ranks, _key(case)):
+        got = r["generated"]
+        assert torch.equal(got["sequences"], want)
+        torch.testing.assert_close(got["logprobs"], want_logprobs, atol=1e-5, rtol=0)
+        assert "prompts of one length" in got["padded_refused"], got["padded_refused"]
 
 
 def test_torchtitan_refuses_tied_embeddings_with_pp_itself() -> None:
