@@ -11,7 +11,10 @@ it can travel between stages (a tensor or a size that does not depend on data, n
 a tuple waiting for its ``getitem``, not a value a later op writes in place). The
 search minimises the costliest stage; then, allowing that stage to cost up to
 ``CUT_SLACK`` of an ideal stage more, it picks the cuts that split the fewest module
-calls (a repeated block's boundary splits none) and send the fewest bytes.
+calls (a repeated block's boundary splits none) and send the fewest bytes. Where the
+model runs fewer than two repeated blocks a stage, cuts at block boundaries only are taken
+if their costliest stage is within ``BLOCK_SLACK`` of a block of that best (a cut inside a
+block would only move part of one block).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from .calls import CallTree
 from .cost import mutated_args, value_bytes
 from .errors import SplitError
 
-__all__ = ["BalanceReport", "TARGET_RATIO", "CUT_SLACK", "cut_positions", "legal_cuts", "balance_warning"]
+__all__ = ["BalanceReport", "TARGET_RATIO", "CUT_SLACK", "BLOCK_SLACK", "cut_positions", "legal_cuts",
+           "balance_warning"]
 
 TARGET_RATIO = 1.15
 """The costliest stage may cost this much times the ideal (total / N) without a warning."""
@@ -35,6 +39,18 @@ TARGET_RATIO = 1.15
 CUT_SLACK = 0.05
 """How much costlier than the best-balanced split (as a fraction of an ideal stage) the
 chosen split may be to cut at block boundaries instead of inside modules."""
+
+BLOCK_SLACK = 0.5
+"""Where the model runs fewer than two repeated blocks a stage, a split at block boundaries only
+is taken if its costliest stage costs at most this fraction of a block (the median block of the
+model's repeated blocks) more than the best any cuts reach. With about a block a stage, a cut
+inside a block can only move part of one block to a neighbour, and it splits the block's module
+call (per-block FSDP2, hooks, activation checkpointing, a stage module calling the user's block),
+so it is worth it only where whole blocks are off by more than that: torchtitan's DeepSeek-V3 (4
+blocks, its dense first layer costlier than a MoE layer) into 4 stages cuts between blocks, and
+the imbalance warning names the best ratio. With two blocks a stage or more the costliest stage
+stays within ``TARGET_RATIO`` where cuts can reach it (9 equal blocks into 4 stages cut inside a
+block: 3 blocks against 2.25)."""
 
 _UNITS = {"flops": "FLOPs", "params": "bytes", "memory": "bytes", "time": "s"}
 
@@ -303,6 +319,10 @@ def cut_positions(ops: list[torch.fx.Node], n: int, costs: list[float], real: li
     if best <= TARGET_RATIO * ideal:
         allowed = min(allowed, TARGET_RATIO * ideal)
     groups = _most_even(group_costs, group_pens, n, best, allowed, ideal)
+    if tree.num_blocks(costs) < 2 * n:  # about a block a stage: whole blocks, unless off by more than BLOCK_SLACK
+        whole = _whole_blocks(group_costs, group_pens, [calls_split[s] == 0 for s in starts], n,
+                              best + BLOCK_SLACK * _block_cost(tree, costs), ideal)
+        groups = whole if whole is not None else groups
     positions = [starts[g] for g in groups]
     edges = [0] + positions + [len(ops)]
     stage_costs = tuple(sum(costs[edges[s]:edges[s + 1]]) for s in range(n))
@@ -310,6 +330,34 @@ def cut_positions(ops: list[torch.fx.Node], n: int, costs: list[float], real: li
     where = _describe(tree, bounds[worst], bounds[worst + 1], ops)
     report = BalanceReport(metric, stage_costs, best / ideal if ideal > 0 else 1.0, (where, group_costs[worst]))
     return positions, report
+
+
+def _block_cost(tree: CallTree, costs: list[float]) -> float:
+    """The median cost of one of the model's repeated blocks (the class of block whose runs hold
+    the most cost, as :meth:`CallTree.num_blocks` counts them); 0 for a model without."""
+    by_class: dict[str, list[float]] = {}
+    for run in tree.runs:
+        by_class.setdefault(run[0].cls, []).extend(sum(costs[c.first:c.last + 1]) for c in run)
+    if not by_class:
+        return 0.0
+    blocks = sorted(max(by_class.values(), key=sum))
+    return blocks[len(blocks) // 2]
+
+
+def _whole_blocks(costs: list[float], pens: list[float], clean: list[bool], n: int, bound: float,
+                  ideal: float) -> list[int] | None:
+    """The most even split into ``n`` stages cutting only before groups whose start splits no
+    module call (``clean``: a repeated block's boundary), if its costliest stage costs at most
+    ``bound``; the cut groups, or None."""
+    keep = [0] + [g for g in range(1, len(costs)) if clean[g]]
+    if len(keep) < n or bound <= 0:
+        return None
+    merged = [sum(costs[a:b]) for a, b in zip(keep, keep[1:] + [len(costs)])]
+    best = _best_bound(merged, n)
+    if best > bound * (1 + 1e-9):
+        return None
+    chosen = _most_even(merged, [pens[g] for g in keep], n, best, best + CUT_SLACK * ideal, ideal)
+    return [keep[j] for j in chosen]
 
 
 def _describe(tree: CallTree, lo: int, hi: int, ops: list[torch.fx.Node]) -> str:
