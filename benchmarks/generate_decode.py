@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from pathlib import Path
@@ -122,7 +123,8 @@ def analyse(per_rank: list[dict]) -> dict[str, Any]:
     minus the later of the two posts; the ranks share one clock, ``perf_counter``), each a mean over
     every turn (a step slowed by the machine's load counts as it cost). Simulated:
     ``ps.simulate`` of the lowered order with those costs (each lane scaled by its rows, a
-    step's cost taken from the lane size the call ran) -- never from the measured fractions."""
+    step's cost taken from the lane size the call ran), and again with each step drawn from its
+    stage's measured times -- never from the measured fractions."""
     world = len(per_rank)
     reps = len(per_rank[0]["runs"])
     step: dict[int, list[float]] = {}
@@ -169,11 +171,17 @@ def analyse(per_rank: list[dict]) -> dict[str, Any]:
     costs.update({(s, "prefill"): statistics.fmean(v) for s, v in prefill.items()})
     latency = statistics.fmean(latencies) if latencies else 0.0
     rows = per_rank[0]["rows"]
-    sim = ps.simulate(_merged(per_rank), costs, comm_latency=latency,
-                      microbatch_scale=[n / max(rows) for n in rows])
+    order, scale = _merged(per_rank), [n / max(rows) for n in rows]
+    sim = ps.simulate(order, costs, comm_latency=latency, microbatch_scale=scale)
+    # the same, each D drawn from its stage's measured times (a fixed seed): the steps' spread, not only
+    # their mean, decides how long a rank waits at each exchange
+    rng = random.Random(0)
+    drawn = ps.simulate(order, lambda s, kind: rng.choice(prefill[s] if kind == "prefill" else step[s]),
+                        comm_latency=latency, microbatch_scale=scale)
     return {"wall": statistics.median(walls), "walls": walls, "lanes": per_rank[0]["lanes"],
             **{k: [round(statistics.median(v), 3) for v in parts[k]] for k in parts},
             "predicted_busy": [round(sim.busy[r], 3) for r in range(world)], "predicted_wall": sim.makespan,
+            "predicted_busy_drawn": [round(drawn.busy[r], 3) for r in range(world)],
             "stage_step_ms": [round(1e3 * costs[(s, "D")], 2) for s in sorted(step)],
             "prefill_ms": [round(1e3 * costs[(s, "prefill")], 2) for s in sorted(prefill)],
             "message_ms": round(1e3 * latency, 2)}
@@ -296,20 +304,22 @@ def main() -> None:
                  "waiting (in a comm batch before the peer posted: the pipeline's dependency), messages "
                  "(in a comm batch after both posted), ends (before the first action and after the last), "
                  "between (host work between actions). Simulated: "
-                 "ps.simulate of the lowered order fed the measured costs (each stage's step and prefill, "
-                 "the message latency), not the measured fractions.", "",
-                 "| run | lanes | tokens/s | over HF | over lanes=1 | busy (measured) | busy (simulated) | "
+                 "ps.simulate of the lowered order fed the measured costs (each stage's step and prefill: "
+                 "their means, or each step drawn from its stage's measured times; the mean message "
+                 "latency), not the measured fractions.", "",
+                 "| run | lanes | tokens/s | over HF | over lanes=1 | busy (measured) | busy (simulated: mean costs) | "
+                 "busy (simulated: drawn costs) | "
                  "waiting | messages | ends | between | step ms per stage | prefill ms per stage | message ms |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for world in args.worlds:
             hf_row = rows[f"hf_generate_1_process_{world}"]
             lines.append(f"| HF generate (KV cache), 1 process (with the {world}-rank run) | - | "
-                         f"{hf_row['tokens_per_s']:.0f} | 1 | - | - | - | - | - | - | - | - | - | - |")
+                         f"{hf_row['tokens_per_s']:.0f} | 1 | - | - | - | - | - | - | - | - | - | - | - |")
             for key in (f"{world}_ranks_lanes_hops", f"{world}_ranks_lanes_1"):
                 row = rows[key]
                 lines.append(f"| {key.replace('_', ' ')} | {row['lanes']} | {row['tokens_per_s']:.0f} | "
                              f"{row['over_hf']} | {row.get('over_lanes_1', 1)} | {row['busy']} | "
-                             f"{row['predicted_busy']} | {row['waiting']} | {row['messages']} | {row['ends']} | {row['between']} | "
+                             f"{row['predicted_busy']} | {row['predicted_busy_drawn']} | {row['waiting']} | {row['messages']} | {row['ends']} | {row['between']} | "
                              f"{row['stage_step_ms']} | {row['prefill_ms']} | {row['message_ms']} |")
         lines += ["", "Lanes = hops over lanes = 1 as the simulator prices the two orders from their own measured "
                   "costs (the bound those step costs set): " + ", ".join(
