@@ -90,11 +90,12 @@ def test_each_stage_keeps_its_own_layers_cache() -> None:
 
 
 @pytest.mark.timeout(600)
-def test_a_cut_between_a_cache_update_and_its_attention_generates() -> None:
-    """The job's example Qwen2 (examples/qwen2_tiny.json) balanced into 4 stages by flops cuts
-    inside block 3, between the layer's cache update and the attention reading it: the last
-    stage computes with keys stage 2 makes. It used to be refused ('cut the model at its
-    blocks' boundaries', found only at generate time); the keys now travel as a message."""
+def test_a_cut_between_a_cache_update_and_its_attention_generates(monkeypatch) -> None:
+    """The job's example Qwen2 (examples/qwen2_tiny.json) balanced into 4 stages by flops, with
+    whole blocks not preferred (``BLOCK_SLACK`` 0), cuts inside block 3, between the layer's cache
+    update and the attention reading it: the last stage computes with keys stage 2 makes. It used
+    to be refused ('cut the model at its blocks' boundaries', found only at generate time); the
+    keys now travel as a message."""
     import json
     from pathlib import Path
 
@@ -104,6 +105,7 @@ def test_a_cut_between_a_cache_update_and_its_attention_generates() -> None:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config)).eval()
     ids, mask = prompts(True)
+    monkeypatch.setattr("pippy_split.split.balance.BLOCK_SLACK", 0.0)
     pipe = ps.pipeline(model, 4, (torch.randint(0, config["vocab_size"], (4, 64)),))
     from pippy_split.generate.programs import decode_program
 
@@ -155,11 +157,13 @@ def test_generate_runs_on_the_schedules_own_runtime() -> None:
     sched.step(torch.cat([e.args[0], e.args[0]]), target=torch.zeros(16))
 
 
-def test_a_balanced_split_cutting_inside_a_block_generates() -> None:
-    """``pipeline(model, 3)`` cuts inside ``model.layers.1`` (between its attention and its MLP):
-    the pipe generates what HF ``generate`` does, so any cut training takes can sample."""
+def test_a_balanced_split_cutting_inside_a_block_generates(monkeypatch) -> None:
+    """``pipeline(model, 3)``, whole blocks not preferred (``BLOCK_SLACK`` 0), cuts inside
+    ``model.layers.1`` (between its attention and its MLP): the pipe generates what HF ``generate``
+    does, so any cut training takes can sample."""
     model, _ = hf_model("llama")
     ids, mask = prompts(True)
+    monkeypatch.setattr("pippy_split.split.balance.BLOCK_SLACK", 0.0)
     pipe = ps.pipeline(model, 3, (ids,))
     assert any("in model.layers.1" in e.display_name for e in pipe.edges if e.src_stage == 0 and e.dst_stage == 1)
     ref, ref_logprobs = hf_reference(model, ids, mask, 4)
