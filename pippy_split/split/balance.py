@@ -12,7 +12,7 @@ a tuple waiting for its ``getitem``, not a value a later op writes in place). Th
 search minimises the costliest stage; then, allowing that stage to cost up to
 ``CUT_SLACK`` of an ideal stage more, it picks the cuts that split the fewest module
 calls (a repeated block's boundary splits none) and send the fewest bytes. Where the
-model runs fewer than two repeated blocks a stage, cuts at block boundaries only are taken
+model runs one to two repeated blocks a stage, cuts at block boundaries only are taken
 if their costliest stage is within ``BLOCK_SLACK`` of a block of that best (a cut inside a
 block would only move part of one block).
 """
@@ -41,9 +41,10 @@ CUT_SLACK = 0.05
 chosen split may be to cut at block boundaries instead of inside modules."""
 
 BLOCK_SLACK = 0.5
-"""Where the model runs fewer than two repeated blocks a stage, a split at block boundaries only
-is taken if its costliest stage costs at most this fraction of a block (the median block of the
-model's repeated blocks) more than the best any cuts reach. With about a block a stage, a cut
+"""Where the model runs at least one repeated block a stage and fewer than two, a split at
+block boundaries only is taken if its costliest stage costs at most this fraction of a block
+(the median block of the model's repeated blocks) more than the best any cuts reach (with fewer
+blocks than stages, some stage would hold no block at all). With about a block a stage, a cut
 inside a block can only move part of one block to a neighbour, and it splits the block's module
 call (per-block FSDP2, hooks, activation checkpointing, a stage module calling the user's block),
 so it is worth it only where whole blocks are off by more than that: torchtitan's DeepSeek-V3 (4
@@ -319,7 +320,8 @@ def cut_positions(ops: list[torch.fx.Node], n: int, costs: list[float], real: li
     if best <= TARGET_RATIO * ideal:
         allowed = min(allowed, TARGET_RATIO * ideal)
     groups = _most_even(group_costs, group_pens, n, best, allowed, ideal)
-    if tree.num_blocks(costs) < 2 * n:  # about a block a stage: whole blocks, unless off by more than BLOCK_SLACK
+    if n <= tree.num_blocks(costs) < 2 * n:  # a block a stage or more, fewer than two: whole blocks, unless off
+        # by more than BLOCK_SLACK
         whole = _whole_blocks(group_costs, group_pens, [calls_split[s] == 0 for s in starts], n,
                               best + BLOCK_SLACK * _block_cost(tree, costs), ideal)
         groups = whole if whole is not None else groups
