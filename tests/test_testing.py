@@ -86,6 +86,13 @@ def _env_and_threads(rank: int, world_size: int) -> tuple:
     return os.environ.get("PIPPY_SPLIT_TEST_VAR"), torch.get_num_threads(), dist.get_world_size()
 
 
+def _preloaded(rank: int, world_size: int) -> list[str]:
+    import sys
+
+    return [m for m in ("torch._dynamo", "torch._functorch.aot_autograd", "pippy_split.split", "pippy_split.generate")
+            if m in sys.modules]
+
+
 # --------------------------------------------------------------------------- #
 # Helpers
 # --------------------------------------------------------------------------- #
@@ -238,6 +245,15 @@ def test_env_and_threads_reach_the_ranks() -> None:
         _env_and_threads, 2, timeout=30, threads_per_rank=2, env={"PIPPY_SPLIT_TEST_VAR": "yes"}
     )
     assert results == [("yes", 2, 2)] * 2
+
+
+@pytest.mark.timeout(60)
+def test_ranks_start_with_the_tracer_and_the_library_imported() -> None:
+    """Each rank would otherwise import torch.export's tracer (dynamo, AOT autograd) and the
+    library itself on its first pipe: about 2 s a rank, several times that with the ranks importing
+    side by side on a loaded machine. The forkserver imports them once."""
+    assert run_ranks(_preloaded, 2, timeout=30) == [["torch._dynamo", "torch._functorch.aot_autograd",
+                                                     "pippy_split.split", "pippy_split.generate"]] * 2
 
 
 @pytest.mark.timeout(60)

@@ -32,9 +32,12 @@ _FAILURE_GRACE_S = 1.0
 _STACK_DUMP_WAIT_S = 0.5
 # terminate() -> kill() escalation delay.
 _TERMINATE_WAIT_S = 1.0
-# What the forkserver imports once, so that forked ranks start with it loaded
-# instead of each importing torch again.
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "pippy_split.testing"]
+# What the forkserver imports once, so that forked ranks start with it loaded instead of each
+# importing it again: torch, and what tracing and running a pipe import on first use
+# (torch.export's tracer pulls in dynamo and AOT autograd: about 2 s a rank, far more when the
+# ranks import side by side on a loaded machine). None of these starts a thread.
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.export._trace", "pippy_split.testing",
+                       "pippy_split.split", "pippy_split.stage", "pippy_split.schedule", "pippy_split.generate"]
 
 
 class RankFailure(RuntimeError):
