@@ -17,7 +17,7 @@ naming the arguments. Either way before any message, with the group left usable.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -79,9 +79,12 @@ def argument_digest(input_ids: Any, kwargs: dict[str, Any]) -> torch.Tensor:
     return torch.stack(parts)[None]
 
 
-def agreed_call(pipe: Pipe, pg: PipelineGroup, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> CheckedCall:
+def agreed_call(pipe: Pipe, pg: PipelineGroup, input_ids: torch.Tensor, kwargs: dict[str, Any],
+                prepare: Callable[[], object] | None = None) -> CheckedCall:
     """This rank's checked call, once every rank of ``pg`` has checked its own and all gave
-    the same arguments (one all-reduce).
+    the same arguments (one all-reduce). ``prepare`` runs after this rank's checks and before
+    the all-reduce (the decode program's trace): where it raises on one rank, every rank
+    raises, before any message, instead of the others waiting for that rank's first message.
 
     Raises:
         GenerationError: this rank's arguments are wrong (on this rank), or the ranks gave
@@ -92,6 +95,8 @@ def agreed_call(pipe: Pipe, pg: PipelineGroup, input_ids: torch.Tensor, kwargs: 
     call: CheckedCall | None = None
     try:
         call = checked_call(pipe, input_ids, **kwargs)
+        if prepare is not None:
+            prepare()
     except Exception as e:  # every rank learns it in the agreement below
         error = e
     agreed = agree_before_step(error, pg, "generate()", sizes=argument_digest(input_ids, kwargs))

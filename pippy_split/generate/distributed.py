@@ -36,7 +36,7 @@ from ..stage.stage import PipelineStage
 from .agreement import agreed_call
 from .checks import CheckedCall, checked_call
 from .errors import GenerationError
-from .gathered import unsharded_stages
+from .gathered import traced_program, unsharded_stages
 from .lanes import Lane, Progress, make_lanes
 from .programs import Program, decode_program
 from .stage_step import StageDecoder
@@ -230,9 +230,11 @@ def generate_on_schedule(sched: ScheduleView, runtime: Interpreter, failures: Fa
     on, with its transport) and its ``failures`` channel (a rank failing mid-generation stops
     every rank, as in ``step()``)."""
     pipe = _pipe_of(sched)
-    call = agreed_call(pipe, sched.pipeline_group, input_ids, kwargs)  # every rank, before any message
+    prompt_len = int(input_ids.shape[1])
+    call = agreed_call(pipe, sched.pipeline_group, input_ids, kwargs,  # every rank, before any message
+                       prepare=lambda: traced_program(sched.stages, pipe, prompt_len))
     # FSDP2 / TP stages: their DTensors whole for this call, freed after it (gathered.py)
-    with unsharded_stages(sched.stages, pipe, int(input_ids.shape[1])):
+    with unsharded_stages(sched.stages, pipe, prompt_len):
         return _generate(sched, pipe, call, input_ids, runtime, failures)
 
 

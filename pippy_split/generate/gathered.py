@@ -43,10 +43,10 @@ from ..split.materialize import set_tensor
 from ..split.module_calls import parent_of
 from ..split.pipe import Pipe
 from ..stage.stage import PipelineStage
-from .programs import decode_program
+from .programs import Program, decode_program
 from .stand_ins import stand_in
 
-__all__ = ["Gathered", "unsharded_stages"]
+__all__ = ["Gathered", "traced_program", "unsharded_stages"]
 
 # Where the hooks of TP (distribute_module) and FSDP2 (fully_shard) are defined.
 _DISTRIBUTED_HOOKS = ("torch.distributed.tensor", "torch.distributed.fsdp")
@@ -101,13 +101,8 @@ def unsharded_stages(stages: Sequence[PipelineStage], pipe: Pipe, prompt_len: in
     whole: dict[int, torch.Tensor] = {}
     program = None
     try:
+        program = traced_program(stages, pipe, prompt_len)
         _suspend_hooks(modules, undo)
-        traced: list[Callable[[], None]] = []
-        try:
-            _lend(sharded, stand_in, {}, traced)
-            program = decode_program(pipe, prompt_len)  # traced on the Pipe's first call: it needs shapes only
-        finally:
-            _undo(traced)
         _lend(sharded, _full, whole, undo)
         gathered.tensors = len(whole)
         gathered.numel = sum(t.numel() for t in whole.values())
@@ -119,6 +114,25 @@ def unsharded_stages(stages: Sequence[PipelineStage], pipe: Pipe, prompt_len: in
         if program is not None:
             _unbind(program, stages, {id(new): old for old, new in _pairs(sharded, whole)})
         whole.clear()
+
+
+def traced_program(stages: Sequence[PipelineStage], pipe: Pipe, prompt_len: int | None = None) -> Program:
+    """``pipe``'s decode program (:func:`~.programs.decode_program`, traced on the Pipe's first
+    call), with each DTensor of ``stages`` stood in by a zero-memory tensor of its full shape and
+    torch.distributed's hooks suspended while it traces: no collective, so a rank can trace it
+    before the ranks agree on the call, and a trace that fails on one rank fails every rank there.
+
+    Example:
+        >>> program = traced_program(sched.stages, pipe, prompt_len=8)  # doctest: +SKIP
+    """
+    modules = [st.module for st in stages]
+    undo: list[Callable[[], None]] = []
+    try:
+        _suspend_hooks(modules, undo)
+        _lend(_sharded(modules), stand_in, {}, undo)
+        return decode_program(pipe, prompt_len)
+    finally:
+        _undo(undo)
 
 
 def _sharded(modules: Sequence[torch.nn.Module]) -> list[_Entry]:

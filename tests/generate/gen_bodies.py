@@ -156,6 +156,28 @@ def bad_call_body(rank: int, world: int, kwargs: dict, group: Any = None) -> str
     return "no error"
 
 
+def trace_fails_on_one_rank_body(rank: int, world: int, group: Any = None) -> str:
+    """Rank 0's decode trace raises, the other ranks' succeed: every rank returns what it raised
+    (before the fix the others waited in their first receive until the group's timeout)."""
+    from pippy_split.generate import programs
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected trace failure")
+
+    _, _, sched = build("tiny_gpt", "1F1B", world, group)
+    original = programs.trace_again
+    if rank == 0:
+        programs.trace_again = fail  # type: ignore[assignment]
+    ids, mask = prompts(True, batch=3)
+    try:
+        sched.generate(ids % 64, attention_mask=mask, max_new_tokens=2)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        programs.trace_again = original  # the next case of this spawn traces again
+    return "no error"
+
+
 def failing_rank_body(rank: int, world: int) -> dict:
     """Rank 1 fails in the middle of generation; every rank reports what it raised and when."""
     import time

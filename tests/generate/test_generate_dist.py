@@ -23,6 +23,7 @@ from .gen_bodies import (
     generate_on_meta_body,
     layers_for,
     reference,
+    trace_fails_on_one_rank_body,
 )
 
 GREEDY = {"max_new_tokens": 6, "eos_token_id": 999, "pad_token_id": 0}  # no EOS: every step compared
@@ -45,6 +46,7 @@ TWO_RANKS = {  # key: (body, args) of every 2-rank case, run by one cases_body s
     "sampling": (generate_body, ("tiny_gpt", "ZBVZeroBubble", 4, SAMPLING)),
     **{f"bad-{m}": (bad_call_body, (kw,)) for kw, m in BAD_CALLS},
     "meta": (generate_on_meta_body, (GREEDY,)),
+    "trace-fails": (trace_fails_on_one_rank_body, ()),
 }
 
 
@@ -100,6 +102,16 @@ def test_generate_after_a_training_step_uses_the_new_weights(two_ranks, name: st
 def test_bad_calls_fail_on_every_rank(two_ranks, kwargs: dict, match: str) -> None:
     results = case_results(two_ranks, f"bad-{match}")
     assert len(set(results)) == 1 and match in results[0], results
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+def test_a_decode_trace_failing_on_one_rank_fails_every_rank_before_any_message(two_ranks) -> None:
+    """The trace runs before the ranks agree on the call, so its error is agreed on like a bad
+    argument: rank 0 raises its own, the other names it (and nobody waits for a message)."""
+    mine, other = case_results(two_ranks, "trace-fails")
+    assert mine == "RuntimeError: injected trace failure", mine
+    assert "rank 0" in other and "injected trace failure" in other, other
 
 
 @pytest.mark.dist
