@@ -235,7 +235,8 @@ def recurrent_gemma() -> Arch:
     import transformers as t
 
     # Its recurrent block resets ``rg_lru.recurrent_states`` in Python before calling it: where
-    # 4 stages cut inside a block, the rg_lru stays traced with it (issue 29 item 3).
+    # a cut falls inside a block (2 stages: inside layers.2's temporal block; 4 stages keep whole
+    # blocks since split/balance's BLOCK_SLACK), the rg_lru stays traced with it (issue 29 item 3).
     cfg = t.RecurrentGemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
                                  num_attention_heads=4, num_key_value_heads=1, lru_width=32, attention_window_size=16,
                                  conv1d_width=4, block_types=["recurrent", "recurrent", "attention"], use_cache=False)
