@@ -163,13 +163,11 @@ def simulate(order: Any, costs: Any = None, *, links: Iterable[Link] | None = No
             kind, ``{(stage, "I"): bytes, (stage, "B"): bytes}``.
         input_grad_bytes: per stage, what a split backward keeps from its I until its
             W (the output gradients of the ops W differentiates).
-        microbatch_scale: each microbatch's size relative to the one the costs and bytes
-            describe (e.g. its tokens over the traced example's, in packed or bucketed
-            sequences): multiplies its action times, message latencies and bytes.
+        microbatch_scale: each microbatch's size relative to the one the costs and bytes describe
+            (e.g. its tokens over the traced example's): multiplies its times, latencies and bytes.
 
     Returns:
-        A :class:`Simulation` (a :class:`~.decode_order.DecodeSimulation` for a decode order:
-        makespan, each rank's busy fraction, bubble).
+        A :class:`Simulation`; a :class:`~.decode_order.DecodeSimulation` for a decode order.
 
     Raises:
         ValueError: when no rank can progress (deadlock), naming each stuck

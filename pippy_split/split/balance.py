@@ -320,8 +320,7 @@ def cut_positions(ops: list[torch.fx.Node], n: int, costs: list[float], real: li
     if best <= TARGET_RATIO * ideal:
         allowed = min(allowed, TARGET_RATIO * ideal)
     groups = _most_even(group_costs, group_pens, n, best, allowed, ideal)
-    if n <= tree.num_blocks(costs) < 2 * n:  # a block a stage or more, fewer than two: whole blocks, unless off
-        # by more than BLOCK_SLACK
+    if n <= tree.num_blocks(costs) < 2 * n:  # one to two blocks a stage: whole blocks, unless BLOCK_SLACK off
         whole = _whole_blocks(group_costs, group_pens, [calls_split[s] == 0 for s in starts], n,
                               best + BLOCK_SLACK * _block_cost(tree, costs), ideal)
         groups = whole if whole is not None else groups
