@@ -125,6 +125,9 @@ def traced_program(stages: Sequence[PipelineStage], pipe: Pipe, prompt_len: int 
     Example:
         >>> program = traced_program(sched.stages, pipe, prompt_len=8)  # doctest: +SKIP
     """
+    cached = pipe.derived.get("decode_program")
+    if cached is not None:  # traced by an earlier call: nothing to stand in for
+        return cached
     modules = [st.module for st in stages]
     undo: list[Callable[[], None]] = []
     try:

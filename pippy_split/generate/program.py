@@ -240,6 +240,13 @@ def example_step(layout: list[LayoutEntry], device: torch.device | str, dtype: t
     dyn = torch.export.Dim.DYNAMIC
     new = {0: dyn, 1: dyn} if t > 1 else {0: dyn}  # a step of one token is traced as such
     shapes = {"input_ids": new, "attention_mask": {0: dyn, 1: dyn}, "position_ids": new,
-              "past": [{0: dyn} if isinstance(e, FixedState) else {0: dyn, 1: dyn} if isinstance(e, TokenPrefix)
-                       else {0: dyn, 2: dyn} for e in read]}
+              "past": [{d: dyn for d in _dynamic_dims(e)} for e in read]}
     return (ids, mask, pos, past), shapes
+
+
+def _dynamic_dims(entry: LayoutEntry) -> tuple[int, ...]:
+    """The dims of a cache tensor that vary between calls: the batch, and the length where it grows
+    (a recurrent state keeps its size; the tokens so far ``(B, P)``; keys and values ``(B, H, P, D)``)."""
+    if isinstance(entry, FixedState):
+        return (0,)
+    return (0, 1) if isinstance(entry, TokenPrefix) else (0, 2)
