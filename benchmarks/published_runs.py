@@ -4,7 +4,9 @@ it ran, under the planner's one set of constants (``pippy_split.plan.cluster.ker
 
 Run: ``python -m benchmarks.published_runs`` (about 20 s, one process, no GPU): prints
 predicted vs published tokens/s/GPU and reserved GiB for every row, the ratios within each
-table, and writes ``benchmarks/results/cluster_published_runs.md``. The sources, tables and
+table, and writes ``benchmarks/results/cluster_published_runs.md``; ``--torch-ring`` prints
+Table 2's CP rows with the ring priced as torch's Dec-2024 code runs it (why those rows stay
+misses: :func:`torch_ring_extra_s`). The sources, tables and
 how each configuration ran are in ``benchmarks/published_runs.md``;
 ``tests/plan/test_plan_cluster_published.py`` checks every row with these helpers.
 """
@@ -17,6 +19,8 @@ from functools import cache
 from pathlib import Path
 
 from pippy_split.plan.cluster import Cluster, ClusterCandidate, ClusterLayout, ModelShape, Runtime, price_layout
+from pippy_split.plan.cluster.block import _cp_s, ring_correction_s
+from pippy_split.plan.cluster.kernels import attention_s, link_s, memory_s
 
 GiB = 2**30
 LLAMA3_8B = ModelShape(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
@@ -162,6 +166,59 @@ def table_ratios() -> list[tuple[str, str, float, float]]:
     return out
 
 
+TORCH_RING_BYTES = (8.0, 30.0, 44.0)
+"""HBM bytes per element of a rank's ``t x h / tp`` K (or V, or output) that torch's ring of
+Dec 2024 (``torch.distributed.tensor.experimental._attention``, as torchtitan ran it: all
+ops traced by torch.compile, each chain of elementwise ops one kernel) moves besides what the
+planner prices: the concatenated K and V read and written for the all-gather, forward and
+backward (8); per round after the first in the backward, dK and dV accumulated in fp32 (the
+received fp32 read, the round's bf16 read, fp32 written: 10 each) and dQ the same, 30 against
+the planner's 20; once per backward the three fp32 accumulators started from round 0's
+gradients (6 each) and cast back to bf16 at the end (6 each), with the all-gather's copy (44)."""
+
+
+def torch_ring_extra_s(run: Run) -> float:
+    """Seconds a step of ``run`` (one stage, one microbatch, full AC, as Table 2 ran) adds if
+    its ring is priced as torch's Dec-2024 code runs it rather than as the planner prices it:
+    K and V (repeated to every query head by torchtitan's ``repeat_kv`` before SDPA, so ``h``
+    wide) all-gathered once a forward and once a backward (``_AllGatherRotater``, the default
+    then), exposed only beyond round 0's attention; rounds after the first over one half block
+    (round-robin load balancing: queries ``t`` and keys ``t / 2`` or the reverse), priced at
+    ``f(t) f(t / 2)``; :data:`TORCH_RING_BYTES`; dK and dV passed one hop a round in fp32
+    (``_AllToAllRotater``), hidden behind the next round except the last, which the backward
+    waits for before it returns. The planner's own K/V rotation is taken out."""
+    lay, m, c = run.layout, run.model, Cluster.preset(run.cluster, gpus=run.gpus)
+    t, w, kernel = lay.mb * run.seq_len / lay.cp, m.hidden / lay.tp, run.runtime.attention_kernel
+    if lay.cp == 1 or lay.pp > 1 or lay.ac_mode != "full":
+        raise ValueError(f"{run.name}: only a CP row of one stage under full AC is priced here")
+    e = t * w
+    attn = [attention_s(t, run.seq_len, w, c, kernel, backward=b, block_len=t) for b in (False, True)]
+    half = [attention_s(t, run.seq_len, w, c, kernel, backward=b, block_len=t / 2) for b in (False, True)]
+    rounds = (lay.cp - 1) / lay.cp  # the share of a rank's attention in the rounds after the first
+    shape = [rounds * ((a * h) ** 0.5 - a) for a, h in zip(attn, half)]  # f(t) f(t/2) against f(t)^2
+    bw = c.collective_bandwidth(lay.cp, stride=lay.tp)
+    gather, permute = link_s((lay.cp - 1) * 2 * e * 2, bw), link_s(2 * e * 4, bw)
+    gather_s = [max(0.0, gather - a / lay.cp) for a in attn]
+    copy, per_round, fixed = TORCH_RING_BYTES
+    fwd = memory_s(copy * e, c) + gather_s[0] + shape[0]
+    bwd = (memory_s((fixed + (per_round - 20.0) * (lay.cp - 1)) * e, c) + gather_s[1] + shape[1] + permute
+           + (lay.cp - 1) * max(0.0, permute - attn[1] / lay.cp))
+    rotation = _cp_s(m, c, lay, t, attn[0]) - ring_correction_s(m, c, lay, t)  # priced 4x: F, recompute, 2x B
+    return m.layers * (2 * fwd + bwd - 4 * rotation)
+
+
+def torch_ring_rows() -> list[tuple[str, float, float]]:
+    """(row, predicted tokens/s/GPU, published) for Table 2's CP rows with the ring priced by
+    :func:`torch_ring_extra_s` (the step is the blocks' sum: one stage, one microbatch)."""
+    out = []
+    for run in RUNS:
+        if run.table == "torchtitan H100 T2" and run.layout.cp > 1:
+            step = price(run).step_s + torch_ring_extra_s(run)
+            tokens = run.layout.m * run.layout.mb * run.seq_len * run.layout.dp
+            out.append((run.name, tokens / step / run.gpus, run.tokens_per_s_per_gpu))
+    return out
+
+
 def report() -> str:
     lines = ["| table | row | predicted tokens/s/GPU | published | ratio | predicted GiB (reserved) | "
              "live GiB | published GiB | ratio |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -205,7 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cluster_published_runs.md"))
     parser.add_argument("--docs", action="store_true", help="also rewrite the table in docs/cluster_planning.md")
+    parser.add_argument("--torch-ring", action="store_true",
+                        help="only print Table 2's CP rows with the ring priced as torch's Dec-2024 code runs it")
     args = parser.parse_args(argv)
+    if args.torch_ring:
+        for name, pred, pub in torch_ring_rows():
+            print(f"{name}: {pred:,.0f} tokens/s/GPU against {pub:,.0f} published ({pred / pub:.3f})")
+        return 0
     text = report()
     print(text)
     if args.docs:
