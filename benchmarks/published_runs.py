@@ -230,8 +230,8 @@ def report() -> str:
                      f"{tps:.2f} | {got.memory_bytes / GiB:.1f} | {got.live_bytes / GiB:.1f} | {pub} | "
                      f"{'' if mem is None else f'{mem:.2f}'} |")
     lines += ["", "| table | row over the table's first | predicted | published | ratio |", "|---|---|---:|---:|---:|"]
-    for table, name, pred, pub in table_ratios():
-        lines.append(f"| {table} | {name} | {pred:.3f} | {pub:.3f} | {pred / pub:.2f} |")
+    for table, name, pred, published in table_ratios():
+        lines.append(f"| {table} | {name} | {pred:.3f} | {published:.3f} | {pred / published:.2f} |")
     return "\n".join(lines)
 
 
