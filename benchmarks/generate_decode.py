@@ -6,8 +6,8 @@ the decode step) beside ``ps.pipeline()`` of the same model.
 Run with ``python -m benchmarks.generate_decode [--quick] [--d 1024] [--worlds 2 4]``. An HF
 Llama (d=1024 by default, 8 blocks, 8 heads, vocab 256) generates 64 new tokens for 32 prompts
 of 16 tokens, greedy, fp32, on gloo ranks (1F1B: one stage per rank; one intra-op thread per
-rank) and HF ``generate`` with ``use_cache=True`` on rank 0's process, one thread (the baseline a
-user has; the model's config says ``use_cache=False`` for training, which HF generate would
+rank) and HF ``generate`` with ``use_cache=True`` in a process of its own (one more rank, outside
+the pipe's group), one thread (the baseline a user has; the model's config says ``use_cache=False`` for training, which HF generate would
 otherwise follow and recompute every token) while the other ranks wait. Each configuration
 generates once to warm up (the decode program is traced then), then ``REPS`` times; the figure
 is the median, the configurations taking turns (HF's included) so a loaded machine slows them
@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -40,9 +42,11 @@ import torch
 import torch.distributed as dist
 
 import pippy_split as ps
+from pippy_split.generate.decode_model import DecodeRoot, kv_layout
 from pippy_split.generate.distributed import lowered_decode
 from pippy_split.generate.lanes import make_lanes
 from pippy_split.generate.options import GenerateOptions
+from pippy_split.generate.program import example_step
 from pippy_split.generate.programs import decode_program
 from pippy_split.testing import run_ranks
 
@@ -64,35 +68,37 @@ def prompts(batch: int, length: int) -> torch.Tensor:
     return torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(0))
 
 
-def rank_body(rank: int, world: int, d: int, layers: int, batch: int, length: int, new: int,
+def rank_body(rank: int, size: int, d: int, layers: int, batch: int, length: int, new: int,
               lanes_list: list[int | None]) -> dict:
+    """Ranks ``0 .. size - 2`` run the pipe (their own group); the last rank runs HF ``generate``
+    in a process of its own (a user's baseline process: its heap is not the pipe's)."""
+    world = size - 1
+    group = dist.new_group(list(range(world)))
+    if rank == world:
+        return _hf_rank(d, layers, batch, length, new, len(lanes_list))
     m = model(d, layers)
     ids = prompts(batch, length)
     spec = [f"model.layers.{i * layers // world}" for i in range(1, world)]
     pipe = ps.pipeline(m, spec, (ids[:2],))
-    sched = ps.build_schedule(pipe, "1F1B", 2, loss_fn=lambda out, t: out.logits.sum())
+    sched = ps.build_schedule(pipe, "1F1B", 2, loss_fn=lambda out, t: out.logits.sum(), group=group)
     out: dict[str, Any] = {}
-    hf_model = model(d, layers) if rank == 0 else None
     for lanes in lanes_list:
         sched.generate(ids, max_new_tokens=2, lanes=lanes)  # warm up: traces the decode step
-    if hf_model is not None:
-        hf_generate(hf_model, ids, 2)
     runs: dict[Any, list[dict]] = {lanes: [] for lanes in lanes_list}
-    hf_walls, probes, rows_probes = [], [], []
+    probes, rows_probes = [], []
     for _ in range(REPS):  # the configurations take turns (HF's too), so a busy machine slows them alike
         for lanes in lanes_list:
             dist.barrier()  # every rank starts the call together (a rank's wall is the call's, not a wait for it)
-            cpu, start = time.process_time(), time.perf_counter()
+            faults, cpu, start = _minor_faults(), time.process_time(), time.perf_counter()
             with sched.timed_actions(messages=True) as times:  # every action, timed by the runtime's observer
                 sched.generate(ids, max_new_tokens=new, lanes=lanes, eos_token_id=None)
             end = time.perf_counter()
             runs[lanes].append({"start": start, "end": end, "cpu": time.process_time() - cpu,
+                                "faults": _minor_faults() - faults,
                                 "actions": [(t.action, t.start, t.end) for t in times]})
+        dist.barrier()  # HF's turn: the pipe's ranks wait (blocked, no CPU)
         dist.barrier()
-        if hf_model is not None:  # rank 0 alone, one thread; the other ranks wait (blocked, no CPU)
-            hf_walls.append(hf_generate(hf_model, ids, new))
-        dist.barrier()
-        probes.append(cores_probe(world))
+        probes.append(cores_probe(world, group))
         rows_probes.append(rows_probe(m, world) if rank == 0 else {})
         dist.barrier()
     program = decode_program(pipe)
@@ -102,11 +108,33 @@ def rank_body(rank: int, world: int, d: int, layers: int, batch: int, length: in
         lowered, _ = lowered_decode(dict(sched.placement), program, lane_list)  # the order generate runs
         out[str(lanes)] = {"runs": runs[lanes], "lowered": lowered, "lanes": len(lane_list),
                            "rows": [lane.slots for lane in lane_list]}
-    out["hf_walls"] = hf_walls
     out["cores"] = statistics.median(probes)
     if rank == 0:
         out["rows_probe"] = {n: statistics.median(p[n] for p in rows_probes) for n in rows_probes[0]}
     return out
+
+
+def _hf_rank(d: int, layers: int, batch: int, length: int, new: int, configs: int) -> dict:
+    """The baseline's process: HF ``generate`` on one thread at its turn, waiting at the pipe's."""
+    hf_model, ids = model(d, layers), prompts(batch, length)
+    hf_generate(hf_model, ids, 2)
+    walls, faults = [], []
+    for _ in range(REPS):
+        for _ in range(configs):
+            dist.barrier()  # the pipe's turn
+        dist.barrier()
+        before = _minor_faults()
+        walls.append(hf_generate(hf_model, ids, new))
+        faults.append(_minor_faults() - before)
+        dist.barrier()
+        dist.barrier()  # the probes' turn
+    return {"hf_walls": walls, "hf_faults": int(statistics.median(faults))}
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far: pages the OS handed it fresh (zeroed), as when the
+    allocator returned a freed KV cache to the OS and the next step's cache takes new pages."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def analyse(per_rank: list[dict]) -> dict[str, Any]:
@@ -181,6 +209,8 @@ def analyse(per_rank: list[dict]) -> dict[str, Any]:
     return {"wall": statistics.median(walls), "walls": walls, "lanes": per_rank[0]["lanes"],
             **{k: [round(statistics.median(v), 3) for v in parts[k]] for k in parts},
             "predicted_busy": [round(sim.busy[r], 3) for r in range(world)], "predicted_wall": sim.makespan,
+            "page_faults": [int(statistics.median(per_rank[r]["runs"][i]["faults"] for i in range(reps)))
+                            for r in range(world)],
             "predicted_busy_drawn": [round(drawn.busy[r], 3) for r in range(world)],
             "stage_step_ms": [round(1e3 * costs[(s, "D")], 2) for s in sorted(step)],
             "prefill_ms": [round(1e3 * costs[(s, "prefill")], 2) for s in sorted(prefill)],
@@ -199,7 +229,7 @@ def hf_generate(m: torch.nn.Module, ids: torch.Tensor, new: int) -> float:
     return time.perf_counter() - start
 
 
-def cores_probe(world: int) -> float:
+def cores_probe(world: int, group: Any = None) -> float:
     """How many cores ``world`` one-thread ranks get at once, from a fixed weight-streaming loop
     (8 linears of 1024 x 1024, 16 rows, as a decode step) run by every rank together, then by
     this rank alone while the others wait: ``world x alone / together`` (``world`` where each
@@ -215,14 +245,14 @@ def cores_probe(world: int) -> float:
         return time.perf_counter() - start
 
     loop()
-    dist.barrier()
+    dist.barrier(group)
     together = loop()
     alone = 0.0
     for r in range(world):
-        dist.barrier()
+        dist.barrier(group)
         if r == dist.get_rank():
             alone = loop()
-    dist.barrier()
+    dist.barrier(group)
     return world * alone / together
 
 
@@ -249,7 +279,9 @@ def rows_probe(m: torch.nn.Module, world: int) -> dict[int, float]:
 
 def first_call(d: int, layers: int, length: int) -> dict[str, float]:
     """Seconds of ``ps.pipeline()`` (2 stages) and of the pipe's first ``generate`` (which traces
-    the decode step) and its second, in this process, on one thread."""
+    the decode step) and its second, in this process, on one thread; and what the decode step's
+    ``torch.export`` costs alone, with generate's dynamic dims (batch, new tokens, past) and with
+    every dim static (as ``ps.pipeline()``'s own trace): where the first call's time goes."""
     torch.set_num_threads(1)
     m = model(d, layers)
     ids = prompts(2, length)
@@ -261,8 +293,20 @@ def first_call(d: int, layers: int, length: int) -> dict[str, float]:
     first = time.perf_counter() - start
     start = time.perf_counter()
     pipe.generate(ids, max_new_tokens=2)
-    return {"pipeline_s": split, "first_generate_s": first, "second_generate_s": time.perf_counter() - start,
-            "first_over_pipeline": first / split}
+    second = time.perf_counter() - start
+    root, layout = DecodeRoot(m), kv_layout(m, torch.device("cpu"))
+    args, shapes = example_step(layout, "cpu", torch.float32)
+    one, _ = example_step(layout, "cpu", torch.float32, t=1)  # one new token; only the past's length dynamic
+    past_only = {"input_ids": {}, "position_ids": {}, "attention_mask": {1: torch.export.Dim.DYNAMIC},
+                 "past": [{2: torch.export.Dim.DYNAMIC} for _ in layout]}
+    traces = {}
+    for name, a, dims in (("decode_trace_dynamic_s", args, shapes), ("decode_trace_past_only_s", one, past_only),
+                          ("decode_trace_static_s", args, None)):
+        start = time.perf_counter()
+        torch.export.export(root, a, dynamic_shapes=dims, strict=False)
+        traces[name] = time.perf_counter() - start
+    return {"pipeline_s": split, "first_generate_s": first, "second_generate_s": second,
+            "first_over_pipeline": first / split, **traces}
 
 
 def main() -> None:
@@ -270,20 +314,24 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="d=64, 4 prompts, 8 new tokens (a smoke run)")
     parser.add_argument("--d", type=int, default=1024, help="hidden size (issue 39 asks d=1024)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="rank counts to run")
+    parser.add_argument("--tag", default="", help="results go to generate_decode_TAG.{json,md} (e.g. a run under "
+                        "another allocator setting: GLIBC_TUNABLES=... python -m benchmarks.generate_decode --tag ...)")
     args = parser.parse_args()
     d, layers, batch, length, new = (64, 8, 4, 8, 8) if args.quick else (args.d, 8, 32, 16, 64)
     tokens = batch * new
     rows: dict[str, Any] = {"config": {"d": d, "layers": layers, "prompts": batch, "prompt_len": length,
-                                       "new_tokens": new, "reps": REPS}}
+                                       "new_tokens": new, "reps": REPS,
+                                       "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}}
     rows["first_call"] = first_call(d, layers, length)
     for world in args.worlds:
-        results = run_ranks(rank_body, world, d, layers, batch, length, new, [None, 1], timeout=3000)
-        hf = statistics.median(results[0]["hf_walls"])
+        *results, hf_result = run_ranks(rank_body, world + 1, d, layers, batch, length, new, [None, 1], timeout=3000)
+        hf = statistics.median(hf_result["hf_walls"])
         rows[f"hf_generate_1_process_{world}"] = {"wall": hf, "tokens_per_s": tokens / hf,
+                                                  "page_faults": hf_result["hf_faults"],
                                                   "cores_for_the_ranks": round(results[0]["cores"], 2),
                                                   "stage_linears_ms_by_rows": {str(k): round(v, 1) for k, v in
                                                                                results[0]["rows_probe"].items()}}
-        hf_walls = results[0]["hf_walls"]  # HF's turns between the pipe's, on rank 0's process
+        hf_walls = hf_result["hf_walls"]  # HF's turns between the pipe's, in a process of its own
         for lanes in ("None", "1"):
             row = analyse([r[lanes] for r in results])
             row["tokens_per_s"] = tokens / row["wall"]
@@ -296,31 +344,37 @@ def main() -> None:
     print(json.dumps(rows, indent=1))
     if not args.quick:
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "generate_decode.json").write_text(json.dumps(rows, indent=1) + "\n")
+        name = "generate_decode" + (f"_{args.tag}" if args.tag else "")
+        (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
         first = rows["first_call"]
         lines = [f"d={d}, {layers} blocks, {batch} prompts x {new} new tokens, fp32, one thread per process; "
-                 f"median of {REPS} turns, HF's turns between the pipe's on rank 0; ratios are medians of "
+                 f"median of {REPS} turns, HF's turns between the pipe's, in a process of its own; ratios are medians of "
                  "per-turn ratios. Per rank, fractions of the call's wall time: busy (in its D actions), "
                  "waiting (in a comm batch before the peer posted: the pipeline's dependency), messages "
                  "(in a comm batch after both posted), ends (before the first action and after the last), "
                  "between (host work between actions). Simulated: "
                  "ps.simulate of the lowered order fed the measured costs (each stage's step and prefill: "
                  "their means, or each step drawn from its stage's measured times; the mean message "
-                 "latency), not the measured fractions.", "",
+                 "latency), not the measured fractions. Page faults a call: the rank's minor faults during the "
+                 "call (median of the turns). Allocator: glibc's defaults" + (
+                     f", GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}" if os.environ.get("GLIBC_TUNABLES") else "")
+                 + ".", "",
                  "| run | lanes | tokens/s | over HF | over lanes=1 | busy (measured) | busy (simulated: mean costs) | "
                  "busy (simulated: drawn costs) | "
-                 "waiting | messages | ends | between | step ms per stage | prefill ms per stage | message ms |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "waiting | messages | ends | between | step ms per stage | prefill ms per stage | message ms | "
+                 "page faults a call |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for world in args.worlds:
             hf_row = rows[f"hf_generate_1_process_{world}"]
             lines.append(f"| HF generate (KV cache), 1 process (with the {world}-rank run) | - | "
-                         f"{hf_row['tokens_per_s']:.0f} | 1 | - | - | - | - | - | - | - | - | - | - | - |")
+                         f"{hf_row['tokens_per_s']:.0f} | 1 | - | - | - | - | - | - | - | - | - | - | - | "
+                         f"{hf_row['page_faults']} |")
             for key in (f"{world}_ranks_lanes_hops", f"{world}_ranks_lanes_1"):
                 row = rows[key]
                 lines.append(f"| {key.replace('_', ' ')} | {row['lanes']} | {row['tokens_per_s']:.0f} | "
                              f"{row['over_hf']} | {row.get('over_lanes_1', 1)} | {row['busy']} | "
                              f"{row['predicted_busy']} | {row['predicted_busy_drawn']} | {row['waiting']} | {row['messages']} | {row['ends']} | {row['between']} | "
-                             f"{row['stage_step_ms']} | {row['prefill_ms']} | {row['message_ms']} |")
+                             f"{row['stage_step_ms']} | {row['prefill_ms']} | {row['message_ms']} | {row['page_faults']} |")
         lines += ["", "Lanes = hops over lanes = 1 as the simulator prices the two orders from their own measured "
                   "costs (the bound those step costs set): " + ", ".join(
                       f"{w} ranks {rows[f'{w}_ranks_lanes_hops']['over_lanes_1_simulated']}" for w in args.worlds) + "."]
@@ -331,8 +385,11 @@ def main() -> None:
                   + ", ".join(f"{w} ranks {rows[f'hf_generate_1_process_{w}']['cores_for_the_ranks']}"
                               for w in args.worlds) + "."]
         lines += ["", f"ps.pipeline() {first['pipeline_s']:.2f} s; pipe.generate's first call {first['first_generate_s']:.2f} s "
-                  f"({first['first_over_pipeline']:.2f}x), its second {first['second_generate_s']:.2f} s."]
-        (RESULTS / "generate_decode.md").write_text("\n".join(lines) + "\n")
+                  f"({first['first_over_pipeline']:.2f}x), its second {first['second_generate_s']:.2f} s. The decode "
+                  f"step's torch.export alone: {first['decode_trace_dynamic_s']:.2f} s with generate's dynamic dims "
+                  f"(batch, new tokens, past), {first['decode_trace_past_only_s']:.2f} s with only the past's length "
+                  f"dynamic (one new token), {first['decode_trace_static_s']:.2f} s with every dim static."]
+        (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
