@@ -159,6 +159,10 @@ class DecodeRun:
     def compute(self, a: Action) -> None:
         lane, t = a.lane, round_of(a)
         step = self.lanes[lane].inputs(t).as_list()
+        # Round t runs on the tokens of round t - 1, so every stage of that round has run and
+        # every message it sent was packed: drop its values (the stage outputs include each
+        # layer's new cache; kept, a rank without the last stage held every round's cache)
+        self.values.pop((lane, t - 1), None)
         produced = self.values.setdefault((lane, t), {})
         outs = self.decoders[a.stage].run(lane, step, produced)
         produced.update({(a.stage, i): v for i, v in enumerate(outs)})

@@ -236,3 +236,26 @@ def generate_on_meta_body(rank: int, world: int, kwargs: dict, group: Any = None
     sched = ps.build_schedule(pipe, "1F1B", N_MB, loss_fn=lm_loss, state_dict=model.state_dict(), group=group)
     prompt, mask = prompts(True, batch=5)
     return sched.generate(prompt % 64, attention_mask=mask, **kwargs).sequences
+
+
+def retained_rounds_body(rank: int, world: int, group: Any = None) -> dict:
+    """Generate 12 tokens in 2 lanes and record the most (lane, round) entries of stage values
+    this rank's decode run held at once (before the fix a rank without the last stage kept
+    every round's, each layer's cache included, until the call returned)."""
+    from pippy_split.generate import distributed
+
+    _, _, sched = build("tiny_gpt", "1F1B", world, group)
+    held: list[int] = []
+    original = distributed.DecodeRun.compute
+
+    def compute(self: Any, a: Any) -> None:
+        original(self, a)
+        held.append(len(self.values))
+
+    distributed.DecodeRun.compute = compute  # type: ignore[method-assign]
+    try:
+        ids, mask = prompts(True, batch=4)
+        out = sched.generate(ids % 64, attention_mask=mask, max_new_tokens=12, lanes=2, eos_token_id=999)
+    finally:
+        distributed.DecodeRun.compute = original  # type: ignore[method-assign]
+    return {"most_held": max(held), "computes": len(held), "sequences": out.sequences}
