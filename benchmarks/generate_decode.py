@@ -7,8 +7,9 @@ Run with ``python -m benchmarks.generate_decode [--quick] [--d 1024] [--worlds 2
 Llama (d=1024 by default, 8 blocks, 8 heads, vocab 256) generates 64 new tokens for 32 prompts
 of 16 tokens, greedy, fp32, on gloo ranks (1F1B: one stage per rank; one intra-op thread per
 rank) and HF ``generate`` with ``use_cache=True`` in a process of its own (one more rank, outside
-the pipe's group), one thread (the baseline a user has; the model's config says ``use_cache=False`` for training, which HF generate would
-otherwise follow and recompute every token) while the other ranks wait. Each configuration
+the pipe's group), one thread (the baseline a user has; the model's config says
+``use_cache=False`` for training, which HF generate would otherwise follow and recompute every
+token) while the other ranks wait. Each configuration
 generates once to warm up (the decode program is traced then), then ``REPS`` times; the figure
 is the median, the configurations taking turns (HF's included) so a loaded machine slows them
 alike; each call starts on every rank at once (a barrier), and ratios are medians of per-turn
@@ -132,8 +133,8 @@ def _hf_rank(d: int, layers: int, batch: int, length: int, new: int, configs: in
 
 
 def _minor_faults() -> int:
-    """This process's minor page faults so far: pages the OS handed it fresh (zeroed), as when the
-    allocator returned a freed KV cache to the OS and the next step's cache takes new pages."""
+    """This process's minor page faults so far: pages the OS handed it fresh (zeroed), so memory a
+    call newly touched (a rank that keeps growing, or an allocator that returns freed memory)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
