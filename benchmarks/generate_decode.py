@@ -315,10 +315,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="d=64, 4 prompts, 8 new tokens (a smoke run)")
     parser.add_argument("--d", type=int, default=1024, help="hidden size (issue 39 asks d=1024)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="rank counts to run")
+    parser.add_argument("--new", type=int, default=64, help="new tokens a prompt (issue 39 asks 64; longer "
+                        "generations weigh the cache's growth: --new 256 --tag long)")
     parser.add_argument("--tag", default="", help="results go to generate_decode_TAG.{json,md} (e.g. a run under "
                         "another allocator setting: GLIBC_TUNABLES=... python -m benchmarks.generate_decode --tag ...)")
     args = parser.parse_args()
-    d, layers, batch, length, new = (64, 8, 4, 8, 8) if args.quick else (args.d, 8, 32, 16, 64)
+    d, layers, batch, length, new = (64, 8, 4, 8, 8) if args.quick else (args.d, 8, 32, 16, args.new)
     tokens = batch * new
     rows: dict[str, Any] = {"config": {"d": d, "layers": layers, "prompts": batch, "prompt_len": length,
                                        "new_tokens": new, "reps": REPS,

@@ -250,7 +250,8 @@ def _generate(sched: ScheduleView, pipe: Pipe, call: CheckedCall, input_ids: tor
     for st in sched.stages:
         module = program.stage_module(st.stage_index)
         bind_live(module, st.module, st.stage_index)
-        decoders[st.stage_index] = StageDecoder(program, st.stage_index, module, device, call.dtype)
+        decoders[st.stage_index] = StageDecoder(program, st.stage_index, module, device, call.dtype,
+                                                room=call.options.max_new_tokens)
     prompt = input_ids.to(device)
     placement = dict(sched.placement)
     # A rank that fails mid-generation posts its cause and every other rank stops with
@@ -268,8 +269,8 @@ def generate_in_process(pipe: Pipe, input_ids: torch.Tensor, **kwargs: Any) -> G
     call = checked_call(pipe, input_ids, **kwargs)
     program = decode_program(pipe, int(input_ids.shape[1]))
     device = input_ids.device
-    decoders = {s: StageDecoder(program, s, program.stage_module(s), device, call.dtype)
-                for s in range(program.num_stages)}
+    decoders = {s: StageDecoder(program, s, program.stage_module(s), device, call.dtype,
+                                room=call.options.max_new_tokens) for s in range(program.num_stages)}
     placement = dict.fromkeys(range(program.num_stages), 0)
     progress = run_decode(program, decoders, placement, 0, Interpreter({}, placement, 0, None), call, input_ids)
     assert progress is not None

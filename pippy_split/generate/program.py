@@ -24,12 +24,13 @@ import torch
 
 from ..split.pipe import Pipe
 from ..split.spec import MODEL_INPUT, InputKind, StageInput, gather_inputs
+from .cache_growth import grow_in_place
 from .decode_model import LayoutEntry
 from .errors import GenerationError
 from .recompute import TokenPrefix
 from .recurrent import FixedState
 
-__all__ = ["DecodeProgram", "StagePlan", "example_step", "past_shape", "empty_past", "N_STEP_INPUTS"]
+__all__ = ["DecodeProgram", "StagePlan", "example_step", "past_shape", "empty_past", "growth_dim", "N_STEP_INPUTS"]
 
 N_STEP_INPUTS = 3  # input_ids, attention_mask, position_ids; the cache tensors follow
 
@@ -65,6 +66,9 @@ class DecodeProgram:
         not RWKV's, which reads its fresh state as the past)."""
         self.num_stages: int = pipe.num_stages
         self.plans = _stage_plans(pipe, len(layout))
+        for plan, stage in zip(self.plans, pipe.stages):  # each cache's past grows in place (cache_growth.py)
+            if isinstance(stage.module, torch.fx.GraphModule):
+                grow_in_place(stage.module, set(plan.kv_inputs))
         last_outputs = len(pipe.stages[-1].output_names)
         logits_out, _ = pipe.unflatten_outputs(list(range(last_outputs)))
         self.logits_output: int = logits_out
@@ -242,6 +246,16 @@ def example_step(layout: list[LayoutEntry], device: torch.device | str, dtype: t
     shapes = {"input_ids": new, "attention_mask": {0: dyn, 1: dyn}, "position_ids": new,
               "past": [{d: dyn for d in _dynamic_dims(e)} for e in read]}
     return (ids, mask, pos, past), shapes
+
+
+def growth_dim(entry: LayoutEntry) -> int | None:
+    """The dim along which a cache tensor grows each step (None: a recurrent state keeps its size).
+
+    Example:
+        >>> growth_dim((4, 8)), growth_dim(FixedState((64, 4)))
+        (2, None)
+    """
+    return None if isinstance(entry, FixedState) else _dynamic_dims(entry)[-1]
 
 
 def _dynamic_dims(entry: LayoutEntry) -> tuple[int, ...]:

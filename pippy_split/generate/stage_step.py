@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from ..split.materialize import share_tensors
+from .cache_growth import with_room
 from .phased import PhasedProgram
-from .program import DecodeProgram, empty_past, past_shape
+from .program import DecodeProgram, empty_past, growth_dim, past_shape
 from .recurrent import FixedState, state_rows_reset
 
 __all__ = ["StageDecoder"]
@@ -35,8 +36,11 @@ class StageDecoder:
     """
 
     def __init__(self, program: DecodeProgram | PhasedProgram, s: int, module: torch.nn.Module,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, *, room: int = 0) -> None:
         self.program = program
+        self.room = room
+        """Tokens a lane's cache makes room for after its prompt (the call's ``max_new_tokens``):
+        its keys and values grow in place up to that (:mod:`.cache_growth`)."""
         self.s = s
         self.module = module
         self.device = device
@@ -64,8 +68,8 @@ class StageDecoder:
         kv = self.cache.get(lane)
         if program.fresh:  # a recurrent model's prefill: it reads no past
             return {}
-        if kv is None:  # prefill: an empty past (RWKV's: its fresh state)
-            kv = {j: empty_past(e, batch, self.device, self.dtype) for j, e in enumerate(program.layout) if j in plan.kv}
+        if kv is None:  # prefill: an empty past (RWKV's: its fresh state), with room to grow into
+            kv = {j: self._fresh(e, batch, int(mask.shape[1])) for j, e in enumerate(program.layout) if j in plan.kv}
         out = {}
         for j, t in kv.items():
             e = program.layout[j]
@@ -74,6 +78,11 @@ class StageDecoder:
             shape = past_shape(program.layout[j], batch, past_len)
             out[j] = torch.empty((), device=self.device, dtype=self.dtype).expand(*shape)
         return out
+
+    def _fresh(self, entry: Any, batch: int, prompt_len: int) -> torch.Tensor:
+        empty = empty_past(entry, batch, self.device, self.dtype)
+        dim = growth_dim(entry)
+        return empty if dim is None else with_room(empty, dim, prompt_len + self.room)
 
     def run(self, lane: int, step: list[Any], produced: dict[tuple[int, int], Any]) -> tuple[Any, ...]:
         """Run the stage for ``lane`` on ``step`` (ids, mask, positions; ids may be None where

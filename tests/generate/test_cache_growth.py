@@ -1,0 +1,74 @@
+"""A lane's KV cache grows in place, one buffer a call (generate/cache_growth.py): the step's
+keys and values are written after the past instead of copying the whole past each step, with
+the values the ``cat`` gives, and never over what another view of the same buffer holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pippy_split as ps
+from pippy_split.generate.cache_growth import grow_cache, with_room
+from pippy_split.generate.stage_step import StageDecoder
+
+from .models import hf_model, hf_reference, prompts
+
+
+def test_a_past_with_room_grows_in_place_with_the_values_of_cat() -> None:
+    past = with_room(torch.zeros(2, 3, 0, 4), 2, 6)
+    parts = [torch.randn(2, 3, 2, 4), torch.randn(2, 3, 1, 4), torch.randn(2, 3, 3, 4)]
+    grown = past
+    for p in parts:
+        before = grown
+        grown = grow_cache(grown, p, -2)
+        assert grown._base is past._base and grown.storage_offset() == 0  # the same buffer: nothing copied
+        assert torch.equal(grown, torch.cat([before, p], 2))
+    assert torch.equal(grown, torch.cat(parts, 2))
+    full = grow_cache(grown, torch.randn(2, 3, 1, 4), 2)  # no room left: a cat
+    assert full._base is None and torch.equal(full[:, :, :6], grown)
+
+
+def test_a_branch_of_the_same_past_is_copied_never_written_over_the_longer_one() -> None:
+    base = grow_cache(with_room(torch.zeros(1, 2, 0, 2), 2, 8), torch.randn(1, 2, 2, 2), 2)
+    longer = grow_cache(base, torch.randn(1, 2, 1, 2), 2)
+    kept = longer.clone()
+    branch = grow_cache(base, torch.randn(1, 2, 1, 2), 2)  # base no longer ends where the buffer is filled
+    assert branch._base is None
+    assert torch.equal(longer, kept) and torch.equal(branch[:, :, :2], base)
+
+
+@pytest.mark.parametrize("case", ["no room", "other dtype", "a tensor of its own", "grad"])
+def test_anything_else_is_the_cat_it_replaces(case: str) -> None:
+    past = with_room(torch.zeros(1, 2, 0, 2), 2, 0 if case == "no room" else 4)
+    new = torch.randn(1, 2, 1, 2, dtype=torch.float64 if case == "other dtype" else torch.float32)
+    if case == "a tensor of its own":
+        past = torch.randn(1, 2, 3, 2)
+    if case == "grad":
+        new.requires_grad_(True)
+    out = grow_cache(past, new, 2)
+    assert torch.equal(out, torch.cat([past, new], 2)) and out.dtype == torch.cat([past, new], 2).dtype
+    assert out._base is None
+
+
+@pytest.mark.timeout(300)
+def test_a_lane_keeps_its_keys_in_one_buffer_through_a_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, every step concatenated: a new tensor the size of the whole past, each step."""
+    model, spec = hf_model("llama")
+    ids, mask = prompts(True)
+    pipe = ps.pipeline(model, spec, (ids[:2],))
+    seen: dict[tuple[int, int, int], set[int]] = {}
+    run = StageDecoder.run
+
+    def recording(self: StageDecoder, lane: int, step: list, produced: dict) -> tuple:
+        out = run(self, lane, step, produced)
+        for j, t in self.cache[lane].items():
+            seen.setdefault((self.s, lane, j), set()).add(t.data_ptr())
+        return out
+
+    monkeypatch.setattr(StageDecoder, "run", recording)
+    n_new = 6
+    out = pipe.generate(ids, attention_mask=mask, max_new_tokens=n_new, return_logprobs=True)
+    assert seen and all(len(ptrs) == 1 for ptrs in seen.values()), seen
+    ref, ref_logprobs = hf_reference(model, ids, mask, n_new)
+    assert torch.equal(out.sequences[:, : ref.shape[1]], ref)
+    torch.testing.assert_close(out.logprobs[:, : ref.shape[1] - ids.shape[1]], ref_logprobs, atol=1e-5, rtol=0)
