@@ -6,8 +6,10 @@ step: a generation of ``n`` tokens copies ``O(n^2)`` cache, and on a CPU each co
 allocation the size of the cache. :func:`grow_cache` replaces that ``cat`` in the decode
 program's stage graphs (:func:`grow_in_place`): where the past is the filled prefix of a
 buffer with room after it (:func:`with_room`, made by the stage decoder at the prefill,
-sized for the call's new tokens), the step's keys and values are written into the room and
-the result is a longer view of the same buffer; anywhere else it is the ``cat`` it replaces.
+sized for the prompt and the call's new tokens), the step's keys and values are written into
+the room and the result is a longer view of the same buffer. A lane that outgrows its buffer
+(continuous batching: a refilled lane's cache keeps growing) moves to one with as much room
+again, one copy per buffer's worth of tokens. Anywhere else it is the ``cat`` it replaces.
 Values are those of the ``cat``; only where they live changes.
 
 A buffer records how much of it is filled. Only a view that ends there grows in place, so a
@@ -23,6 +25,8 @@ __all__ = ["grow_cache", "grow_in_place", "with_room"]
 
 _FILLED = "_pippy_split_filled"
 """The attribute of a buffer made by :func:`with_room`: how much of its growth dim is filled."""
+_ROOM = "_pippy_split_room"
+"""... and the room it was made with: what a buffer that replaces it adds."""
 
 
 def with_room(empty: torch.Tensor, dim: int, room: int) -> torch.Tensor:
@@ -37,11 +41,19 @@ def with_room(empty: torch.Tensor, dim: int, room: int) -> torch.Tensor:
     """
     if empty.shape[dim] != 0 or room <= 0:
         return empty
-    shape = list(empty.shape)
-    shape[dim] = room
-    buffer = empty.new_empty(shape)
-    setattr(buffer, _FILLED, 0)
-    return buffer.narrow(dim, 0, 0)
+    return _buffer(empty, dim, room)
+
+
+def _buffer(filled: torch.Tensor, dim: int, room: int) -> torch.Tensor:
+    """A buffer holding ``filled`` with ``room`` more entries along ``dim``: its filled view."""
+    n = filled.shape[dim]
+    shape = list(filled.shape)
+    shape[dim] = n + room
+    buffer = filled.new_empty(shape)
+    buffer.narrow(dim, 0, n).copy_(filled)
+    setattr(buffer, _FILLED, n)
+    setattr(buffer, _ROOM, room)
+    return buffer.narrow(dim, 0, n)
 
 
 def grow_cache(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
@@ -50,12 +62,15 @@ def grow_cache(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
     dim = dim % past.dim()
     buffer = past._base
     n, t = past.shape[dim], new.shape[dim]
-    if (buffer is None or getattr(buffer, _FILLED, None) != n or n + t > buffer.shape[dim]
+    if (buffer is None or getattr(buffer, _FILLED, None) != n
             or past.storage_offset() != buffer.storage_offset() or past.stride() != buffer.stride()
             or torch.promote_types(buffer.dtype, new.dtype) != buffer.dtype or new.device != buffer.device
             or new.shape[:dim] + new.shape[dim + 1:] != past.shape[:dim] + past.shape[dim + 1:]
             or (torch.is_grad_enabled() and (past.requires_grad or new.requires_grad))):
         return torch.cat([past, new], dim)
+    if n + t > buffer.shape[dim]:  # outgrown: a buffer with as much room again
+        buffer = _buffer(past, dim, t + getattr(buffer, _ROOM))._base
+        assert buffer is not None
     buffer.narrow(dim, n, t).copy_(new)
     setattr(buffer, _FILLED, n + t)
     return buffer.narrow(dim, 0, n + t)

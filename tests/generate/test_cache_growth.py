@@ -24,8 +24,12 @@ def test_a_past_with_room_grows_in_place_with_the_values_of_cat() -> None:
         assert grown._base is past._base and grown.storage_offset() == 0  # the same buffer: nothing copied
         assert torch.equal(grown, torch.cat([before, p], 2))
     assert torch.equal(grown, torch.cat(parts, 2))
-    full = grow_cache(grown, torch.randn(2, 3, 1, 4), 2)  # no room left: a cat
-    assert full._base is None and torch.equal(full[:, :, :6], grown)
+    last = torch.randn(2, 3, 1, 4)
+    moved = grow_cache(grown, last, 2)  # outgrown: a buffer with as much room again (6), filled to 7
+    assert moved._base is not past._base and moved._base.shape[2] == 13
+    assert torch.equal(moved, torch.cat([grown, last], 2))
+    again = grow_cache(moved, last, 2)
+    assert again._base is moved._base and torch.equal(again, torch.cat([moved, last], 2))
 
 
 def test_a_branch_of_the_same_past_is_copied_never_written_over_the_longer_one() -> None:
@@ -37,9 +41,9 @@ def test_a_branch_of_the_same_past_is_copied_never_written_over_the_longer_one()
     assert torch.equal(longer, kept) and torch.equal(branch[:, :, :2], base)
 
 
-@pytest.mark.parametrize("case", ["no room", "other dtype", "a tensor of its own", "grad"])
+@pytest.mark.parametrize("case", ["made without room", "other dtype", "a tensor of its own", "grad"])
 def test_anything_else_is_the_cat_it_replaces(case: str) -> None:
-    past = with_room(torch.zeros(1, 2, 0, 2), 2, 0 if case == "no room" else 4)
+    past = with_room(torch.zeros(1, 2, 0, 2), 2, 0 if case == "made without room" else 4)
     new = torch.randn(1, 2, 1, 2, dtype=torch.float64 if case == "other dtype" else torch.float32)
     if case == "a tensor of its own":
         past = torch.randn(1, 2, 3, 2)
@@ -50,25 +54,52 @@ def test_anything_else_is_the_cat_it_replaces(case: str) -> None:
     assert out._base is None
 
 
+def _buffers_a_cache(monkeypatch: pytest.MonkeyPatch) -> tuple[dict[tuple[int, int, int], set[int]], list[int]]:
+    """Records, per (stage, lane, cache tensor), the buffers its values lived in, and counts steps."""
+    seen: dict[tuple[int, int, int], set[int]] = {}
+    steps = [0]
+    run = StageDecoder.run
+
+    def recording(self: StageDecoder, lane: int, step: list, produced: dict) -> tuple:
+        out = run(self, lane, step, produced)
+        steps[0] += 1
+        for j, t in self.cache[lane].items():
+            seen.setdefault((self.s, lane, j), set()).add(t.data_ptr())
+        return out
+
+    monkeypatch.setattr(StageDecoder, "run", recording)
+    return seen, steps
+
+
 @pytest.mark.timeout(300)
 def test_a_lane_keeps_its_keys_in_one_buffer_through_a_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before, every step concatenated: a new tensor the size of the whole past, each step."""
     model, spec = hf_model("llama")
     ids, mask = prompts(True)
     pipe = ps.pipeline(model, spec, (ids[:2],))
-    seen: dict[tuple[int, int, int], set[int]] = {}
-    run = StageDecoder.run
-
-    def recording(self: StageDecoder, lane: int, step: list, produced: dict) -> tuple:
-        out = run(self, lane, step, produced)
-        for j, t in self.cache[lane].items():
-            seen.setdefault((self.s, lane, j), set()).add(t.data_ptr())
-        return out
-
-    monkeypatch.setattr(StageDecoder, "run", recording)
+    seen, _ = _buffers_a_cache(monkeypatch)
     n_new = 6
     out = pipe.generate(ids, attention_mask=mask, max_new_tokens=n_new, return_logprobs=True)
     assert seen and all(len(ptrs) == 1 for ptrs in seen.values()), seen
     ref, ref_logprobs = hf_reference(model, ids, mask, n_new)
     assert torch.equal(out.sequences[:, : ref.shape[1]], ref)
     torch.testing.assert_close(out.logprobs[:, : ref.shape[1] - ids.shape[1]], ref_logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(300)
+def test_a_refilled_lane_outgrows_its_buffer_into_a_few_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One slot for every prompt: the lane's cache grows to several buffers' worth; it moves to a
+    new buffer each time it fills one (a few moves), not each step, and the tokens are HF's."""
+    model, spec = hf_model("llama")
+    ids, mask = prompts(True)
+    pipe = ps.pipeline(model, spec, (ids[:2],))
+    eos = [3, 68]
+    ref, _ = hf_reference(model, ids, mask, 4, eos_token_id=eos, pad_token_id=0)
+    seen, steps = _buffers_a_cache(monkeypatch)
+    out = pipe.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=eos, pad_token_id=0, lanes=1,
+                        slots=1)
+    assert torch.equal(out.sequences[:, : ref.shape[1]], ref)
+    rounds = steps[0] // pipe.num_stages
+    capacity = ids.shape[1] + 4  # the first buffer; each later one adds as much again
+    for ptrs in seen.values():
+        assert 1 < len(ptrs) <= 1 + rounds // capacity, (len(ptrs), rounds)
