@@ -19,6 +19,7 @@ import torch
 
 from ..split.materialize import share_tensors
 from .cache_growth import with_room
+from .decode_model import LayoutEntry
 from .phased import PhasedProgram
 from .program import DecodeProgram, empty_past, growth_dim, past_shape
 from .recurrent import FixedState, state_rows_reset
@@ -79,7 +80,7 @@ class StageDecoder:
             out[j] = torch.empty((), device=self.device, dtype=self.dtype).expand(*shape)
         return out
 
-    def _fresh(self, entry: Any, batch: int, prompt_len: int) -> torch.Tensor:
+    def _fresh(self, entry: LayoutEntry, batch: int, prompt_len: int) -> torch.Tensor:
         empty = empty_past(entry, batch, self.device, self.dtype)
         dim = growth_dim(entry)
         return empty if dim is None else with_room(empty, dim, prompt_len + self.room)
