@@ -41,11 +41,11 @@ def with_room(empty: torch.Tensor, dim: int, room: int) -> torch.Tensor:
     """
     if empty.shape[dim] != 0 or room <= 0:
         return empty
-    return _buffer(empty, dim, room)
+    return _buffer(empty, dim, room).narrow(dim, 0, 0)
 
 
 def _buffer(filled: torch.Tensor, dim: int, room: int) -> torch.Tensor:
-    """A buffer holding ``filled`` with ``room`` more entries along ``dim``: its filled view."""
+    """A buffer holding ``filled`` with ``room`` more entries along ``dim``."""
     n = filled.shape[dim]
     shape = list(filled.shape)
     shape[dim] = n + room
@@ -53,7 +53,7 @@ def _buffer(filled: torch.Tensor, dim: int, room: int) -> torch.Tensor:
     buffer.narrow(dim, 0, n).copy_(filled)
     setattr(buffer, _FILLED, n)
     setattr(buffer, _ROOM, room)
-    return buffer.narrow(dim, 0, n)
+    return buffer
 
 
 def grow_cache(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
@@ -65,12 +65,12 @@ def grow_cache(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
     if (buffer is None or getattr(buffer, _FILLED, None) != n
             or past.storage_offset() != buffer.storage_offset() or past.stride() != buffer.stride()
             or torch.promote_types(buffer.dtype, new.dtype) != buffer.dtype or new.device != buffer.device
-            or new.shape[:dim] + new.shape[dim + 1:] != past.shape[:dim] + past.shape[dim + 1:]
+            or not new.shape[:dim] + new.shape[dim + 1:] == past.shape[:dim] + past.shape[dim + 1:]
+            == buffer.shape[:dim] + buffer.shape[dim + 1:]
             or (torch.is_grad_enabled() and (past.requires_grad or new.requires_grad))):
         return torch.cat([past, new], dim)
     if n + t > buffer.shape[dim]:  # outgrown: a buffer with as much room again
-        buffer = _buffer(past, dim, t + getattr(buffer, _ROOM))._base
-        assert buffer is not None
+        buffer = _buffer(past, dim, t + getattr(buffer, _ROOM))
     buffer.narrow(dim, n, t).copy_(new)
     setattr(buffer, _FILLED, n + t)
     return buffer.narrow(dim, 0, n + t)

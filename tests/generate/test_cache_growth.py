@@ -41,7 +41,7 @@ def test_a_branch_of_the_same_past_is_copied_never_written_over_the_longer_one()
     assert torch.equal(longer, kept) and torch.equal(branch[:, :, :2], base)
 
 
-@pytest.mark.parametrize("case", ["made without room", "other dtype", "a tensor of its own", "grad"])
+@pytest.mark.parametrize("case", ["made without room", "other dtype", "a tensor of its own", "grad", "rows of it"])
 def test_anything_else_is_the_cat_it_replaces(case: str) -> None:
     past = with_room(torch.zeros(1, 2, 0, 2), 2, 0 if case == "made without room" else 4)
     new = torch.randn(1, 2, 1, 2, dtype=torch.float64 if case == "other dtype" else torch.float32)
@@ -49,6 +49,8 @@ def test_anything_else_is_the_cat_it_replaces(case: str) -> None:
         past = torch.randn(1, 2, 3, 2)
     if case == "grad":
         new.requires_grad_(True)
+    if case == "rows of it":  # a view of the buffer's first row only: it must not grow every row
+        past = grow_cache(with_room(torch.zeros(2, 2, 0, 2), 2, 4), torch.randn(2, 2, 1, 2), 2)[:1]
     out = grow_cache(past, new, 2)
     assert torch.equal(out, torch.cat([past, new], 2)) and out.dtype == torch.cat([past, new], 2).dtype
     assert out._base is None
