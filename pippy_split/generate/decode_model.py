@@ -47,7 +47,8 @@ from .recurrent import (
     state_tensors,
 )
 
-__all__ = ["DecodeRoot", "DecodeSignature", "KVCache", "decode_signature", "kv_layout", "LayoutEntry"]
+__all__ = ["DecodeRoot", "DecodeSignature", "KVCache", "decode_signature", "kv_layout", "LayoutEntry", "is_hf_model",
+           "logits_of", "router_loss_off", "step_kwargs"]
 
 LayoutEntry = tuple[int, int] | FixedState | TokenPrefix
 """One cache tensor's sizes: ``(heads, head_dim)`` of keys or values ``(B, heads, P, head_dim)``,
@@ -83,7 +84,7 @@ class KVCache:
         return [t for k, v in zip(self.keys, self.values) for t in (k, v)]
 
 
-def _is_hf(model: torch.nn.Module) -> bool:
+def is_hf_model(model: torch.nn.Module) -> bool:
     """Whether ``model`` is a Hugging Face model, without importing transformers (seconds): no
     ``PreTrainedModel`` exists before the module defining it is loaded."""
     modeling = sys.modules.get("transformers.modeling_utils")
@@ -118,7 +119,7 @@ def _recurrent_layers(model: torch.nn.Module) -> list[int]:
     """The layers of a Hugging Face model whose cache is a recurrent state (Mamba, linear
     attention), read from the cache its config builds; empty for other models."""
     config = getattr(model, "config", None)
-    if not _is_hf(model) or config is None:
+    if not is_hf_model(model) or config is None:
         return []
     from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 
@@ -193,7 +194,7 @@ def _filled_cache(model: torch.nn.Module, past: list[torch.Tensor], recurrent: b
     if recurrent:
         return filled_cache(model, past)
     pairs = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
-    if not _is_hf(model):
+    if not is_hf_model(model):
         ours = KVCache()
         ours.keys = [k for k, _ in pairs]
         ours.values = [v for _, v in pairs]
@@ -215,7 +216,7 @@ def _cache_tensors(cache: Any) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _router_loss_off(model: torch.nn.Module) -> Iterator[None]:
+def router_loss_off(model: torch.nn.Module) -> Iterator[None]:
     """``config.output_router_logits`` False for the call (a MoE whose forward reads it from its
     config only), put back after."""
     config = getattr(model, "config", None)
@@ -229,8 +230,36 @@ def _router_loss_off(model: torch.nn.Module) -> Iterator[None]:
         config.output_router_logits = True  # type: ignore[union-attr]
 
 
-def _logits(out: Any) -> torch.Tensor:
+def logits_of(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _step_options(sig: DecodeSignature, position_ids: torch.Tensor) -> dict[str, Any]:
+    """What a decode step passes besides the ids, the mask and the cache."""
+    kwargs: dict[str, Any] = {}
+    if sig.positions:
+        kwargs["position_ids"] = position_ids
+    if sig.keep_last:
+        kwargs["logits_to_keep"] = 1  # as HF generate: logits of the last position only
+    if sig.use_cache:
+        kwargs["use_cache"] = True
+    if sig.router_logits:
+        kwargs["output_router_logits"] = False
+    return kwargs
+
+
+def step_kwargs(sig: DecodeSignature, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
+                ) -> dict[str, Any]:
+    """The keyword arguments of a decode step of a model with a KV cache: the mask, the cache
+    under the model's name for it, the positions where it takes them, the last position's
+    logits only, and a MoE's router logits off.
+
+    Example:
+        >>> sig = DecodeSignature("past_key_values", True, False, True, False)
+        >>> sorted(step_kwargs(sig, torch.ones(1, 3), torch.arange(3)[None], None))
+        ['attention_mask', 'past_key_values', 'position_ids', 'use_cache']
+    """
+    return {"attention_mask": attention_mask, sig.cache_arg: cache, **_step_options(sig, position_ids)}
 
 
 class DecodeRoot(torch.nn.Module):
@@ -265,19 +294,12 @@ class DecodeRoot(torch.nn.Module):
             if sig.recurrent and past and not has_kv_layers(cache):
                 mask = None  # as Hugging Face generate steps a model without attention (Mamba): no padding in a step
             kwargs = {"attention_mask": mask, sig.cache_arg: cache}
-        if sig.positions:
-            kwargs["position_ids"] = position_ids
-        if sig.keep_last:
-            kwargs["logits_to_keep"] = 1  # as HF generate: logits of the last position only
-        if sig.use_cache:
-            kwargs["use_cache"] = True
-        if sig.router_logits:
-            kwargs["output_router_logits"] = False
+        kwargs.update(_step_options(sig, position_ids))
         held = getattr(cache, "pippy_held", None)  # states on the model's modules (RecurrentGemma)
         try:
-            with _router_loss_off(self._user_model):
+            with router_loss_off(self._user_model):
                 out = self._user_model.forward(input_ids, **kwargs)
-            logits = _logits(out)  # (B, T or 1, V)
+            logits = logits_of(out)  # (B, T or 1, V)
             if sig.cache_arg == "state":
                 return logits[:, -1], state_tensors(out.state)
             return logits[:, -1], cache_tensors(cache) if sig.recurrent else _cache_tensors(cache)

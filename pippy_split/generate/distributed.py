@@ -38,7 +38,7 @@ from .checks import CheckedCall, checked_call
 from .errors import GenerationError
 from .gathered import traced_program, unsharded_stages
 from .lanes import Lane, Progress, make_lanes
-from .programs import Program, decode_program
+from .programs import Program, decode_program, in_process_program
 from .stage_step import StageDecoder
 from .stand_ins import is_stand_in
 
@@ -267,7 +267,7 @@ def generate_in_process(pipe: Pipe, input_ids: torch.Tensor, **kwargs: Any) -> G
     """See :meth:`pippy_split.Pipe.generate`: every stage in this process, on a runtime of one
     rank (no transport: values between stages are handed over in memory)."""
     call = checked_call(pipe, input_ids, **kwargs)
-    program = decode_program(pipe, int(input_ids.shape[1]))
+    program = in_process_program(pipe, int(input_ids.shape[1]))
     device = input_ids.device
     decoders = {s: StageDecoder(program, s, program.stage_module(s), device, call.dtype,
                                 room=call.options.max_new_tokens) for s in range(program.num_stages)}

@@ -13,15 +13,28 @@ import torch
 from ..split.pipe import Pipe
 from ..split.retrace import trace_again
 from .decode_model import DecodeRoot, kv_layout
+from .eager import EagerProgram, eager_program
 from .errors import GenerationError
 from .phased import PhasedProgram, phased_program
 from .program import DecodeProgram, example_step
 from .stand_ins import meta_stood_in
 
-__all__ = ["Program", "decode_program"]
+__all__ = ["Program", "decode_program", "in_process_program"]
 
-Program = DecodeProgram | PhasedProgram
+Program = DecodeProgram | PhasedProgram | EagerProgram
 """A decode program as the drivers see it."""
+
+
+def in_process_program(pipe: Pipe, prompt_len: int | None = None) -> Program:
+    """The program ``pipe.generate`` decodes with in this process: the model's own modules run
+    eagerly stage by stage where the model qualifies (:mod:`.eager`: no trace), else
+    :func:`decode_program`.
+
+    Example:
+        >>> type(in_process_program(pipe)).__name__  # a Hugging Face Llama cut at a layer  # doctest: +SKIP
+        'EagerProgram'
+    """
+    return eager_program(pipe) or decode_program(pipe, prompt_len)
 
 
 def decode_program(pipe: Pipe, prompt_len: int | None = None) -> Program:

@@ -20,6 +20,7 @@ import torch
 from ..split.materialize import share_tensors
 from .cache_growth import with_room
 from .decode_model import LayoutEntry
+from .eager import EagerProgram
 from .phased import PhasedProgram
 from .program import DecodeProgram, empty_past, growth_dim, past_shape
 from .recurrent import FixedState, state_rows_reset
@@ -36,7 +37,7 @@ class StageDecoder:
         >>> outs = decoders[0].run(lane, step, produced)  # doctest: +SKIP
     """
 
-    def __init__(self, program: DecodeProgram | PhasedProgram, s: int, module: torch.nn.Module,
+    def __init__(self, program: DecodeProgram | PhasedProgram | EagerProgram, s: int, module: torch.nn.Module,
                  device: torch.device, dtype: torch.dtype, *, room: int = 0) -> None:
         self.program = program
         self.room = room
@@ -46,8 +47,9 @@ class StageDecoder:
         self.module = module
         self.device = device
         self.dtype = dtype
-        self.cache: dict[int, dict[int, torch.Tensor]] = {}  # lane -> cache tensor index -> tensor
-        self.plan = program.step.plans[s] if isinstance(program, PhasedProgram) else program.plans[s]
+        self.cache: dict[int, Any] = {}  # lane -> cache tensor index -> tensor (an eager program's: its cache object)
+        self.plan = (None if isinstance(program, EagerProgram)
+                     else program.step.plans[s] if isinstance(program, PhasedProgram) else program.plans[s])
         self._bound: set[int] = set()  # the phased programs whose stage module shares ``module``'s tensors
 
     def reset(self) -> None:
@@ -88,6 +90,11 @@ class StageDecoder:
     def run(self, lane: int, step: list[Any], produced: dict[tuple[int, int], Any]) -> tuple[Any, ...]:
         """Run the stage for ``lane`` on ``step`` (ids, mask, positions; ids may be None where
         this stage does not read them) and the values in ``produced``; returns its outputs."""
+        if isinstance(self.program, EagerProgram):  # the model's own modules and cache object (eager.py)
+            cache = self.cache.get(lane)
+            if cache is None:
+                cache = self.cache[lane] = self.program.new_cache(self.s, self.room)
+            return self.program.run_stage(self.s, cache, step, produced)
         mask, ids_or_pos = step[1], step[2]
         new = int(ids_or_pos.shape[1])
         past_len = int(mask.shape[1]) - new

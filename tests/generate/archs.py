@@ -158,7 +158,9 @@ def generation_check(name: str, n_new: int = 6) -> tuple[str, str]:
     against HF generate on the unsplit model (greedy, left-padded prompts, :func:`arch_prompts`;
     :func:`reference`): ``"equal"`` (tokens
     equal, log-probabilities within 1e-5 up to each row's EOS), ``"refused"`` (a GenerationError
-    naming a recurrent state), else ``"differs"`` / ``"raised"`` with what differed or raised.
+    naming a recurrent state), else ``"differs"`` / ``"raised"`` with what differed or raised;
+    the detail ends with the decode program that ran (``eager``: the model's own modules,
+    :mod:`pippy_split.generate.eager`; ``traced``).
     The real-architecture benchmark's generation column and ``test_generate_archs`` use it."""
     import pippy_split as ps
     from pippy_split.generate import GenerationError
@@ -178,4 +180,5 @@ def generation_check(name: str, n_new: int = 6) -> tuple[str, str]:
     n = ref.shape[1] - ids.shape[1]
     live = _live(ref[:, ids.shape[1]:], model.generation_config.eos_token_id)  # HF pads a row after its EOS
     err = float((out.logprobs[:, :n][live] - ref_logprobs[live]).abs().max()) if bool(live.any()) else 0.0
-    return ("equal", f"{err:.1e}") if err <= 1e-5 else ("differs", f"log-probabilities differ by {err:.1e}")
+    how = "eager" if pipe.derived.get("eager_program") is not None else "traced"  # which decode program ran
+    return ("equal", f"{err:.1e} {how}") if err <= 1e-5 else ("differs", f"log-probabilities differ by {err:.1e} ({how})")

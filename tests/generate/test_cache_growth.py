@@ -4,11 +4,14 @@ the values the ``cat`` gives, and never over what another view of the same buffe
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 import pippy_split as ps
 from pippy_split.generate.cache_growth import grow_cache, with_room
+from pippy_split.generate.eager import eager_program
 from pippy_split.generate.stage_step import StageDecoder
 
 from .models import hf_model, hf_reference, prompts
@@ -56,6 +59,26 @@ def test_anything_else_is_the_cat_it_replaces(case: str) -> None:
     assert out._base is None
 
 
+def _cache_tensors(cache: Any) -> dict[Any, torch.Tensor]:
+    """A lane's cache tensors on a stage: the traced program's (index -> tensor) or, of the eager
+    program's cache object, this stage's layers' keys and values."""
+    if isinstance(cache, dict):
+        return cache
+    return {(j, kv): t for j, layer in enumerate(cache.layers) if not hasattr(layer, "length")
+            for kv, t in enumerate((layer.keys, layer.values)) if t is not None}
+
+
+def _pipe(program: str) -> tuple[Any, Any]:
+    """An HF Llama, cut at a layer, decoding with the ``program`` asked for."""
+    model, spec = hf_model("llama")
+    pipe = ps.pipeline(model, spec, (prompts(True)[0][:2],))
+    if program == "traced":
+        pipe.derived["eager_program"] = None
+    else:
+        assert type(eager_program(pipe)).__name__ == "EagerProgram"
+    return model, pipe
+
+
 def _buffers_a_cache(monkeypatch: pytest.MonkeyPatch) -> tuple[dict[tuple[int, int, int], set[int]], list[int]]:
     """Records, per (stage, lane, cache tensor), the buffers its values lived in, and counts steps."""
     seen: dict[tuple[int, int, int], set[int]] = {}
@@ -65,7 +88,7 @@ def _buffers_a_cache(monkeypatch: pytest.MonkeyPatch) -> tuple[dict[tuple[int, i
     def recording(self: StageDecoder, lane: int, step: list, produced: dict) -> tuple:
         out = run(self, lane, step, produced)
         steps[0] += 1
-        for j, t in self.cache[lane].items():
+        for j, t in _cache_tensors(self.cache[lane]).items():
             seen.setdefault((self.s, lane, j), set()).add(t.data_ptr())
         return out
 
@@ -74,11 +97,11 @@ def _buffers_a_cache(monkeypatch: pytest.MonkeyPatch) -> tuple[dict[tuple[int, i
 
 
 @pytest.mark.timeout(300)
-def test_a_lane_keeps_its_keys_in_one_buffer_through_a_call(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("program", ["traced", "eager"])
+def test_a_lane_keeps_its_keys_in_one_buffer_through_a_call(monkeypatch: pytest.MonkeyPatch, program: str) -> None:
     """Before, every step concatenated: a new tensor the size of the whole past, each step."""
-    model, spec = hf_model("llama")
+    model, pipe = _pipe(program)
     ids, mask = prompts(True)
-    pipe = ps.pipeline(model, spec, (ids[:2],))
     seen, _ = _buffers_a_cache(monkeypatch)
     n_new = 6
     out = pipe.generate(ids, attention_mask=mask, max_new_tokens=n_new, return_logprobs=True)
@@ -89,12 +112,12 @@ def test_a_lane_keeps_its_keys_in_one_buffer_through_a_call(monkeypatch: pytest.
 
 
 @pytest.mark.timeout(300)
-def test_a_refilled_lane_outgrows_its_buffer_into_a_few_more(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("program", ["traced", "eager"])
+def test_a_refilled_lane_outgrows_its_buffer_into_a_few_more(monkeypatch: pytest.MonkeyPatch, program: str) -> None:
     """One slot for every prompt: the lane's cache grows to several buffers' worth; it moves to a
     new buffer each time it fills one (a few moves), not each step, and the tokens are HF's."""
-    model, spec = hf_model("llama")
+    model, pipe = _pipe(program)
     ids, mask = prompts(True)
-    pipe = ps.pipeline(model, spec, (ids[:2],))
     eos = [3, 68]
     ref, _ = hf_reference(model, ids, mask, 4, eos_token_id=eos, pad_token_id=0)
     seen, steps = _buffers_a_cache(monkeypatch)

@@ -133,6 +133,7 @@ def test_the_decode_step_is_traced_with_one_export(monkeypatch: pytest.MonkeyPat
     calls = []
     real = torch.export.export
     monkeypatch.setattr(torch.export, "export", lambda *a, **k: calls.append(k) or real(*a, **k))
+    pipe.derived["eager_program"] = None  # the traced program (sched.generate's), not the eager one
     pipe.generate(ids, attention_mask=mask, max_new_tokens=1)
     assert len(calls) == 1 and not calls[0].get("preserve_module_call_signature"), calls
 
