@@ -80,11 +80,16 @@ def argument_digest(input_ids: Any, kwargs: dict[str, Any]) -> torch.Tensor:
 
 
 def agreed_call(pipe: Pipe, pg: PipelineGroup, input_ids: torch.Tensor, kwargs: dict[str, Any],
-                prepare: Callable[[], object] | None = None) -> CheckedCall:
+                prepare: Callable[[], str | None] | None = None,
+                fallback: Callable[[], object] | None = None) -> CheckedCall:
     """This rank's checked call, once every rank of ``pg`` has checked its own and all gave
     the same arguments (one all-reduce). ``prepare`` runs after this rank's checks and before
-    the all-reduce (the decode program's trace): where it raises on one rank, every rank
-    raises, before any message, instead of the others waiting for that rank's first message.
+    the all-reduce (the decode program's choice, and its trace where it is traced): where it
+    raises on one rank, every rank raises, before any message, instead of the others waiting
+    for that rank's first message. What it returns (the kind of decode program) is agreed
+    too: ranks decoding with different programs would send each other other messages, so
+    where they differ every rank runs ``fallback`` (the traced program) and a second
+    all-reduce makes a failure of it on one rank a failure on every rank.
 
     Raises:
         GenerationError: this rank's arguments are wrong (on this rank), or the ranks gave
@@ -93,16 +98,28 @@ def agreed_call(pipe: Pipe, pg: PipelineGroup, input_ids: torch.Tensor, kwargs: 
     """
     error: BaseException | None = None
     call: CheckedCall | None = None
+    kind = None
     try:
         call = checked_call(pipe, input_ids, **kwargs)
         if prepare is not None:
-            prepare()
+            kind = prepare()
     except Exception as e:  # every rank learns it in the agreement below
         error = e
-    agreed = agree_before_step(error, pg, "generate()", sizes=argument_digest(input_ids, kwargs))
+    digest = torch.cat([argument_digest(input_ids, kwargs), torch.tensor([[_value_digest(kind)]])], dim=1)
+    agreed = agree_before_step(error, pg, "generate()", sizes=digest)
     assert agreed.sizes is not None and call is not None
     most, least = agreed.sizes
-    differ = [ARGUMENTS[i] for i, (a, b) in enumerate(zip(most[0], least[0])) if a != b]
+    differ = [ARGUMENTS[i] for i, (a, b) in enumerate(zip(most[0][:-1], least[0][:-1])) if a != b]
+    if not differ and most[0][-1] != least[0][-1]:
+        if fallback is None:
+            raise GenerationError(f"rank {pg.rank}: the ranks would decode with different programs (this rank: "
+                                  f"{kind}), so nothing was sent. What works: build the model alike on every rank")
+        failed: BaseException | None = None
+        try:
+            fallback()
+        except Exception as e:
+            failed = e
+        agree_before_step(failed, pg, "generate()")
     if differ:
         raise GenerationError(f"rank {pg.rank}: the ranks gave generate() different {', '.join(differ)}; every rank "
                               "must make the same call (the same prompts, mask and options), so nothing was sent. "

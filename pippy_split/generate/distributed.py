@@ -35,6 +35,7 @@ from ..stage.groups import PipelineGroup
 from ..stage.stage import PipelineStage
 from .agreement import agreed_call
 from .checks import CheckedCall, checked_call
+from .eager import EagerProgram, eager_on_stages
 from .errors import GenerationError
 from .gathered import traced_program, unsharded_stages
 from .lanes import Lane, Progress, make_lanes
@@ -235,21 +236,33 @@ def generate_on_schedule(sched: ScheduleView, runtime: Interpreter, failures: Fa
     every rank, as in ``step()``)."""
     pipe = _pipe_of(sched)
     prompt_len = int(input_ids.shape[1])
-    call = agreed_call(pipe, sched.pipeline_group, input_ids, kwargs,  # every rank, before any message
-                       prepare=lambda: traced_program(sched.stages, pipe, prompt_len))
+    chosen: list[Program] = []
+
+    def prepare() -> str:  # the model's own modules where they qualify, else the trace (eager.py)
+        eager = eager_on_stages(pipe, sched.stages)
+        chosen.append(eager if eager is not None else traced_program(sched.stages, pipe, prompt_len))
+        return "eager" if eager is not None else "traced"
+
+    def traced() -> None:  # where the ranks chose differently (a rank that cannot run the model's modules)
+        chosen[0] = traced_program(sched.stages, pipe, prompt_len)
+
+    # every rank, before any message
+    call = agreed_call(pipe, sched.pipeline_group, input_ids, kwargs, prepare=prepare, fallback=traced)
     # FSDP2 / TP stages: their DTensors whole for this call, freed after it (gathered.py)
     with unsharded_stages(sched.stages, pipe, prompt_len):
-        return _generate(sched, pipe, call, input_ids, runtime, failures)
+        return _generate(sched, pipe, chosen[0], call, input_ids, runtime, failures)
 
 
-def _generate(sched: ScheduleView, pipe: Pipe, call: CheckedCall, input_ids: torch.Tensor, runtime: Interpreter,
-              failures: FailureChannel | None) -> Generation:
-    program = decode_program(pipe, int(input_ids.shape[1]))
+def _generate(sched: ScheduleView, pipe: Pipe, chosen: Program, call: CheckedCall, input_ids: torch.Tensor,
+              runtime: Interpreter, failures: FailureChannel | None) -> Generation:
+    # the traced program as unsharded_stages left it (its DTensors' stand-ins bound to whole tensors)
+    program = chosen if isinstance(chosen, EagerProgram) else decode_program(pipe, int(input_ids.shape[1]))
     device = sched.stages[0].device
     decoders = {}
     for st in sched.stages:
         module = program.stage_module(st.stage_index)
-        bind_live(module, st.module, st.stage_index)
+        if not isinstance(program, EagerProgram):  # eager_on_stages saw the stage's tensors are the model's
+            bind_live(module, st.module, st.stage_index)
         decoders[st.stage_index] = StageDecoder(program, st.stage_index, module, device, call.dtype,
                                                 room=call.options.max_new_tokens)
     prompt = input_ids.to(device)

@@ -33,12 +33,13 @@ from typing import Any, Sequence
 
 import torch
 
+from ..split.materialize import named_tensors
 from ..split.pipe import Pipe
 from .cache_growth import grow_cache, with_room
 from .decode_model import decode_signature, is_hf_model, logits_of, router_loss_off, step_kwargs
 from .errors import GenerationError
 
-__all__ = ["EagerProgram", "eager_program"]
+__all__ = ["EagerProgram", "eager_program", "eager_on_stages"]
 
 
 @dataclass(frozen=True)
@@ -136,10 +137,12 @@ class EagerProgram:
     logits_output = 0
     layout: list = []  # no cache tensors pass through the driver: each lane's cache is a model cache object
 
-    def __init__(self, model: torch.nn.Module, layers: torch.nn.ModuleList, ranges: list[tuple[int, int]],
-                 hidden: int, dtype: torch.dtype) -> None:
+    def __init__(self, model: torch.nn.Module, layers: torch.nn.ModuleList, layer_prefix: str,
+                 ranges: list[tuple[int, int]], hidden: int, dtype: torch.dtype) -> None:
         self.model = model
         self.layers = layers
+        self.layer_prefix = layer_prefix
+        """The layers' FQN in the model, with its dot (``model.layers.``)."""
         self.ranges = ranges
         self.num_stages = len(ranges)
         self.signature = decode_signature(model)
@@ -300,7 +303,33 @@ def _build(pipe: Pipe) -> EagerProgram | None:
         return None
     prefix = next((f"{name}." for name, mod in model.named_modules() if mod is layers), None)
     ranges = _layer_ranges(pipe, prefix, len(layers)) if prefix else None
-    if ranges is None:
+    if prefix is None or ranges is None:
         return None
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return EagerProgram(model, layers, ranges, hidden, dtype)
+    return EagerProgram(model, layers, prefix, ranges, hidden, dtype)
+
+
+def eager_on_stages(pipe: Pipe, stages: Sequence[Any]) -> EagerProgram | None:
+    """``pipe``'s :class:`EagerProgram` for a ``sched.generate`` on this rank's ``stages``
+    (``PipelineStage`` objects), where it qualifies (:func:`eager_program`) and each stage
+    trains the model's own tensors (the same objects under the same names: what the optimizer
+    updates is what the model's modules read), with every tensor of the model but the other
+    stages' layers on the stage's device; else None (the traced program, bound to the live
+    tensors). The ranks agree on the choice before any message (:mod:`.agreement`).
+
+    Example:
+        >>> eager_on_stages(pipe, sched.stages)  # doctest: +SKIP
+    """
+    program = eager_program(pipe)
+    if program is None:
+        return None
+    model = named_tensors(program.model)
+    here = {st.stage_index for st in stages}
+    elsewhere = tuple(f"{program.layer_prefix}{j}." for s, (a, b) in enumerate(program.ranges) if s not in here
+                      for j in range(a, b))
+    for st in stages:
+        if any(model.get(name) is not t for name, t in named_tensors(st.module).items()):
+            return None
+        if any(t.device != st.device for name, t in model.items() if not name.startswith(elsewhere)):
+            return None
+    return program

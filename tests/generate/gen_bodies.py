@@ -259,3 +259,28 @@ def retained_rounds_body(rank: int, world: int, group: Any = None) -> dict:
     finally:
         distributed.DecodeRun.compute = original  # type: ignore[method-assign]
     return {"most_held": max(held), "computes": len(held), "sequences": out.sequences}
+
+
+def eager_body(rank: int, world: int, schedule: str, stages: int, kwargs: dict, meta_on: int | None = None,
+               group: Any = None) -> dict:
+    """The Llama schedule after one SGD step, then ``sched.generate`` counting ``torch.export``
+    calls (none where each stage runs the model's own modules: generate/eager.py). Rank
+    ``meta_on`` holds its rotary embedding's ``inv_freq`` on meta (so it cannot decode eagerly):
+    every rank returns what it raised."""
+    from pippy_split.generate import GenerationError
+
+    model, _, sched = build("llama", schedule, stages, group)
+    _train_step(sched)
+    if rank == meta_on:
+        model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.to("meta")
+    calls = []
+    real = torch.export.export
+    torch.export.export = lambda *a, **k: calls.append(1) or real(*a, **k)  # type: ignore[assignment]
+    ids, mask = prompts(True, batch=5)
+    try:
+        out = sched.generate(ids % 64, attention_mask=mask, return_logprobs=True, **kwargs)
+    except GenerationError as e:
+        return {"raised": str(e), "exports": len(calls)}
+    finally:
+        torch.export.export = real  # type: ignore[assignment]
+    return {"sequences": out.sequences, "logprobs": out.logprobs, "exports": len(calls)}

@@ -13,7 +13,9 @@ import torch
 import pippy_split as ps
 from pippy_split.generate.eager import EagerProgram, eager_program
 
+from .gen_bodies import case_results, cases_body, eager_body, layers_for, reference
 from .models import hf_model, hf_reference, prompts
+from .test_generate_dist import GREEDY
 from .test_generate_local import _live
 
 N_NEW = 8
@@ -111,3 +113,47 @@ def test_what_the_traced_program_decodes(monkeypatch: pytest.MonkeyPatch) -> Non
     pipe = ps.pipeline(model, spec, (ids[:2],))
     model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.to("meta")
     assert eager_program(pipe) is None
+
+
+EAGER_ON_RANKS = {  # key: (body, args), one spawn of 2 ranks
+    "1F1B": (eager_body, ("1F1B", 2, GREEDY)),
+    "ZBVZeroBubble": (eager_body, ("ZBVZeroBubble", 4, {**GREEDY, "lanes": 3})),
+    "one rank on meta": (eager_body, ("1F1B", 2, GREEDY, 1)),
+}
+
+
+@pytest.fixture(scope="module")
+def eager_on_ranks() -> list[dict]:
+    from pippy_split.testing import run_ranks
+
+    return run_ranks(cases_body, 2, EAGER_ON_RANKS, timeout=600)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("schedule,stages", [("1F1B", 2), ("ZBVZeroBubble", 4)])
+def test_sched_generate_on_two_ranks_runs_the_models_own_modules(eager_on_ranks, schedule: str, stages: int
+                                                                  ) -> None:
+    """After a training step (the stages' tensors are the model's: the updated weights are the ones
+    read), no rank traces, and the tokens are HF generate's on the unsplit model after the same step."""
+    results = case_results(eager_on_ranks, schedule)
+    assert [r["exports"] for r in results] == [0, 0]
+    for r in results:
+        assert torch.equal(r["sequences"], results[0]["sequences"])
+    ref, ref_logprobs = reference("llama", GREEDY, layers_for(stages), train_first=True)
+    assert torch.equal(results[0]["sequences"], ref)
+    torch.testing.assert_close(results[0]["logprobs"], ref_logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(700)
+def test_ranks_that_would_decode_with_different_programs_all_decode_traced(eager_on_ranks) -> None:
+    """Rank 1 cannot decode eagerly (a tensor on meta), rank 0 can: they learn it at the agreement,
+    before any message, and both decode with the traced program (before, rank 0 would have sent
+    hidden states where rank 1 waited for the traced stage's values)."""
+    results = case_results(eager_on_ranks, "one rank on meta")
+    assert [r["exports"] for r in results] == [1, 1]
+    ref, ref_logprobs = reference("llama", GREEDY, layers_for(2), train_first=True)
+    for r in results:
+        assert torch.equal(r["sequences"], ref)
+        torch.testing.assert_close(r["logprobs"], ref_logprobs, atol=1e-5, rtol=0)
