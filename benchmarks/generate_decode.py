@@ -51,6 +51,11 @@ from pippy_split.generate.program import example_step
 from pippy_split.generate.programs import decode_program
 from pippy_split.testing import run_ranks
 
+try:
+    from pippy_split.generate.eager import eager_on_stages
+except ImportError:  # a tree before generate/eager.py (an A/B run of this script against it)
+    eager_on_stages = None
+
 RESULTS = Path(__file__).resolve().parent / "results"
 REPS = 3
 
@@ -102,7 +107,9 @@ def rank_body(rank: int, size: int, d: int, layers: int, batch: int, length: int
         probes.append(cores_probe(world, group))
         rows_probes.append(rows_probe(m, world) if rank == 0 else {})
         dist.barrier()
-    program = decode_program(pipe)
+    eager = eager_on_stages(pipe, sched.stages) if eager_on_stages is not None else None
+    program = eager if eager is not None else decode_program(pipe)  # the program sched.generate ran
+    out["program"] = "eager" if eager is not None else "traced"
     for lanes in lanes_list:
         opts = GenerateOptions(max_new_tokens=new)
         lane_list = make_lanes(ids, torch.ones_like(ids), lanes or program.num_stages, None, opts)
@@ -306,8 +313,9 @@ def first_call(d: int, layers: int, length: int) -> dict[str, float]:
         start = time.perf_counter()
         torch.export.export(root, a, dynamic_shapes=dims, strict=False)
         traces[name] = time.perf_counter() - start
+    program = "eager" if pipe.derived.get("eager_program") is not None else "traced"
     return {"pipeline_s": split, "first_generate_s": first, "second_generate_s": second,
-            "first_over_pipeline": first / split, **traces}
+            "first_over_pipeline": first / split, "program": program, **traces}
 
 
 def main() -> None:
@@ -339,6 +347,7 @@ def main() -> None:
             row = analyse([r[lanes] for r in results])
             row["tokens_per_s"] = tokens / row["wall"]
             row["over_hf"] = round(statistics.median(h / w for h, w in zip(hf_walls, row["walls"])), 3)
+            row["program"] = results[0].get("program", "traced")  # the decode program sched.generate ran
             rows[f"{world}_ranks_lanes_{'hops' if lanes == 'None' else '1'}"] = row
         hops, one = rows[f"{world}_ranks_lanes_hops"], rows[f"{world}_ranks_lanes_1"]
         hops["over_lanes_1"] = round(statistics.median(o / h for o, h in zip(one["walls"], hops["walls"])), 3)
@@ -374,7 +383,7 @@ def main() -> None:
                          f"{hf_row['page_faults']} |")
             for key in (f"{world}_ranks_lanes_hops", f"{world}_ranks_lanes_1"):
                 row = rows[key]
-                lines.append(f"| {key.replace('_', ' ')} | {row['lanes']} | {row['tokens_per_s']:.0f} | "
+                lines.append(f"| {key.replace('_', ' ')} ({row.get('program', 'traced')}) | {row['lanes']} | {row['tokens_per_s']:.0f} | "
                              f"{row['over_hf']} | {row.get('over_lanes_1', 1)} | {row['busy']} | "
                              f"{row['predicted_busy']} | {row['predicted_busy_drawn']} | {row['waiting']} | {row['messages']} | {row['ends']} | {row['between']} | "
                              f"{row['stage_step_ms']} | {row['prefill_ms']} | {row['message_ms']} | {row['page_faults']} |")
@@ -387,7 +396,8 @@ def main() -> None:
                   "the rank count where each has a core of its own): "
                   + ", ".join(f"{w} ranks {rows[f'hf_generate_1_process_{w}']['cores_for_the_ranks']}"
                               for w in args.worlds) + "."]
-        lines += ["", f"ps.pipeline() {first['pipeline_s']:.2f} s; pipe.generate's first call {first['first_generate_s']:.2f} s "
+        lines += ["", f"ps.pipeline() {first['pipeline_s']:.2f} s; pipe.generate's first call "
+                  f"({first.get('program', 'traced')} decode program) {first['first_generate_s']:.2f} s "
                   f"({first['first_over_pipeline']:.2f}x), its second {first['second_generate_s']:.2f} s. The decode "
                   f"step's torch.export alone: {first['decode_trace_dynamic_s']:.2f} s with generate's dynamic dims "
                   f"(batch, new tokens, past), {first['decode_trace_past_only_s']:.2f} s with only the past's length "

@@ -248,7 +248,7 @@ def _step_options(sig: DecodeSignature, position_ids: torch.Tensor) -> dict[str,
     return kwargs
 
 
-def step_kwargs(sig: DecodeSignature, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
+def step_kwargs(sig: DecodeSignature, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: object
                 ) -> dict[str, Any]:
     """The keyword arguments of a decode step of a model with a KV cache: the mask, the cache
     under the model's name for it, the positions where it takes them, the last position's

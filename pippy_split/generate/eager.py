@@ -8,7 +8,8 @@ boundaries, needs no trace: :class:`EagerProgram` runs stage ``s`` as the model'
 ``forward`` with its own cache class, where
 
 - the layers of other stages pass their input through untouched (the instance's ``forward``
-  is swapped for the call, put back after);
+  is swapped for the call, and its forward hooks are set aside: they fire where the layer
+  runs, once a step, as in the unsplit model; all put back after);
 - a stage after the first hands its first layer the hidden states the stage before sent
   (a forward pre-hook), and reads none of the embedding;
 - a stage before the last stops at the end of its last layer (a forward hook raises its
@@ -27,19 +28,27 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from ..split.materialize import named_tensors
 from ..split.pipe import Pipe
+from ..stage.stage import PipelineStage
 from .cache_growth import grow_cache, with_room
 from .decode_model import decode_signature, is_hf_model, logits_of, router_loss_off, step_kwargs
 from .errors import GenerationError
 
 __all__ = ["EagerProgram", "eager_program", "eager_on_stages"]
+
+
+class LayeredCache(Protocol):
+    """A model's cache object as a stage keeps it: a layer each (Hugging Face's ``DynamicCache``)."""
+
+    layers: list[Any]
 
 
 @dataclass(frozen=True)
@@ -68,12 +77,17 @@ class _StageOutput(BaseException):
     """Raised by a stage's last layer to leave the model's forward with its output (a
     BaseException: no ``except Exception`` in the model's code stops it)."""
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: object) -> None:
         super().__init__()
         self.value = value
 
 
-def _pass_through(hidden_states: Any = None, *args: Any, **kwargs: Any) -> Any:
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+"""A module's forward hooks, as ``nn.Module`` keeps them (the dicts are swapped for empty ones, not emptied)."""
+
+
+def _pass_through(hidden_states: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> torch.Tensor | None:
     return hidden_states
 
 
@@ -167,7 +181,7 @@ class EagerProgram:
     def bindings(self, batch: int, new: int, past: int) -> dict:
         return {"batch": batch, "new": new, "past": past}
 
-    def new_cache(self, s: int, room: int) -> Any:
+    def new_cache(self, s: int, room: int) -> LayeredCache:
         """An empty cache for stage ``s`` of one lane: its layers grow with room for ``room``
         tokens after the prompt; the others hold their length only."""
         from transformers.cache_utils import DynamicCache
@@ -178,7 +192,7 @@ class EagerProgram:
         cache.layers = [growing(room) if a <= j < b else length_only() for j in range(len(self.layers))]
         return cache
 
-    def run_stage(self, s: int, cache: Any, step: Sequence[Any], produced: dict[tuple[int, int], Any]
+    def run_stage(self, s: int, cache: LayeredCache, step: Sequence[Any], produced: dict[tuple[int, int], Any]
                   ) -> tuple[torch.Tensor]:
         """Stage ``s``'s part of a step of ``step`` (ids, mask, positions) with its ``cache``:
         ``(hidden states,)`` for the next stage, or ``(last position's logits,)`` on the last."""
@@ -194,20 +208,35 @@ class EagerProgram:
                 out = self.model.forward(input_ids=ids if s == 0 else None,
                                          inputs_embeds=received if s > 0 else None, **kwargs)
             except _StageOutput as o:
-                if not isinstance(o.value, torch.Tensor):
-                    raise GenerationError(f"{type(self.layers[self.ranges[s][1] - 1]).__name__} returned "
-                                          f"{type(o.value).__name__}, not the hidden states its config's "
-                                          "base_model_pp_plan declares") from None
-                return (o.value,)
+                return (self._checked(s, o.value, ids if ids is not None else positions),)
         return (logits_of(out)[:, -1],)
+
+    def _checked(self, s: int, value: object, new: torch.Tensor) -> torch.Tensor:
+        """Stage ``s``'s output, as the message's spec says the next stage receives it (a rank
+        unpacks a message by the spec: another dtype or shape would be read as other values)."""
+        spec = self._edges[s].spec
+        want = (int(new.shape[0]), int(new.shape[1]), spec.hidden)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != want or value.dtype != spec.dtype:
+            got = (f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
+                   else type(value).__name__)
+            raise GenerationError(f"{type(self.layers[self.ranges[s][1] - 1]).__name__} returned {got}, not the "
+                                  f"hidden states {want} {spec.dtype} its config's base_model_pp_plan declares. What "
+                                  "works: model.config.base_model_pp_plan = None before its first generate (the "
+                                  "traced decode step)")
+        return value
 
     @contextlib.contextmanager
     def _stage(self, s: int, received: torch.Tensor | None) -> Iterator[None]:
         a, b = self.ranges[s]
         others = [layer for j, layer in enumerate(self.layers) if not a <= j < b]
         handles = []
-        for layer in others:
+        hooks = [{name: getattr(layer, name) for name in _HOOK_DICTS if hasattr(layer, name)} for layer in others]
+        own = [vars(layer).get("forward") for layer in others]  # a forward set on the instance (accelerate's)
+        for layer in others:  # passed through: neither the layer nor its hooks run on this stage
             layer.forward = _pass_through  # type: ignore[method-assign]
+        for layer, held in zip(others, hooks):
+            for name in held:
+                setattr(layer, name, OrderedDict())
         try:
             if received is not None:
                 def given(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -215,18 +244,24 @@ class EagerProgram:
                         return (received, *args[1:]), kwargs
                     return args, {**kwargs, "hidden_states": received}
 
-                handles.append(self.layers[a].register_forward_pre_hook(given, with_kwargs=True))
+                # first of its pre-hooks: the model's own (a user's steering hook) then see what was sent
+                handles.append(self.layers[a].register_forward_pre_hook(given, with_kwargs=True, prepend=True))
             if s < self.num_stages - 1:
-                def stop(module: torch.nn.Module, args: tuple, output: Any) -> None:
+                def stop(module: torch.nn.Module, args: tuple, output: object) -> None:
                     raise _StageOutput(output)
 
-                handles.append(self.layers[b - 1].register_forward_hook(stop))
+                handles.append(self.layers[b - 1].register_forward_hook(stop))  # last: after the model's own
             yield
         finally:
             for h in handles:
                 h.remove()
-            for layer in others:
-                del layer.forward
+            for layer, held, forward in zip(others, hooks, own):
+                if forward is None:
+                    del layer.forward
+                else:
+                    layer.forward = forward  # type: ignore[method-assign]
+                for name, value in held.items():
+                    setattr(layer, name, value)
 
 
 def _layer_ranges(pipe: Pipe, prefix: str, n_layers: int) -> list[tuple[int, int]] | None:
@@ -309,7 +344,7 @@ def _build(pipe: Pipe) -> EagerProgram | None:
     return EagerProgram(model, layers, prefix, ranges, hidden, dtype)
 
 
-def eager_on_stages(pipe: Pipe, stages: Sequence[Any]) -> EagerProgram | None:
+def eager_on_stages(pipe: Pipe, stages: Sequence[PipelineStage]) -> EagerProgram | None:
     """``pipe``'s :class:`EagerProgram` for a ``sched.generate`` on this rank's ``stages``
     (``PipelineStage`` objects), where it qualifies (:func:`eager_program`) and each stage
     trains the model's own tensors (the same objects under the same names: what the optimizer

@@ -157,3 +157,30 @@ def test_ranks_that_would_decode_with_different_programs_all_decode_traced(eager
     for r in results:
         assert torch.equal(r["sequences"], ref)
         torch.testing.assert_close(r["logprobs"], ref_logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(300)
+def test_a_layers_own_hooks_fire_where_it_runs_and_see_what_was_sent() -> None:
+    """A counting hook on every layer fires once a lane's step, as in the unsplit model (not again
+    where another stage passes the layer through), and a steering pre-hook on the first layer of
+    stage 1 acts on the hidden states stage 0 sent: the tokens are HF generate's with the same hook."""
+    model, spec = hf_model("llama")
+    ids, mask = prompts(True)
+    counts = [0] * 4
+
+    def count(j: int):
+        def hook(*_) -> None:
+            counts[j] += 1
+        return hook
+
+    handles = [layer.register_forward_hook(count(j)) for j, layer in enumerate(model.model.layers)]
+    pipe = ps.pipeline(model, spec, (ids[:2],))
+    counts[:] = [0] * 4
+    pipe.generate(ids, attention_mask=mask, max_new_tokens=3, lanes=2, eos_token_id=None)
+    assert counts == [6] * 4, counts  # 2 lanes x 3 rounds, each layer
+    for h in handles:
+        h.remove()
+    steer = model.model.layers[2].register_forward_pre_hook(lambda m, args: (args[0] + 0.5, *args[1:]))
+    out = pipe.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, return_logprobs=True)
+    _assert_hf(model, out, ids, mask)
+    steer.remove()
