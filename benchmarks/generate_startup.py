@@ -68,11 +68,13 @@ RANK_PHASES = (
     ("pippy_split.generate.checks", "decode_signature", "checks (decode_signature)"),
     ("pippy_split.generate.distributed", "decode_program", "decode program (trace)"),  # one driver, or
     ("pippy_split.generate.local", "decode_program", "decode program (trace)"),  # two (before 3b7855e)
+    ("pippy_split.generate.distributed", "traced_program", "decode program (trace)"),  # in sched.generate's agreement
+    ("pippy_split.generate.distributed", "in_process_program", "decode program (eager, or the trace)"),  # pipe.generate
     ("torch.export", "export", "torch.export"),
     ("torch.export.ExportedProgram", "run_decompositions", "run_decompositions"),
     ("torch.distributed", "destroy_process_group", "process group teardown"),
 )
-FIRST_CALL_PHASES = RANK_PHASES[4:10]  # sched.generate .. run_decompositions
+FIRST_CALL_PHASES = RANK_PHASES[4:12]  # sched.generate .. run_decompositions
 
 
 # --------------------------------------------------------------------------- phase timers
@@ -377,7 +379,7 @@ def render(command: str, load: tuple[float, float], trees: dict[str, Path], summ
             lines.append(f"| {field} | " + " | ".join(cells) + " |")
         lines.append("")
     if missing:
-        lines += ["not in the library any more (not timed): " + ", ".join(missing), ""]
+        lines += ["not in one of the trees (not timed there): " + ", ".join(missing), ""]
     return "\n".join(lines)
 
 
