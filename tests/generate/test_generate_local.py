@@ -3,6 +3,8 @@ for token, with the log-probabilities an RL loss needs; and bad calls are refuse
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -21,13 +23,19 @@ def test_greedy_equals_hf_generate(name: str) -> None:
     pipe = ps.pipeline(model, spec, (ids[:2],))
     for padded in (False, True):
         ids, mask = prompts(padded)
-        ref, ref_logprobs = hf_reference(model, ids, mask, N_NEW)
         out = pipe.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, return_logprobs=True)
-        # HF stops once every row has finished; past that point its rows are pad
-        assert torch.equal(out.sequences[:, : ref.shape[1]], ref), (name, padded)
-        n = ref.shape[1] - ids.shape[1]
-        live = _live(ref[:, ids.shape[1]:], model.generation_config.eos_token_id)
-        torch.testing.assert_close(out.logprobs[:, :n][live], ref_logprobs[live], atol=1e-5, rtol=0)
+        assert_like_hf(model, out, ids, mask, N_NEW)
+
+
+def assert_like_hf(model: torch.nn.Module, out: Any, ids: torch.Tensor, mask: torch.Tensor, n_new: int) -> None:
+    """``out`` (a Generation with logprobs) has HF ``generate``'s greedy tokens on the unsplit
+    ``model`` and its log-probabilities to 1e-5 (HF stops once every row has finished; past that
+    point its rows are pad, and a row's steps after its EOS are not compared)."""
+    ref, ref_logprobs = hf_reference(model, ids, mask, n_new)
+    assert torch.equal(out.sequences[:, : ref.shape[1]], ref)
+    n = ref.shape[1] - ids.shape[1]
+    live = _live(ref[:, ids.shape[1]:], model.generation_config.eos_token_id)
+    torch.testing.assert_close(out.logprobs[:, :n][live], ref_logprobs[live], atol=1e-5, rtol=0)
 
 
 def _live(new: torch.Tensor, eos: int | list[int] | None) -> torch.Tensor:
@@ -114,28 +122,8 @@ def test_a_cut_between_a_cache_update_and_its_attention_generates(monkeypatch) -
     crossing = [e for e in program.messages() if e.dst_stage == pipe.num_stages - 1
                 and e.src_output in {program.plans[e.src_stage].kv_outputs.get(j) for j in kept_elsewhere}]
     assert crossing, "the balanced cut no longer falls between a cache update and its attention"
-    ref, ref_logprobs = hf_reference(model, ids, mask, N_NEW)
     out = pipe.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, return_logprobs=True)
-    assert torch.equal(out.sequences[:, : ref.shape[1]], ref)
-    n = ref.shape[1] - ids.shape[1]
-    live = _live(ref[:, ids.shape[1]:], model.generation_config.eos_token_id)
-    torch.testing.assert_close(out.logprobs[:, :n][live], ref_logprobs[live], atol=1e-5, rtol=0)
-
-
-@pytest.mark.timeout(600)
-def test_the_decode_step_is_traced_with_one_export(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decode program runs as traced ops, so its trace keeps no module call signature: one
-    plain ``torch.export`` (keeping them cost a failed export first, on the cache objects the
-    model's modules pass each other, and a third of the first call's time)."""
-    model, spec = hf_model("llama")
-    ids, mask = prompts(True)
-    pipe = ps.pipeline(model, spec, (ids[:2],))
-    calls = []
-    real = torch.export.export
-    monkeypatch.setattr(torch.export, "export", lambda *a, **k: calls.append(k) or real(*a, **k))
-    pipe.derived["eager_program"] = None  # the traced program (sched.generate's), not the eager one
-    pipe.generate(ids, attention_mask=mask, max_new_tokens=1)
-    assert len(calls) == 1 and not calls[0].get("preserve_module_call_signature"), calls
+    assert_like_hf(model, out, ids, mask, N_NEW)
 
 
 def test_generate_runs_on_the_schedules_own_runtime() -> None:
