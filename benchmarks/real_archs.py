@@ -18,7 +18,8 @@ model on the same batch:
     clip 2 / clip inf   ps.clip_grad_norm_ after the ZBV step against torch's on the unsplit model
     generate            causal LMs: pipe.generate (cut between blocks, 2 stages, one process)
                         against HF generate on the unsplit model, greedy, left-padded prompts:
-                        ``ok`` (tokens equal, log-probabilities to 1e-5), ``refused`` (a recurrent
+                        ``ok`` (tokens equal, log-probabilities to 1e-5; then the decode program
+                        that ran: ``eager``, the model's own modules, or ``traced``), ``refused`` (a recurrent
                         state, refused by name at generate's first line), else FAIL; ``-`` for the
                         other models (``tests/generate/archs.py``, as tests/generate runs it)
 
