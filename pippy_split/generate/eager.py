@@ -11,7 +11,8 @@ boundaries, needs no trace: :class:`EagerProgram` runs stage ``s`` as the model'
   is swapped for the call, and its forward hooks are set aside: they fire where the layer
   runs, once a step, as in the unsplit model; all put back after);
 - a stage after the first hands its first layer the hidden states the stage before sent
-  (a forward pre-hook), and reads none of the embedding;
+  (a forward pre-hook); every stage gets the step's token ids, so whatever the model derives
+  from them besides the layers' input (its embedding, per-layer inputs) is its own;
 - a stage before the last stops at the end of its last layer (a forward hook raises its
   output out of the model's forward): that output is the only message between stages;
 - the masks, positions and rotary embeddings are the model's, computed on every stage from the
@@ -27,7 +28,6 @@ cut elsewhere, decodes with the traced program. :func:`eager_program` says which
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -176,7 +176,7 @@ class EagerProgram:
         return {e.dst_stage: {e.src_stage} for e in self._edges}
 
     def token_readers(self) -> set[int]:
-        return {0}
+        return set(range(self.num_stages))  # every stage runs the model's forward on the step's ids
 
     def bindings(self, batch: int, new: int, past: int) -> dict:
         return {"batch": batch, "new": new, "past": past}
@@ -205,10 +205,9 @@ class EagerProgram:
         kwargs = step_kwargs(self.signature, mask, positions, cache)
         with torch.no_grad(), router_loss_off(self.model), self._stage(s, received):
             try:
-                out = self.model.forward(input_ids=ids if s == 0 else None,
-                                         inputs_embeds=received if s > 0 else None, **kwargs)
+                out = self.model.forward(ids, **kwargs)
             except _StageOutput as o:
-                return (self._checked(s, o.value, ids if ids is not None else positions),)
+                return (self._checked(s, o.value, ids),)
         return (logits_of(out)[:, -1],)
 
     def _checked(self, s: int, value: object, new: torch.Tensor) -> torch.Tensor:
@@ -321,8 +320,6 @@ def _build(pipe: Pipe) -> EagerProgram | None:
     except GenerationError:
         return None
     if sig.cache_arg not in ("cache", "past_key_values") or sig.recurrent:
-        return None
-    if "inputs_embeds" not in inspect.signature(model.forward).parameters:
         return None
     config = getattr(model, "config", None)
     plan = getattr(config, "base_model_pp_plan", None) or {}
