@@ -105,7 +105,7 @@ def rank_body(rank: int, size: int, d: int, layers: int, batch: int, length: int
         dist.barrier()  # HF's turn: the pipe's ranks wait (blocked, no CPU)
         dist.barrier()
         probes.append(cores_probe(world, group))
-        rows_probes.append(rows_probe(m, world) if rank == 0 else {})
+        rows_probes.append(rows_probe(m, world, batch) if rank == 0 else {})
         dist.barrier()
     eager = eager_on_stages(pipe, sched.stages) if eager_on_stages is not None else None
     program = eager if eager is not None else decode_program(pipe)  # the program sched.generate ran
@@ -264,15 +264,15 @@ def cores_probe(world: int, group: Any = None) -> float:
     return world * alone / together
 
 
-def rows_probe(m: torch.nn.Module, world: int) -> dict[int, float]:
+def rows_probe(m: torch.nn.Module, world: int, batch: int = 32) -> dict[int, float]:
     """Milliseconds of one stage's linears (the model's first ``1 / world`` of its blocks, with the
-    model's own weights) at the rows of a lane (``32 / world`` and 32 rows), this rank alone: a
+    model's own weights) at the rows of a lane (``batch / world`` and ``batch`` rows), this rank alone: a
     decode step that reads its weights once per call costs nearly the same at either, and then
     lanes cannot gain."""
     blocks = list(m.model.layers)[: len(m.model.layers) // world]
     weights = [mod.weight for b in blocks for mod in b.modules() if isinstance(mod, torch.nn.Linear)]
     out = {}
-    for rows in (32 // world, 32):
+    for rows in (batch // world, batch):
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
         with torch.no_grad():
             for w in weights:
@@ -323,12 +323,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="d=64, 4 prompts, 8 new tokens (a smoke run)")
     parser.add_argument("--d", type=int, default=1024, help="hidden size (issue 39 asks d=1024)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="rank counts to run")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts in the call (issue 39 asks 32; the "
+                        "rows of a lane are prompts / lanes)")
     parser.add_argument("--new", type=int, default=64, help="new tokens a prompt (issue 39 asks 64; longer "
                         "generations weigh the cache's growth: --new 256 --tag long)")
     parser.add_argument("--tag", default="", help="results go to generate_decode_TAG.{json,md} (e.g. a run under "
                         "another allocator setting: GLIBC_TUNABLES=... python -m benchmarks.generate_decode --tag ...)")
     args = parser.parse_args()
-    d, layers, batch, length, new = (64, 8, 4, 8, 8) if args.quick else (args.d, 8, 32, 16, args.new)
+    d, layers, batch, length, new = (64, 8, 4, 8, 8) if args.quick else (args.d, 8, args.prompts, 16, args.new)
     tokens = batch * new
     rows: dict[str, Any] = {"config": {"d": d, "layers": layers, "prompts": batch, "prompt_len": length,
                                        "new_tokens": new, "reps": REPS,
