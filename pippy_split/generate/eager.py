@@ -91,10 +91,10 @@ def _pass_through(hidden_states: torch.Tensor | None = None, *args: Any, **kwarg
     return hidden_states
 
 
-def _layer_cache_classes() -> tuple[type, type]:
-    """The two cache layers of an eager stage (defined on first use: transformers is imported
-    only for a Hugging Face model)."""
-    from transformers.cache_utils import DynamicLayer
+def _cache_classes() -> tuple[type, type, type]:
+    """The cache of an eager stage and its two kinds of layer (defined on first use: transformers
+    is imported only for a Hugging Face model)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
 
     class GrowingLayer(DynamicLayer):
         """A layer of this stage: ``DynamicLayer`` whose keys and values grow in place into room
@@ -134,7 +134,7 @@ def _layer_cache_classes() -> tuple[type, type]:
                                   "share their keys and values across stages): this model decodes with the traced "
                                   "program only")
 
-    return GrowingLayer, LengthOnly
+    return DynamicCache, GrowingLayer, LengthOnly
 
 
 class EagerProgram:
@@ -161,7 +161,7 @@ class EagerProgram:
         self.num_stages = len(ranges)
         self.signature = decode_signature(model)
         self._edges = [HiddenEdge(s, s + 1, HiddenSpec(hidden, dtype)) for s in range(self.num_stages - 1)]
-        self._classes = _layer_cache_classes()
+        self._classes = _cache_classes()
 
     def stage_module(self, s: int) -> torch.nn.Module:
         return self.model
@@ -184,11 +184,9 @@ class EagerProgram:
     def new_cache(self, s: int, room: int) -> LayeredCache:
         """An empty cache for stage ``s`` of one lane: its layers grow with room for ``room``
         tokens after the prompt; the others hold their length only."""
-        from transformers.cache_utils import DynamicCache
-
-        growing, length_only = self._classes
+        cache_class, growing, length_only = self._classes
         a, b = self.ranges[s]
-        cache = DynamicCache()
+        cache = cache_class()
         cache.layers = [growing(room) if a <= j < b else length_only() for j in range(len(self.layers))]
         return cache
 
