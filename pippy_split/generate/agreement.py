@@ -80,8 +80,7 @@ def argument_digest(input_ids: Any, kwargs: dict[str, Any]) -> torch.Tensor:
 
 
 def agreed_call(pipe: Pipe, pg: PipelineGroup, input_ids: torch.Tensor, kwargs: dict[str, Any],
-                prepare: Callable[[], str | None] | None = None,
-                fallback: Callable[[], object] | None = None) -> CheckedCall:
+                prepare: Callable[[], str], fallback: Callable[[], object]) -> CheckedCall:
     """This rank's checked call, once every rank of ``pg`` has checked its own and all gave
     the same arguments (one all-reduce). ``prepare`` runs after this rank's checks and before
     the all-reduce (the decode program's choice, and its trace where it is traced): where it
@@ -101,8 +100,7 @@ def agreed_call(pipe: Pipe, pg: PipelineGroup, input_ids: torch.Tensor, kwargs: 
     kind = None
     try:
         call = checked_call(pipe, input_ids, **kwargs)
-        if prepare is not None:
-            kind = prepare()
+        kind = prepare()
     except Exception as e:  # every rank learns it in the agreement below
         error = e
     digest = torch.cat([argument_digest(input_ids, kwargs), torch.tensor([[_value_digest(kind)]])], dim=1)
@@ -111,9 +109,6 @@ def agreed_call(pipe: Pipe, pg: PipelineGroup, input_ids: torch.Tensor, kwargs: 
     most, least = agreed.sizes
     differ = [ARGUMENTS[i] for i, (a, b) in enumerate(zip(most[0][:-1], least[0][:-1])) if a != b]
     if not differ and most[0][-1] != least[0][-1]:
-        if fallback is None:
-            raise GenerationError(f"rank {pg.rank}: the ranks would decode with different programs (this rank: "
-                                  f"{kind}), so nothing was sent. What works: build the model alike on every rank")
         failed: BaseException | None = None
         try:
             fallback()

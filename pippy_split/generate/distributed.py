@@ -39,7 +39,7 @@ from .eager import EagerProgram, eager_on_stages
 from .errors import GenerationError
 from .gathered import traced_program, unsharded_stages
 from .lanes import Lane, Progress, make_lanes
-from .programs import Program, decode_program, in_process_program
+from .programs import Program, in_process_program
 from .stage_step import StageDecoder
 from .stand_ins import is_stand_in
 
@@ -250,13 +250,13 @@ def generate_on_schedule(sched: ScheduleView, runtime: Interpreter, failures: Fa
     call = agreed_call(pipe, sched.pipeline_group, input_ids, kwargs, prepare=prepare, fallback=traced)
     # FSDP2 / TP stages: their DTensors whole for this call, freed after it (gathered.py)
     with unsharded_stages(sched.stages, pipe, prompt_len):
-        return _generate(sched, pipe, chosen[0], call, input_ids, runtime, failures)
+        return _generate(sched, chosen[0], call, input_ids, runtime, failures)
 
 
-def _generate(sched: ScheduleView, pipe: Pipe, chosen: Program, call: CheckedCall, input_ids: torch.Tensor,
+def _generate(sched: ScheduleView, program: Program, call: CheckedCall, input_ids: torch.Tensor,
               runtime: Interpreter, failures: FailureChannel | None) -> Generation:
-    # the traced program as unsharded_stages left it (its DTensors' stand-ins bound to whole tensors)
-    program = chosen if isinstance(chosen, EagerProgram) else decode_program(pipe, int(input_ids.shape[1]))
+    """``sched.generate`` with ``program``: the eager one, or the traced one the Pipe keeps
+    (:func:`~.gathered.unsharded_stages` bound its DTensors' stand-ins to whole tensors)."""
     device = sched.stages[0].device
     decoders = {}
     for st in sched.stages:

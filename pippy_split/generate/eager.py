@@ -28,6 +28,7 @@ cut elsewhere, decodes with the traced program. :func:`eager_program` says which
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,6 +92,7 @@ def _pass_through(hidden_states: torch.Tensor | None = None, *args: Any, **kwarg
     return hidden_states
 
 
+@functools.cache
 def _cache_classes() -> tuple[type, type, type]:
     """The cache of an eager stage and its two kinds of layer (defined on first use: transformers
     is imported only for a Hugging Face model)."""
@@ -131,8 +133,9 @@ def _cache_classes() -> tuple[type, type, type]:
 
         def update(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             raise GenerationError("a decoder layer updated the cache of a layer another stage holds (layers that "
-                                  "share their keys and values across stages): this model decodes with the traced "
-                                  "program only")
+                                  "share their keys and values across stages). What works: "
+                                  "model.config.base_model_pp_plan = None before its first generate (the traced "
+                                  "decode step)")
 
     return DynamicCache, GrowingLayer, LengthOnly
 
